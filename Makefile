@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   # venv + install + `python train.py` (tiny model, builtin corpus, ./mlflow.db)
+#   make test   # venv + install + dev tools + the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch goes in first and pinned: a bare torch requirement pulls multi-GB CUDA wheels on Linux. Elsewhere,
+# a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
+
+.PHONY: demo test lint install clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) train.py $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) outputs multirun mlruns mlflow.db

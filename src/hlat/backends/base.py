@@ -1,0 +1,74 @@
+"""The Backend protocol: the complete list of differences between platforms.
+
+``run.py`` picks a backend once (``get_backend``); everything else talks to it through these methods.
+A new platform difference becomes a method here, never an ``if backend == ...`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from hlat.config import ClusterConfig, OptimizerConfig, PrecisionConfig
+from hlat.parallel import ParallelDims
+
+
+@dataclass(frozen=True)
+class Env:
+    """What ``Backend.setup`` learned about this process."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    memory_budget_bytes: int
+    """Memory this rank's device can give the run (free memory x cluster.memory_fraction)."""
+
+
+class Backend(Protocol):
+    """Platform-specific operations used by ``run.main`` and ``loop.fit``."""
+
+    name: str
+
+    def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
+        """Initialize the process (distributed group, device, seeds, threads); refuse what it cannot honour."""
+        ...
+
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims) -> nn.Module:
+        """Build with ``model_fn`` on the meta device, parallelize, materialize on the device, ``init_weights()``."""
+        ...
+
+    def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        """The AdamW of ``cfg`` over ``groups`` (ZeRO-1 wrapped where the platform does that)."""
+        ...
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward under the precision policy; mean token cross-entropy as a 0-d fp32 tensor."""
+        ...
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Global gradient L2 norm before clipping (a device tensor); clips in place when ``max_norm > 0``."""
+        ...
+
+    def step_end(self) -> None:
+        """End-of-step barrier for lazy devices (``xm.mark_step`` on XLA); a no-op on eager PyTorch."""
+        ...
+
+    def fetch(self, tensors: dict[str, torch.Tensor], fn: Callable[[dict[str, list[float]]], None]) -> None:
+        """Move ``tensors`` to the host in one transfer and call ``fn`` with each flattened to a list of floats.
+
+        On XLA this is a step closure that runs after the graph executes, so it never splits the graph.
+        """
+        ...
+
+    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
+        """Write model and optimizer state plus ``extra`` (plain python values) into the directory ``path``."""
+        ...
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore model and optimizer state in place from ``path``; return the ``extra`` saved with them."""
+        ...

@@ -1,0 +1,338 @@
+"""Typed configuration schemas: one dataclass per config group, one docstring per field.
+
+Hydra composes ``conf/`` against these schemas, so an unknown key or a wrong type fails at composition.
+``run.main`` converts the composed config once with ``OmegaConf.to_object``; that call runs every
+``__post_init__`` (the cross-field checks) and returns instances that are frozen from then on.
+Nothing below ``run.py`` ever sees a ``DictConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message names the key(s) and the fix."""
+
+
+class _Frozen:
+    """Mixin: instances become immutable once ``__post_init__`` has validated them.
+
+    ``dataclass(frozen=True)`` would make OmegaConf mark the schema read-only, which breaks Hydra's
+    command-line overrides, so immutability is switched on after construction instead.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign {type(self).__name__}.{name}: configs are frozen after validation; "
+                "use dataclasses.replace() to derive a new one"
+            )
+        object.__setattr__(self, name, value)
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{key}={value!r} is not one of {list(choices)}; set {key} to one of them")
+
+
+@dataclass
+class ModelConfig(_Frozen):
+    """Architecture of the LLaMA-style decoder (``conf/model/``)."""
+
+    name: str = "tiny"
+    """Preset name, for run names and summaries."""
+    dim: int = 256
+    """Hidden size (d_model)."""
+    n_layers: int = 6
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Number of query heads; head_dim = dim / n_heads."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
+    ffn_dim: int = 704
+    """Inner size of the SwiGLU MLP (each of gate and up)."""
+    vocab_size: int = 4096
+    """Vocabulary size; must equal the tokenizer's."""
+    max_seq_len: int = 4096
+    """Longest sequence the model supports (sizes the rotary tables)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    init_std: float = 0.021
+    """Std of the normal init of every linear and embedding weight (HLAT's scripts: 0.021)."""
+    scaled_init: bool = True
+    """Scale the init std of attention and MLP output projections by 1/sqrt(2*l), l the 1-based layer index."""
+
+    def __post_init__(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            _check(getattr(self, key) > 0, f"model.{key}={getattr(self, key)} must be positive")
+        _check(
+            self.dim % self.n_heads == 0,
+            f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; choose n_heads that divides dim",
+        )
+        _check(
+            (self.dim // self.n_heads) % 2 == 0,
+            f"head_dim = model.dim / model.n_heads = {self.dim // self.n_heads} must be even for rotary embeddings",
+        )
+        kv = self.kv_heads
+        _check(
+            0 < kv <= self.n_heads and self.n_heads % kv == 0,
+            f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv}; "
+            "n_kv_heads must divide n_heads (or be null for multi-head attention)",
+        )
+        _check(self.init_std > 0, f"model.init_std={self.init_std} must be positive")
+        self._freeze()
+
+    @property
+    def kv_heads(self) -> int:
+        """Effective number of key/value heads."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.dim // self.n_heads
+
+
+@dataclass
+class OptimizerConfig(_Frozen):
+    """AdamW and its learning-rate schedule (``conf/optimizer/``); defaults are the paper's §3.2."""
+
+    name: str = "adamw"
+    """Optimizer name (only AdamW for now)."""
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 3e-5
+    """Floor of the cosine decay."""
+    warmup_steps: int = 2000
+    """Linear warmup length in optimizer steps."""
+    decay_steps: int | None = None
+    """Steps from the end of warmup to the floor; None means until train.steps."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2 (0.95 in the paper; 0.99 was unstable with BF16 + stochastic rounding)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    decay_norms_and_biases: bool = True
+    """Apply weight decay to norm weights and biases too (the paper decays all parameters)."""
+    clip_grad_norm: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _check_choice("optimizer.name", self.name, ("adamw",))
+        _check(self.lr > 0, f"optimizer.lr={self.lr} must be positive")
+        _check(
+            0 <= self.min_lr <= self.lr,
+            f"optimizer.min_lr={self.min_lr} must lie in [0, optimizer.lr={self.lr}]",
+        )
+        for key in ("beta1", "beta2"):
+            v = getattr(self, key)
+            _check(0 <= v < 1, f"optimizer.{key}={v} must lie in [0, 1)")
+        _check(self.eps > 0, f"optimizer.eps={self.eps} must be positive")
+        _check(self.weight_decay >= 0, f"optimizer.weight_decay={self.weight_decay} must be >= 0")
+        _check(self.warmup_steps >= 0, f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+        _check(
+            self.decay_steps is None or self.decay_steps > 0,
+            f"optimizer.decay_steps={self.decay_steps} must be positive or null",
+        )
+        _check(self.clip_grad_norm >= 0, f"optimizer.clip_grad_norm={self.clip_grad_norm} must be >= 0 (0 disables)")
+        self._freeze()
+
+
+@dataclass
+class PrecisionConfig(_Frozen):
+    """Backend-neutral numeric policy (``conf/precision/``); each backend translates it."""
+
+    name: str = "fp32"
+    """Preset name."""
+    param_dtype: str = "float32"
+    """Storage dtype of the parameters."""
+    compute_dtype: str = "float32"
+    """Dtype of matmuls in forward/backward (autocast on the torch backend)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("precision.param_dtype", self.param_dtype, DTYPES)
+        _check_choice("precision.compute_dtype", self.compute_dtype, DTYPES)
+        self._freeze()
+
+
+@dataclass
+class DataConfig(_Frozen):
+    """Where training text comes from and how it is tokenized (``conf/data/``)."""
+
+    name: str = "builtin"
+    """Preset name."""
+    path: str | None = None
+    """Arrow IPC / Parquet / JSONL file or directory of them; null means the builtin corpus."""
+    text_column: str = "text"
+    """Name of the string column (or JSONL key) holding the documents."""
+    tokenizer: str | None = None
+    """Path to an existing sentencepiece ``.model``; null trains one on the data at first use and caches it."""
+    tokenizer_type: str = "bpe"
+    """Model type when training a tokenizer: bpe or unigram."""
+    cache_dir: str = "~/.cache/hlat"
+    """Where the builtin corpus and trained tokenizers are cached."""
+    shuffle: bool = True
+    """Shuffle documents (by train.seed) before packing."""
+
+    def __post_init__(self) -> None:
+        _check_choice("data.tokenizer_type", self.tokenizer_type, ("bpe", "unigram"))
+        _check(bool(self.text_column), "data.text_column must not be empty")
+        self._freeze()
+
+
+@dataclass
+class ClusterConfig(_Frozen):
+    """Where the run executes (``conf/cluster/``): the ONLY place that chooses the backend."""
+
+    name: str = "cpu"
+    """Preset name."""
+    backend: str = "torch"
+    """Trainer backend: torch (CPU/CUDA) or neuron (trn1, neuronx-distributed)."""
+    device: str = "cpu"
+    """Device type for the torch backend: cpu or cuda."""
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; null keeps torch's default (one per core)."""
+    memory_fraction: float = 0.9
+    """Share of the device's free memory a run may plan to use; the pre-flight check refuses more."""
+
+    def __post_init__(self) -> None:
+        _check_choice("cluster.backend", self.backend, ("torch", "neuron"))
+        _check_choice("cluster.device", self.device, ("cpu", "cuda"))
+        _check(
+            self.num_threads is None or self.num_threads > 0,
+            f"cluster.num_threads={self.num_threads} must be positive or null",
+        )
+        _check(0 < self.memory_fraction <= 1, f"cluster.memory_fraction={self.memory_fraction} must lie in (0, 1]")
+        self._freeze()
+
+
+@dataclass
+class ParallelismConfig(_Frozen):
+    """Parallel degrees (``conf/parallelism/``); data parallelism fills what tp*pp leaves of the world."""
+
+    name: str = "single"
+    """Preset name."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+
+    def __post_init__(self) -> None:
+        _check(self.tp >= 1 and self.pp >= 1, f"parallelism.tp={self.tp} and parallelism.pp={self.pp} must be >= 1")
+        self._freeze()
+
+
+@dataclass
+class TrackerConfig(_Frozen):
+    """Experiment tracking (``conf/tracker/``)."""
+
+    name: str = "mlflow"
+    """Preset name."""
+    kind: str = "mlflow"
+    """mlflow (plus the console progress bar) or console only."""
+    uri: str | None = None
+    """MLflow tracking URI; null means a sqlite store ``mlflow.db`` in the working directory."""
+    experiment: str = "hlat"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; null derives one from the model and precision presets."""
+    flush_every_s: float = 5.0
+    """Metrics are buffered and sent in one batch at most this often (and at the end)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("tracker.kind", self.kind, ("mlflow", "console"))
+        _check(self.flush_every_s >= 0, f"tracker.flush_every_s={self.flush_every_s} must be >= 0")
+        self._freeze()
+
+
+@dataclass
+class TrainConfig(_Frozen):
+    """Run-level settings (the body of ``conf/config.yaml``)."""
+
+    steps: int = 200
+    """Optimizer steps to run."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank; the rest is gradient accumulation."""
+    log_every: int = 10
+    """Fetch metrics from the device and log them every N steps."""
+    seed: int = 1234
+    """Seed for initialization, data order and everything else random."""
+    checkpoint_every: int = 100
+    """Save a checkpoint every N steps (0: only after the last step)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; null means ``<run dir>/checkpoints``."""
+    keep_last: int = 2
+    """Keep only the newest N checkpoints (0 keeps all)."""
+    resume: str | None = None
+    """Resume from this checkpoint directory, or from the latest complete one under this checkpoints root."""
+    dry_run: bool = False
+    """Validate, build on the meta device, print the summary and the memory estimate, then exit."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
+            _check(getattr(self, key) > 0, f"train.{key}={getattr(self, key)} must be positive")
+        for key in ("checkpoint_every", "keep_last"):
+            _check(getattr(self, key) >= 0, f"train.{key}={getattr(self, key)} must be >= 0")
+        self._freeze()
+
+
+@dataclass
+class RunConfig(_Frozen):
+    """The whole composed configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        t, m, o = self.train, self.model, self.optimizer
+        _check(
+            t.seq_len <= m.max_seq_len,
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+            "lower train.seq_len or raise model.max_seq_len",
+        )
+        _check(
+            t.global_batch_size % t.micro_batch_size == 0,
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size}; make the global batch a multiple of the micro batch",
+        )
+        _check(
+            o.warmup_steps < t.steps or t.dry_run,
+            f"optimizer.warmup_steps={o.warmup_steps} is not below train.steps={t.steps}: the run would end "
+            "before reaching the peak learning rate; lower optimizer.warmup_steps or raise train.steps",
+        )
+        self._freeze()
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore as ``base_config`` (the first entry of conf/config.yaml)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)

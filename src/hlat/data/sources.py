@@ -1,0 +1,194 @@
+"""Read training documents from Arrow IPC, Parquet or JSONL files (or a directory of them).
+
+Everything a user can get wrong about the data (a typo in the path, the wrong column, a numeric
+column) is checked here, before any tokenizer training or model building, and reported as a
+:class:`~hlat.config.ConfigError` that names the ``data.*`` key and the fix.
+
+The reader works file by file (:func:`read_text_column`), so a later streaming reader can iterate
+files and record batches without changing the validation; :func:`load_documents` simply collects
+everything into memory, which is what the current loader needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from hlat.config import ConfigError
+
+ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
+PARQUET_SUFFIXES = (".parquet",)
+JSON_SUFFIXES = (".jsonl", ".json")
+SUPPORTED_SUFFIXES = ARROW_SUFFIXES + PARQUET_SUFFIXES + JSON_SUFFIXES
+
+# Metadata files that Hugging Face ``datasets.save_to_disk`` puts next to its ``.arrow`` shards; they
+# are JSON but not documents, and reading them would fail the text-column check.
+_METADATA_FILES = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
+
+_FIX_PATH = (
+    "point data.path at an Arrow (.arrow/.feather/.ipc), Parquet (.parquet) or JSONL (.jsonl/.json) file or directory"
+)
+
+
+@dataclass
+class Documents:
+    """Documents read from a source.
+
+    Attributes:
+        texts: Non-empty documents, in file order (files sorted by path).
+        skipped: Number of null, empty or whitespace-only documents that were dropped.
+        files: The files that were read.
+    """
+
+    texts: list[str]
+    skipped: int = 0
+    files: list[Path] = field(default_factory=list)
+
+
+def resolve_files(path: Path | str) -> list[Path]:
+    """The data files behind ``data.path``: the file itself, or a directory's supported files.
+
+    Directories are searched recursively; files are returned sorted by their path relative to the
+    directory so the document order does not depend on the filesystem. Hidden files and dataset
+    metadata are ignored; other unsupported files in a directory are ignored too (a README next to
+    the shards is normal), but a single file with an unsupported extension is an error.
+
+    Raises:
+        ConfigError: The path does not exist, has an unsupported extension, or is a directory
+            without any supported file.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"data.path={path} does not exist; {_FIX_PATH}")
+    if path.is_file():
+        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+            raise ConfigError(
+                f"data.path={path} has the unsupported extension {path.suffix!r} "
+                f"(supported: {', '.join(SUPPORTED_SUFFIXES)}); {_FIX_PATH}"
+            )
+        return [path]
+    files = [
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in SUPPORTED_SUFFIXES
+        and p.name not in _METADATA_FILES
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    ]
+    if not files:
+        raise ConfigError(
+            f"data.path={path} is a directory without any {'/'.join(SUPPORTED_SUFFIXES)} file; {_FIX_PATH}"
+        )
+    return sorted(files, key=lambda p: p.relative_to(path).as_posix())
+
+
+def _read_arrow(path: Path, text_column: str) -> pa.Table:
+    # Memory-mapping lets Arrow hand out zero-copy buffers. Both IPC flavours are common: the
+    # random-access "file" format (pyarrow.feather, polars) and the "stream" format (HF datasets).
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid as err:
+                raise ConfigError(f"data.path: {path} is not an Arrow IPC file or stream ({err}); {_FIX_PATH}") from err
+        _check_column(path, reader.schema, text_column)
+        return reader.read_all().select([text_column])
+
+
+def _read_parquet(path: Path, text_column: str) -> pa.Table:
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ConfigError(f"data.path: {path} is not a Parquet file ({err}); {_FIX_PATH}") from err
+    _check_column(path, schema, text_column)
+    # Reading only the text column skips the (possibly large) other columns entirely.
+    return pq.read_table(path, columns=[text_column])
+
+
+def _read_jsonl(path: Path, text_column: str) -> pa.Table:
+    try:
+        table = pajson.read_json(path)
+    except pa.ArrowInvalid as err:
+        raise ConfigError(
+            f"data.path: {path} could not be read as JSON Lines ({err}); a .json/.jsonl file must hold one "
+            f"JSON object per line with the documents under the key data.text_column={text_column!r}"
+        ) from err
+    _check_column(path, table.schema, text_column)
+    return table.select([text_column])
+
+
+def _is_text_type(t: pa.DataType) -> bool:
+    # An all-null JSON key is inferred as the null type: valid, just nothing but skipped documents.
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t) or pa.types.is_null(t)
+
+
+def _check_column(path: Path, schema: pa.Schema, text_column: str) -> None:
+    if text_column not in schema.names:
+        raise ConfigError(
+            f"data.text_column={text_column!r} is not a column of {path}; its columns are {schema.names}; "
+            "set data.text_column to the one that holds the documents"
+        )
+    t = schema.field(text_column).type
+    if not _is_text_type(t):
+        raise ConfigError(
+            f"data.text_column={text_column!r} in {path} has type {t}, not string; "
+            "set data.text_column to a string column holding the documents"
+        )
+
+
+def read_text_column(path: Path, text_column: str) -> pa.ChunkedArray:
+    """Read and validate the text column of one data file.
+
+    Args:
+        path: An Arrow IPC, Parquet or JSONL file.
+        text_column: Name of the string column (``data.text_column``).
+
+    Returns:
+        The column, possibly containing nulls and empty strings.
+
+    Raises:
+        ConfigError: The file cannot be parsed, lacks the column, or the column is not a string.
+    """
+    suffix = path.suffix.lower()
+    if suffix in ARROW_SUFFIXES:
+        table = _read_arrow(path, text_column)
+    elif suffix in PARQUET_SUFFIXES:
+        table = _read_parquet(path, text_column)
+    elif suffix in JSON_SUFFIXES:
+        table = _read_jsonl(path, text_column)
+    else:  # resolve_files filters these out; kept for direct callers.
+        raise ConfigError(f"data.path: {path} has the unsupported extension {suffix!r}; {_FIX_PATH}")
+    return table.column(text_column)
+
+
+def load_documents(path: Path | str, text_column: str = "text") -> Documents:
+    """Read every document under ``path`` into memory.
+
+    Args:
+        path: A supported file or a directory of them (``data.path``).
+        text_column: Name of the string column / JSONL key (``data.text_column``).
+
+    Returns:
+        The non-empty documents in file order, plus how many null/empty ones were skipped.
+
+    Raises:
+        ConfigError: See :func:`resolve_files` and :func:`read_text_column`.
+    """
+    files = resolve_files(path)
+    texts: list[str] = []
+    skipped = 0
+    for file in files:
+        for doc in read_text_column(file, text_column).to_pylist():
+            # Whitespace-only documents carry no text to learn from; they would only add EOS tokens.
+            if doc is None or not doc.strip():
+                skipped += 1
+            else:
+                texts.append(doc)
+    return Documents(texts=texts, skipped=skipped, files=files)

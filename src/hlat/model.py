@@ -1,0 +1,172 @@
+"""The HLAT decoder: a LLaMA-style transformer as single-device code.
+
+Pre-norm RMSNorm, rotary position embeddings, grouped-query attention with ONE fused qkv projection,
+SwiGLU with ONE fused gate_up projection, causal attention without a mask tensor, untied LM head
+(PAPER.md, "Model"). Nothing here is distributed or backend-specific: parallelism and precision are
+applied from outside by ``hlat.backends``.
+
+Build on the meta device, materialize, then initialize::
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights()
+
+The fused qkv weight is laid out in key/value *groups*: rows ``[q_0 .. q_{r-1}, k, v]`` for each kv head,
+r = n_heads / n_kv_heads (Megatron's layout). Splitting it column-wise over tensor-parallel ranks then
+hands each rank whole groups, and ``forward`` infers the local head count with ``-1`` views.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hlat.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale and no bias."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses precision in bf16.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).type_as(x)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None):
+    """Cosine and sine tables for rotary embeddings, each (max_seq_len, head_dim) in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)  # (S, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (S, D): the rotate-half convention of HF LLaMA
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, T, H, D) by position; ``cos``/``sin`` are (T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with a fused, group-interleaved qkv projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per kv head
+        self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 is the number of kv groups on this rank (all of them unless TP sharded the projection).
+        qkv = self.qkv(x).view(B, T, -1, self.n_rep + 2, self.head_dim)  # (B, T, G, r+2, D)
+        q = qkv[:, :, :, : self.n_rep].reshape(B, T, -1, self.head_dim)  # (B, T, G*r, D)
+        k, v = qkv[:, :, :, self.n_rep], qkv[:, :, :, self.n_rep + 1]  # (B, T, G, D) each
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
+        # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP with one fused gate_up projection: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Rows are [gate; up], so a column-wise TP split must interleave them (done by the backend).
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; ``layer_id`` is 1-based (it sets the scaled init)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def init_weights(self, std: float, scaled: bool) -> None:
+        """Normal init; the output projections get std/sqrt(2*l) when ``scaled`` (PAPER.md, "Model")."""
+        out_std = std / math.sqrt(2 * self.layer_id) if scaled else std
+        for norm in (self.attn_norm, self.mlp_norm):
+            norm.init_weights()
+        for lin, s in (
+            (self.attn.qkv, std),
+            (self.attn.o_proj, out_std),
+            (self.mlp.gate_up, std),
+            (self.mlp.down, out_std),
+        ):
+            nn.init.normal_(lin.weight, mean=0.0, std=s)
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: token ids (B, T) -> logits (B, T, vocab)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i + 1) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Derived from the config, so not saved in checkpoints; filled by init_weights().
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.embed(tokens)  # (B, T, dim)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h))  # (B, T, vocab)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize every parameter and buffer in place (after ``to_empty`` when built on meta)."""
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.init_std)
+        for layer in self.layers:
+            layer.init_weights(cfg.init_std, cfg.scaled_init)
+        self.norm.init_weights()
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.init_std)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameter count, computed by building the model on the meta device (allocates nothing)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in model.parameters())

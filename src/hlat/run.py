@@ -1,0 +1,164 @@
+"""Build everything from the composed config, then fit. The only module that sees Hydra/OmegaConf."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from hlat import checkpoint
+from hlat.backends import get_backend
+from hlat.config import RunConfig
+from hlat.data import build_loader
+from hlat.loop import TrainState, fit
+from hlat.metrics import MetricsLogger
+from hlat.model import Transformer
+from hlat.optim import lr_at, param_groups
+from hlat.parallel import ParallelDims
+from hlat.plan import GiB, check_fits, estimate_memory
+from hlat.provenance import write_provenance
+from hlat.trackers import History, ProgressBar, build_tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What a finished (or dry) run returns to its caller."""
+
+    config: RunConfig
+    state: TrainState | None
+    history: History
+    mlflow_run_id: str | None
+
+
+def to_run_config(hydra_cfg: DictConfig) -> RunConfig:
+    """Validate the composed config once (every ``__post_init__`` runs) and return frozen dataclasses."""
+    cfg = OmegaConf.to_object(hydra_cfg)
+    assert isinstance(cfg, RunConfig), f"conf/config.yaml must start from base_config, got {type(cfg)}"
+    return cfg
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (MLflow params are flat)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget: int) -> str:
+    """A few lines describing the run before it starts."""
+    t = cfg.train
+    tokens = t.global_batch_size * t.seq_len
+    return (
+        f"model={cfg.model.name}: {n_params / 1e6:,.1f}M parameters | precision={cfg.precision.name} | "
+        f"world {dims.world_size} (tp {dims.tp}, pp {dims.pp}, dp {dims.dp})\n"
+        f"batch: {t.global_batch_size} x {t.seq_len} = {tokens:,} tokens/step, micro-batch {t.micro_batch_size}, "
+        f"grad accumulation {dims.grad_accum(t)} | {t.steps:,} steps = {tokens * t.steps / 1e9:,.3f}B tokens\n"
+        f"memory per rank: ~{est.total / GiB:.2f} GiB (weights {est.params / GiB:.2f}, grads {est.grads / GiB:.2f}, "
+        f"AdamW {est.optimizer / GiB:.2f}, activations {est.activations / GiB:.2f}) of {budget / GiB:.1f} GiB available"
+    )
+
+
+def _restore(backend, path: Path, model, optimizer, data) -> TrainState:
+    """Load a checkpoint into the built model, optimizer and loader; return the saved progress."""
+    extra = backend.load(path, model, optimizer)
+    data.load_state_dict(extra["data"])
+    torch.set_rng_state(extra["rng"])
+    state = TrainState(**extra["train_state"])
+    log.info("resumed from %s at step %d", path, state.step)
+    return state
+
+
+def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: dict[str, str], rank: int,
+                    extra: list) -> tuple:  # fmt: skip
+    """Write provenance into ``run_dir``, open the tracker, log params and the provenance files."""
+    prov_tags, files = write_provenance(run_dir, OmegaConf.to_yaml(hydra_cfg, resolve=True))
+    run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
+    tracker, mlflow_tracker = build_tracker(
+        cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra
+    )
+    tracker.log_params(flatten(OmegaConf.to_container(hydra_cfg, resolve=True)))
+    for f in files:
+        tracker.log_artifact(f)
+    return tracker, mlflow_tracker
+
+
+def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
+    """Train as ``hydra_cfg`` says; ``run_dir`` defaults to Hydra's output directory."""
+    cfg = to_run_config(hydra_cfg)
+    t = cfg.train
+    backend = get_backend(cfg.cluster.backend)
+    env = backend.setup(cfg.cluster, cfg.precision, t.seed)
+    dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, t)
+    n_params, est = estimate_memory(cfg, dims)
+    text = summary(cfg, dims, n_params, est, env.memory_budget_bytes)
+    history = History()
+    if t.dry_run:
+        print(text)
+        return RunResult(cfg, None, history, None)
+    log.info("%s", text)
+    check_fits(est, env.memory_budget_bytes, cfg)  # before any allocation
+    resume_from = checkpoint.resolve(t.resume) if t.resume else None
+
+    data = build_loader(
+        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+        seed=t.seed, dp_rank=env.rank // (dims.tp * dims.pp), dp_size=dims.dp,
+    )  # fmt: skip
+    model = backend.build_model(functools.partial(Transformer, cfg.model), dims)
+    optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
+    state = _restore(backend, resume_from, model, optimizer, data) if resume_from else TrainState()
+
+    if run_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+    progress = ProgressBar(total=t.steps, initial=state.step) if env.rank == 0 else None
+    tags = {"backend": backend.name, "run_dir": str(run_dir), "resumed_from": str(resume_from or "")}
+    extra_trackers = [history, progress] if progress else [history]
+    tracker, mlflow_tracker = _start_tracking(cfg, hydra_cfg, run_dir, tags, env.rank, extra_trackers)
+
+    tokens_per_step = t.global_batch_size * t.seq_len
+    logger = MetricsLogger(
+        backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps, tokens_per_step=tokens_per_step
+    )
+    saver = checkpoint.CheckpointHook(
+        backend, Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else run_dir / "checkpoints",
+        model, optimizer,
+        lambda s: {"train_state": dataclasses.asdict(s), "data": data.state_dict(), "rng": torch.get_rng_state()},
+        every=t.checkpoint_every, last_step=t.steps, keep_last=t.keep_last,
+    )  # fmt: skip
+    status = "FAILED"
+    try:
+        state = fit(
+            state, model, optimizer, iter(data), backend,
+            steps=t.steps, grad_accum=dims.grad_accum(t), clip_grad_norm=cfg.optimizer.clip_grad_norm,
+            tokens_per_step=tokens_per_step, lr_fn=functools.partial(lr_at, cfg=cfg.optimizer, total_steps=t.steps),
+            hooks=[h for h in (progress, logger, saver) if h is not None],
+        )  # fmt: skip
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.finish(status)
+
+    if env.rank == 0:
+        losses = history.series("train/loss") or [(0, float("nan"))]
+        print(f"trained {state.step} steps, {state.tokens_seen:,} tokens: "
+              f"loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}")  # fmt: skip
+        if saver.last_saved is not None:
+            print(f"checkpoint: {saver.last_saved}")
+        if mlflow_tracker is not None:
+            print(mlflow_tracker.ui_hint())
+    return RunResult(cfg, state, history, mlflow_tracker.run_id if mlflow_tracker else None)

@@ -1,0 +1,117 @@
+"""End to end through run.main and the real command line."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hlat.config import ConfigError
+from hlat.run import main
+from tests.conftest import compose_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL_RUN = [
+    "model.n_layers=2", "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=352",
+    "train.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=8", "train.steps=80",
+    "train.log_every=10", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4", "optimizer.warmup_steps=5",
+]  # fmt: skip
+
+
+def cli(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_short_run_loss_falls_and_lands_in_mlflow(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_cfg(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0")
+    result = main(cfg, run_dir=tmp_path / "run")
+    assert result.state is not None and result.state.step == 80
+    assert result.state.tokens_seen == 80 * 16 * 64
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    assert [s for s, _ in loss] == list(range(1, 81))  # every step, logged in batches
+    assert loss[0][1] == pytest.approx(math.log(4096), abs=0.3)  # ~ln(vocab) at init
+    assert loss[-1][1] < loss[0][1] - 2.0
+    for key in ("train/grad_norm", "train/param_norm", "train/lr", "perf/tokens_per_s", "perf/step_time_s"):
+        assert client.get_metric_history(run.info.run_id, key), key
+    lr = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
+    assert lr[5] == pytest.approx(3e-3) and lr[80] < lr[40] < lr[5]
+    assert run.data.params["model.dim"] == "128" and run.data.params["optimizer.beta2"] == "0.95"
+    assert run.data.tags["backend"] == "torch"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "provenance.json"} <= artifacts
+    assert (tmp_path / "run" / "config.yaml").read_text().count("dim: 128") == 1
+
+
+@pytest.mark.slow
+def test_runs_are_deterministic(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    overrides = [*SMALL_RUN, "train.steps=6", "train.log_every=3", f"data.cache_dir={cache_dir}", "tracker=console"]
+    a = main(compose_cfg(*overrides), run_dir=tmp_path / "a").history.series("train/loss")
+    b = main(compose_cfg(*overrides), run_dir=tmp_path / "b").history.series("train/loss")
+    assert a == b and len(a) == 6
+
+
+def test_7b_is_refused_before_allocation(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"model=7b needs about .* GiB"):
+        main(compose_cfg("model=7b", "tracker=console"), run_dir=tmp_path)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_dry_run_prints_the_paper_recipe(tmp_path: Path, capsys) -> None:
+    result = main(compose_cfg("experiment=hlat_70b", "train.dry_run=true"), run_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert result.state is None
+    assert "68,976.6M parameters" in out and "1024 x 4096 = 4,194,304 tokens/step" in out
+
+
+def test_cli_shows_override_and_rejects_typos(tmp_path: Path) -> None:
+    shown = cli("optimizer.beta2=0.99", "--cfg", "job", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "beta2: 0.99" in shown.stdout
+    typo = cli("modle=tiny", cwd=tmp_path)
+    assert typo.returncode != 0 and "modle" in typo.stderr
+    bad = cli("model.n_kv_heads=3", cwd=tmp_path)
+    assert bad.returncode != 0 and "model.n_kv_heads" in bad.stderr
+
+
+def test_cli_7b_fails_fast(tmp_path: Path) -> None:
+    proc = cli("model=7b", cwd=tmp_path, timeout=60)
+    assert proc.returncode != 0
+    assert "model=7b needs about" in proc.stderr and "model=tiny" in proc.stderr
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    # decay_steps pins the schedule, so the 3-step first leg sees the 6-step run's learning rates.
+    common = [*SMALL_RUN, "train.steps=6", "train.log_every=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=4",
+              f"data.cache_dir={cache_dir}", "tracker=console"]  # fmt: skip
+    full = main(compose_cfg(*common), run_dir=tmp_path / "full").history.series("train/loss")
+    main(compose_cfg(*common, "train.steps=3"), run_dir=tmp_path / "first")
+    assert (tmp_path / "first" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
+    resumed = main(
+        compose_cfg(*common, f"train.resume={tmp_path / 'first' / 'checkpoints'}"), run_dir=tmp_path / "second"
+    ).history.series("train/loss")
+    assert [s for s, _ in resumed] == [4, 5, 6]
+    assert resumed == full[3:]

@@ -1,0 +1,52 @@
+"""The seams of DESIGN.md, checked on the import graph with ast."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "hlat"
+NEURON = ("torch_xla", "neuronx_distributed", "torch_neuronx")
+HYDRA = ("hydra", "omegaconf")
+
+
+def imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def modules() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_neuron_imports_only_in_the_neuron_backend() -> None:
+    for path in modules():
+        if path.name == "neuron.py" and path.parent.name == "backends":
+            continue
+        bad = {m for m in imports(path) if m.split(".")[0] in NEURON}
+        assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+
+
+def test_hydra_only_in_run_config_and_cli() -> None:
+    allowed = {"run.py", "config.py", "cli.py"}
+    for path in modules():
+        if path.name in allowed and path.parent == SRC:
+            continue
+        bad = {m for m in imports(path) if m.split(".")[0] in HYDRA}
+        assert not bad, f"{path.relative_to(SRC)} imports {bad}: nothing below run.py sees Hydra"
+
+
+def test_model_is_backend_free() -> None:
+    assert {m for m in imports(SRC / "model.py") if m.startswith("hlat")} <= {"hlat.config"}
+
+
+def test_nothing_imports_run() -> None:
+    for path in modules():
+        if path.name in {"run.py", "cli.py"}:
+            continue
+        assert "hlat.run" not in imports(path), path

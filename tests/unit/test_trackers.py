@@ -1,0 +1,64 @@
+"""Trackers: MLflow round trip through a local sqlite store, fan-out, rank-0 only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hlat.config import TrackerConfig
+from hlat.trackers import History, MLflowTracker, NoopTracker, build_tracker
+
+
+def test_off_rank_zero_everything_is_a_noop(tmp_path: Path) -> None:
+    cfg = TrackerConfig(uri=f"sqlite:///{tmp_path}/m.db")
+    tracker, ml = build_tracker(cfg, rank=1, run_name="r", tags={}, extra=[History()])
+    assert isinstance(tracker, NoopTracker) and ml is None
+    assert not (tmp_path / "m.db").exists()
+
+
+def test_mlflow_round_trip_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow import MlflowClient
+
+    cfg = TrackerConfig(uri=f"sqlite:///{tmp_path}/m.db", experiment="exp", flush_every_s=3600)
+    history = History()
+    tracker, ml = build_tracker(cfg, rank=0, run_name="run-a", tags={"backend": "torch"}, extra=[history])
+    assert ml is not None
+    calls = []
+    real = ml.client.log_batch
+    monkeypatch.setattr(ml.client, "log_batch", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+
+    tracker.log_params({"model.dim": 256, "optimizer.beta2": 0.95, "data.path": None})
+    rows = [(s, {"train/loss": 10.0 - s}) for s in range(1, 1501)]
+    tracker.log_metrics(rows[:10])
+    assert not [c for c in calls if c.get("metrics")]  # buffered, not sent yet
+    tracker.log_metrics(rows[10:])  # crosses 1000 points -> flush
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text("model: {dim: 256}\n")
+    tracker.log_artifact(cfg_file)
+    tracker.finish()
+
+    metric_calls = [c for c in calls if c.get("metrics")]
+    assert all(len(c["metrics"]) <= 1000 for c in metric_calls) and len(metric_calls) == 2
+    client = MlflowClient(tracking_uri=cfg.uri)
+    run = client.get_run(ml.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run-a"
+    assert run.data.params["optimizer.beta2"] == "0.95" and run.data.tags["backend"] == "torch"
+    assert "host" in run.data.tags
+    loss = client.get_metric_history(ml.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in loss) == [(s, 10.0 - s) for s in range(1, 1501)]
+    assert [a.path for a in client.list_artifacts(ml.run_id)] == ["config.yaml"]
+    assert len(history.rows) == 1500 and history.series("train/loss")[0] == (1, 9.0)
+
+
+def test_failed_status_is_recorded(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    cfg = TrackerConfig(uri=f"sqlite:///{tmp_path}/m.db")
+    ml = MLflowTracker(cfg, "r", {})
+    ml.log_metrics([(1, {"train/loss": 1.0})])
+    ml.finish("FAILED")
+    client = MlflowClient(tracking_uri=cfg.uri)
+    assert client.get_run(ml.run_id).info.status == "FAILED"
+    assert [m.value for m in client.get_metric_history(ml.run_id, "train/loss")] == [1.0]
+    assert ml.run_id in ml.ui_hint() and "mlflow ui --backend-store-uri" in ml.ui_hint()

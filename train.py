@@ -1,0 +1,19 @@
+"""Train a LLaMA-style model as the composed Hydra config says: ``python train.py model=small``."""
+
+import hydra
+from omegaconf import DictConfig
+
+from hlat.config import register_configs
+from hlat.run import main as run_main
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point: compose ``conf/`` with the command-line overrides, then train."""
+    run_main(cfg)
+
+
+if __name__ == "__main__":
+    main()
