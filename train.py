@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hlat.config import register_configs
-from hlat.run import main as run_main
+from hlat.run import entry
 
 register_configs()
 
@@ -12,7 +12,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: compose ``conf/`` with the command-line overrides, then train."""
-    run_main(cfg)
+    entry(cfg)
 
 
 if __name__ == "__main__":

@@ -31,16 +31,16 @@ def _hydra_train(argv: list[str]) -> None:
     from omegaconf import DictConfig
 
     from hlat.config import register_configs
-    from hlat.run import main as run_main
+    from hlat.run import entry
 
     register_configs()
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
-    def entry(cfg: DictConfig) -> None:
-        run_main(cfg)
+    def task(cfg: DictConfig) -> None:
+        entry(cfg)
 
     sys.argv = ["hlat", *argv]  # Hydra reads its overrides from sys.argv
-    entry()
+    task()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hlat import checkpoint
 from hlat.backends import get_backend
-from hlat.config import RunConfig
+from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
 from hlat.loop import TrainState, fit
 from hlat.metrics import MetricsLogger
@@ -162,3 +163,12 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         if mlflow_tracker is not None:
             print(mlflow_tracker.ui_hint())
     return RunResult(cfg, state, history, mlflow_tracker.run_id if mlflow_tracker else None)
+
+
+def entry(hydra_cfg: DictConfig) -> None:
+    """Command-line entry: like ``main``, but a configuration error prints one clean message and exits 2."""
+    try:
+        main(hydra_cfg)
+    except ConfigError as e:
+        print(f"hlat: configuration error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

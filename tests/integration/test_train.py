@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import subprocess
@@ -92,13 +94,25 @@ def test_cli_shows_override_and_rejects_typos(tmp_path: Path) -> None:
     typo = cli("modle=tiny", cwd=tmp_path)
     assert typo.returncode != 0 and "modle" in typo.stderr
     bad = cli("model.n_kv_heads=3", cwd=tmp_path)
-    assert bad.returncode != 0 and "model.n_kv_heads" in bad.stderr
+    assert bad.returncode == 2 and "model.n_kv_heads" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_cli_7b_fails_fast(tmp_path: Path) -> None:
     proc = cli("model=7b", cwd=tmp_path, timeout=60)
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr
     assert "model=7b needs about" in proc.stderr and "model=tiny" in proc.stderr
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_hlat_summary_console_script(tmp_path: Path) -> None:
+    from hlat.cli import main as hlat_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        hlat_main(["summary", "model=70b"])
+    assert "model=70b: 68,976.6M parameters" in out.getvalue()
+    assert not list(tmp_path.iterdir())  # a summary writes no run directory
 
 
 @pytest.mark.slow
