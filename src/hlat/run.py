@@ -125,7 +125,9 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
     progress = ProgressBar(total=t.steps, initial=state.step) if env.rank == 0 else None
-    tags = {"backend": backend.name, "run_dir": str(run_dir), "resumed_from": str(resume_from or "")}
+    tags = {"backend": backend.name, "run_dir": str(run_dir)}
+    if resume_from is not None:
+        tags["resumed_from"] = str(resume_from)
     extra_trackers = [history, progress] if progress else [history]
     tracker, mlflow_tracker = _start_tracking(cfg, hydra_cfg, run_dir, tags, env.rank, extra_trackers)
 

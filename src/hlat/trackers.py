@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -80,16 +81,28 @@ class ProgressBar(NoopTracker):
 
 
 class History(NoopTracker):
-    """Keeps every metric row in memory (for the end-of-run summary and for tests)."""
+    """Keeps the first metric row and the latest ``max_rows`` in memory (end-of-run summary, tests).
 
-    def __init__(self) -> None:
-        self.rows: Rows = []
+    Bounded so that a 450k-step run does not hold every row on the host.
+    """
+
+    def __init__(self, max_rows: int = 10_000) -> None:
+        self.first: tuple[int, dict[str, float]] | None = None
+        self.recent: deque[tuple[int, dict[str, float]]] = deque(maxlen=max_rows)
+
+    @property
+    def rows(self) -> Rows:
+        """The kept rows in step order."""
+        head = [self.first] if self.first is not None and (not self.recent or self.recent[0] is not self.first) else []
+        return head + list(self.recent)
 
     def log_metrics(self, rows: Rows) -> None:
-        self.rows.extend(rows)
+        if self.first is None and rows:
+            self.first = rows[0]
+        self.recent.extend(rows)
 
     def series(self, name: str) -> list[tuple[int, float]]:
-        """``(step, value)`` pairs of one metric."""
+        """``(step, value)`` pairs of one metric, over the kept rows."""
         return [(step, row[name]) for step, row in self.rows if name in row]
 
 

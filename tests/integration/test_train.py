@@ -129,3 +129,22 @@ def test_resume_continues_exactly(tmp_path: Path, cache_dir: Path, monkeypatch) 
     ).history.series("train/loss")
     assert [s for s, _ in resumed] == [4, 5, 6]
     assert resumed == full[3:]
+
+
+@pytest.mark.slow
+def test_own_jsonl_data_with_a_trained_tokenizer(tmp_path: Path, monkeypatch) -> None:
+    import json
+    from pydoc_data.topics import topics
+
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"body": text}) + "\n" for text in topics.values()))
+    overrides = [*SMALL_RUN, "train.steps=4", "train.log_every=2", "optimizer.warmup_steps=1", "tracker=console",
+                 f"data.path={corpus}", "data.text_column=body", "model.vocab_size=512",
+                 f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    result = main(compose_cfg(*overrides), run_dir=tmp_path / "run")
+    assert result.state is not None and result.state.step == 4
+    assert list((tmp_path / "cache" / "tokenizers").glob("*.model"))  # trained on this data, cached
+    assert result.history.series("train/loss")[0][1] == pytest.approx(math.log(512), abs=0.3)
+    with pytest.raises(ConfigError, match=r"data\.text_column"):
+        main(compose_cfg(*overrides, "data.text_column=missing"), run_dir=tmp_path / "bad")

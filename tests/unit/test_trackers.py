@@ -62,3 +62,14 @@ def test_failed_status_is_recorded(tmp_path: Path) -> None:
     assert client.get_run(ml.run_id).info.status == "FAILED"
     assert [m.value for m in client.get_metric_history(ml.run_id, "train/loss")] == [1.0]
     assert ml.run_id in ml.ui_hint() and "mlflow ui --backend-store-uri" in ml.ui_hint()
+
+
+def test_history_is_bounded_but_keeps_the_first_row() -> None:
+    history = History(max_rows=3)
+    history.log_metrics([(s, {"train/loss": float(s)}) for s in range(1, 6)])
+    history.log_metrics([(6, {"train/loss": 6.0, "perf/tokens_per_s": 1.0})])
+    assert history.series("train/loss") == [(1, 1.0), (4, 4.0), (5, 5.0), (6, 6.0)]
+    assert history.series("perf/tokens_per_s") == [(6, 1.0)]
+    small = History(max_rows=10)
+    small.log_metrics([(1, {"train/loss": 1.0}), (2, {"train/loss": 2.0})])
+    assert small.series("train/loss") == [(1, 1.0), (2, 2.0)]  # the first row is not repeated
