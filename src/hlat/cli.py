@@ -1,12 +1,16 @@
-"""The ``hlat`` command: ``hlat train [overrides]`` and ``hlat summary [overrides]``.
+"""The ``hlat`` command: ``hlat train [overrides]``, ``hlat summary [overrides]`` and ``hlat data ...``.
 
-Both take Hydra overrides exactly like ``python train.py`` (``hlat train model=small precision=bf16``).
+``train`` and ``summary`` take Hydra overrides exactly like ``python train.py`` (``hlat train model=small
+precision=bf16``). ``hlat data prepare`` converts raw corpora into memory-mappable Arrow shards and
+``hlat data tokenizer`` trains a sentencepiece model; both are plain argparse subcommands.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
 from pathlib import Path
 
 USAGE = """hlat COMMAND [hydra overrides...]
@@ -14,7 +18,12 @@ USAGE = """hlat COMMAND [hydra overrides...]
 commands:
   train     train as configured (same as `python train.py ...`)
   summary   validate, count parameters on the meta device, estimate memory, and exit (train.dry_run=true)
+  data      prepare data: `hlat data prepare INPUT... --output DIR`, `hlat data tokenizer --data PATH ...`
+            (see `hlat data --help`)
 """
+# ConfigError messages of the shared data code name config keys; `hlat data tokenizer` names its flags.
+_FLAG_NAMES = {"data.path": "--data", "data.text_column": "--text-column", "model.vocab_size": "--vocab-size",
+               "data.tokenizer_type": "--type"}  # fmt: skip
 
 
 def config_dir() -> Path:
@@ -43,12 +52,79 @@ def _hydra_train(argv: list[str]) -> None:
     task()
 
 
+def data_parser() -> argparse.ArgumentParser:
+    """The ``hlat data`` parser with its ``prepare`` and ``tokenizer`` subcommands."""
+    parser = argparse.ArgumentParser(prog="hlat data", description="Prepare training data for data.path.")
+    sub = parser.add_subparsers(dest="data_command", required=True, metavar="{prepare,tokenizer}")
+    prep = sub.add_parser(
+        "prepare",
+        help="convert JSONL/Parquet/Arrow/.txt files into Arrow IPC shards for data.path",
+        description="Convert JSONL, Parquet, Arrow and .txt files (or directories of them) into memory-mappable "
+        "Arrow IPC shards DIR/shard-00000.arrow, ... with one 'text' column; then train with data.path=DIR. "
+        "Null, blank, non-string and invalid UTF-8 rows are counted and skipped.",
+    )
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="input files or directories")
+    prep.add_argument("--output", required=True, metavar="DIR", help="output directory (must not hold shards yet)")
+    prep.add_argument("--text-column", default="text", help="column / JSON key of the documents (default: text)")
+    prep.add_argument("--shard-rows", type=int, default=100_000, help="documents per shard (default: 100000)")
+    prep.add_argument("--lines", action="store_true", help=".txt inputs hold one document per non-blank line")
+    tok = sub.add_parser(
+        "tokenizer",
+        help="train a sentencepiece tokenizer (the project's LLaMA-style recipe) for data.tokenizer",
+        description="Train a sentencepiece model on the documents of --data (the recipe a run with data.tokenizer=null "
+        "uses) and copy it to --output; then train with data.tokenizer=FILE.model.",
+    )
+    tok.add_argument("--data", required=True, metavar="PATH", help="Arrow/Parquet/JSONL file or directory")
+    tok.add_argument("--text-column", default="text", help="column / JSON key of the documents (default: text)")
+    tok.add_argument("--vocab-size", type=int, required=True, metavar="N", help="number of pieces (model.vocab_size)")
+    tok.add_argument("--type", choices=["bpe", "unigram"], default="bpe", help="model type (default: bpe)")
+    tok.add_argument("--output", required=True, metavar="FILE.model", help="where to write the model")
+    tok.add_argument("--cache-dir", default="~/.cache/hlat", help="tokenizer cache (data.cache_dir)")
+    return parser
+
+
+def _data(argv: list[str]) -> None:
+    from hlat.config import ConfigError
+
+    args = data_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.data_command == "prepare":
+            from hlat.data.prepare import prepare
+
+            report = prepare(
+                args.inputs, args.output, text_column=args.text_column, shard_rows=args.shard_rows, lines=args.lines
+            )
+            print(f"{report.summary()} -> {Path(args.output).expanduser()}")
+            return
+        from hlat.data.prepare import train_tokenizer
+
+        start = time.perf_counter()
+        tok = train_tokenizer(
+            args.data, args.output, vocab_size=args.vocab_size, model_type=args.type,
+            text_column=args.text_column, cache_dir=args.cache_dir,
+        )  # fmt: skip
+        print(f"{tok.vocab_size}-piece {args.type} tokenizer in {time.perf_counter() - start:.1f}s -> {tok.path}")
+    except ConfigError as err:
+        msg = str(err)
+        if args.data_command == "tokenizer":
+            for key, flag in _FLAG_NAMES.items():
+                msg = msg.replace(key, flag)
+        print(f"hlat: error: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hlat`` console script."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "data":  # before the top-level parser, which would answer `hlat data --help` itself
+        _data(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="hlat", usage=USAGE, add_help=True)
-    parser.add_argument("command", choices=["train", "summary"])
+    parser.add_argument("command", choices=["train", "summary", "data"])
     args, rest = parser.parse_known_args(argv)
+    if args.command == "data":  # options before it: `hlat -x data` is not a thing
+        parser.error("put `data` first: hlat data {prepare,tokenizer} ...")
     if args.command == "summary":
         rest = [*rest, "train.dry_run=true", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                 "hydra.run.dir=."]  # fmt: skip

@@ -190,9 +190,19 @@ class DataConfig(_Frozen):
     """Where the builtin corpus and trained tokenizers are cached."""
     shuffle: bool = True
     """Shuffle documents (by train.seed) before packing."""
+    loader: str = "online"
+    """online: tokenize and pack on the fly (the paper's loader); offline_packed: pre-tokenize once and
+    sample fixed windows by index (the NeMo/Megatron baseline of the paper's dataloader ablation)."""
+    worker: str = "thread"
+    """Where the online loader tokenizes ahead of the trainer: thread, process, or none (inline)."""
+    prefetch: int = 4
+    """Micro-batches the background worker keeps ready."""
 
     def __post_init__(self) -> None:
         _check_choice("data.tokenizer_type", self.tokenizer_type, ("bpe", "unigram"))
+        _check_choice("data.loader", self.loader, ("online", "offline_packed"))
+        _check_choice("data.worker", self.worker, ("thread", "process", "none"))
+        _check(self.prefetch >= 1, f"data.prefetch={self.prefetch} must be >= 1")
         _check(bool(self.text_column), "data.text_column must not be empty")
         self._freeze()
 

@@ -26,7 +26,8 @@ class MetricsLogger:
     Each flush makes ONE host transfer (``backend.fetch``) and hands ``sink`` one row per step
     (``train/loss``, ``train/grad_norm``, ``train/lr``); the last row of the interval also carries
     ``train/param_norm`` and the interval's throughput: ``perf/tokens_per_s``, ``perf/step_time_s``,
-    ``perf/data_wait_s`` (per step, averaged), ``train/tokens_seen``.
+    ``perf/data_wait_s`` (per step, averaged), ``train/tokens_seen``, plus whatever host values
+    ``extra`` returns (the data loader's ``data/*`` statistics).
     """
 
     def __init__(
@@ -38,8 +39,9 @@ class MetricsLogger:
         every: int,
         last_step: int,
         tokens_per_step: int,
+        extra: Callable[[], dict[str, float]] | None = None,
     ) -> None:
-        self.backend, self.model, self.sink = backend, model, sink
+        self.backend, self.model, self.sink, self.extra = backend, model, sink, extra
         self.every, self.last_step, self.tokens_per_step = every, last_step, tokens_per_step
         self._steps: list[int] = []
         self._loss: list[torch.Tensor] = []
@@ -65,6 +67,7 @@ class MetricsLogger:
         }
         # Captured by value: on lazy devices ``emit`` runs after later steps have started.
         steps, lrs, wait, tokens_seen = self._steps, self._lr, self._wait, state.tokens_seen
+        host = self.extra() if self.extra is not None else {}
 
         def emit(values: dict[str, list[float]]) -> None:
             # Runs once the values are on the host, so the clock covers the device work of the interval.
@@ -81,6 +84,7 @@ class MetricsLogger:
                     "perf/tokens_per_s": len(steps) * self.tokens_per_step / elapsed,
                     "perf/step_time_s": elapsed / len(steps),
                     "perf/data_wait_s": wait / len(steps),
+                    **host,
                 }
             )
             self.sink(rows)

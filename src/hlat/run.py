@@ -132,9 +132,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     tracker, mlflow_tracker = _start_tracking(cfg, hydra_cfg, run_dir, tags, env.rank, extra_trackers)
 
     tokens_per_step = t.global_batch_size * t.seq_len
-    logger = MetricsLogger(
-        backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps, tokens_per_step=tokens_per_step
-    )
+    logger = MetricsLogger(backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps,
+                           tokens_per_step=tokens_per_step, extra=data.stats)  # fmt: skip
     saver = checkpoint.CheckpointHook(
         backend, Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else run_dir / "checkpoints",
         model, optimizer,
@@ -154,6 +153,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         status = "KILLED"
         raise
     finally:
+        data.close()
         tracker.finish(status)
 
     if env.rank == 0:

@@ -1,287 +1,210 @@
-"""The training data stream: documents -> per-epoch shuffle -> DP shard -> lazy tokenization -> packing.
+"""The paper's online loader: shuffled per-rank document streams, tokenized on the fly, packed.
 
-Each epoch visits every document once in a fresh order drawn from ``(seed, epoch)``; data-parallel
-rank ``r`` of ``n`` reads every n-th document of that order starting at ``r``, so the ranks' streams
-are disjoint and together cover the epoch. Documents are tokenized a few at a time, only when the
-packer runs short, so startup does not wait for the whole corpus to be tokenized.
+Each epoch visits every row once in a fresh order drawn from ``(seed, epoch)`` by a Feistel
+permutation (``order.py``: O(1) memory, any position computable); data-parallel rank ``r`` of ``n``
+reads positions ``r, r + n, r + 2n, ...`` of that order, so the ranks' streams are disjoint and
+together cover the epoch. Rows are read (memory-mapped), tokenized a chunk at a time and packed.
 
-The loader's position is fully described by (epoch, documents read in this epoch, the packer's
-leftover tokens); :meth:`PackedLoader.state_dict` saves exactly that, which is why a resumed loader
-continues with the very batches an uninterrupted one would have produced.
+The stream's position is three integers: the epoch, the document the next sequence starts in, and
+the token offset inside it (``Packer.position``). A resumed stream re-reads that document, drops the
+offset, and continues with exactly the tokens an uninterrupted one would have produced.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import random
-from collections.abc import Iterator, Sequence
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from hlat.config import ConfigError, DataConfig
 from hlat.data.builtin import builtin_corpus_path
+from hlat.data.order import Permutation
 from hlat.data.packing import Packer
-from hlat.data.sources import load_documents
-from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer, load_tokenizer
+from hlat.data.sources import TextSource
+from hlat.data.tokenizer import MAX_TRAIN_CHARS, Tokenizer, load_or_train_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
-# One tokenizer call covers at most this many documents / characters: enough to keep
-# sentencepiece's threads busy, small enough that the leftover tokens (saved in checkpoints) stay small.
-ENCODE_MAX_DOCS = 64
-ENCODE_MAX_CHARS = 1 << 18
+STATE_VERSION = 2
+ENCODE_ROWS = 64  # rows per tokenizer call: keeps sentencepiece's threads busy, the buffer small
 
-# state_dict entries that must match on resume, and the setting a user would have changed.
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Everything needed to (re)build one rank's stream; picklable, so a worker process can."""
+
+    data_path: str
+    text_column: str
+    tokenizer_path: str
+    vocab_size: int
+    seq_len: int
+    micro_batch_size: int
+    seed: int
+    shuffle: bool
+    dp_rank: int
+    dp_size: int
+
+
+def _identity(spec: StreamSpec, source: TextSource, tokenizer: Tokenizer) -> dict[str, Any]:
+    return {"seed": spec.seed, "shuffle": spec.shuffle, "dp_rank": spec.dp_rank, "dp_size": spec.dp_size,
+            "data": source.fingerprint, "tokenizer": tokenizer.fingerprint}  # fmt: skip
+
+
 _IDENTITY_KEYS = {
     "seed": "train.seed",
     "shuffle": "data.shuffle",
     "dp_rank": "the data-parallel rank",
     "dp_size": "the data-parallel size",
-    "num_documents": "the data (data.path / data.text_column)",
+    "data": "the data (data.path / data.text_column)",
     "tokenizer": "the tokenizer (data.tokenizer / model.vocab_size)",
 }
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # Hashing decorrelates neighbouring (seed, epoch) pairs, which seed + epoch would not.
-    digest = hashlib.blake2b(f"hlat-data|{seed}|{epoch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+def check_identity(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume a stream whose data, tokenizer, seed or rank layout changed."""
+    if saved.get("version") != STATE_VERSION:
+        raise ConfigError(f"data loader state has version {saved.get('version')}, expected {STATE_VERSION}")
+    diffs = [f"{what} was {saved[key]!r} when the checkpoint was saved but is {current[key]!r} now"
+             for key, what in _IDENTITY_KEYS.items() if saved.get(key) != current[key]]  # fmt: skip
+    if diffs:
+        raise ConfigError("cannot resume the data stream exactly: " + "; ".join(diffs))
 
 
-def _check_layout(seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
-    if seq_len <= 0 or micro_batch_size <= 0:
-        raise ValueError(f"seq_len={seq_len} and micro_batch_size={micro_batch_size} must be positive")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
-
-
-def _check_enough_documents(num_documents: int, dp_size: int) -> None:
-    # A rank without documents could never fill a batch.
-    if num_documents < dp_size:
-        raise ConfigError(
-            f"the data has {num_documents} documents, fewer than the {dp_size} data-parallel ranks; "
-            "point data.path at more data or use fewer ranks"
-        )
-
-
-class PackedLoader:
-    """Infinite iterator of packed ``(inputs, targets)`` micro-batches for one data-parallel rank.
+class PackedStream:
+    """Synchronous producer of packed windows for one rank (the worker runs one of these).
 
     Args:
-        documents: All documents of the corpus (every rank gets the same list).
-        tokenizer: Tokenizer; its EOS separates documents.
-        seq_len: Tokens per sequence.
-        micro_batch_size: Sequences per batch.
-        seed: Seed of the per-epoch document order.
-        shuffle: Shuffle documents per epoch; False reads them in source order every epoch.
-        dp_rank: This rank's index among the data-parallel ranks.
-        dp_size: Number of data-parallel ranks.
-        skipped_documents: Null/empty documents dropped by the reader (reported only).
-
-    Attributes:
-        tokenizer: The tokenizer.
-        epoch: Current epoch (0-based) of this rank's stream.
-        position: Documents of this rank's share of the current epoch already tokenized.
-        documents_consumed: Documents tokenized and packed so far, over all epochs.
-        tokens_produced: Target tokens emitted in batches so far (micro_batch_size * seq_len each).
-        batches_produced: Batches emitted so far.
-        skipped_documents: Null/empty documents the reader dropped.
+        spec: The stream's parameters.
+        source: The documents.
+        tokenizer: The tokenizer; its EOS separates documents.
+        cursor: Where to start: ``{"epoch", "position", "offset", "documents", "skipped", "batches"}``
+            as found in a state dict; None starts at the beginning.
     """
 
-    def __init__(
-        self,
-        documents: Sequence[str],
-        tokenizer: Tokenizer,
-        *,
-        seq_len: int,
-        micro_batch_size: int,
-        seed: int,
-        shuffle: bool = True,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        skipped_documents: int = 0,
-    ) -> None:
-        _check_layout(seq_len, micro_batch_size, dp_rank, dp_size)
-        _check_enough_documents(len(documents), dp_size)
-        self.documents = documents
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.micro_batch_size = micro_batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.skipped_documents = skipped_documents
-        self._packer = Packer(seq_len, tokenizer.eos_id)
-        self.epoch = 0
-        self.position = 0
-        self.documents_consumed = 0
-        self.tokens_produced = 0
-        self.batches_produced = 0
-        self._order: tuple[int, list[int]] | None = None  # (epoch, order) cache
+    def __init__(self, spec: StreamSpec, source: TextSource, tokenizer: Tokenizer, cursor: dict | None = None) -> None:
+        self.spec, self.source, self.tokenizer = spec, source, tokenizer
+        self.per_epoch = (len(source) - spec.dp_rank + spec.dp_size - 1) // spec.dp_size  # rows of this rank
+        if self.per_epoch == 0:
+            raise ConfigError(f"the data has {len(source)} rows, fewer than the {spec.dp_size} data-parallel ranks; "
+                              "point data.path at more data or use fewer ranks")  # fmt: skip
+        c = cursor or {}
+        self.epoch, self.position = int(c.get("epoch", 0)), int(c.get("position", 0))
+        self.documents, self.skipped = int(c.get("documents", 0)), int(c.get("skipped", 0))
+        self.batches = int(c.get("batches", 0))
+        self._skip = int(c.get("offset", 0))  # tokens of the first document already trained on
+        self._epoch_tokens = 0
+        self._perm: Permutation | None = None
+        self._perm_epoch = -1
+        self.packer = Packer(spec.seq_len, tokenizer.eos_id)
 
-    def epoch_document_order(self, epoch: int) -> list[int]:
-        """Indices into ``documents`` that this rank reads in ``epoch``, in reading order."""
-        order = list(range(len(self.documents)))
-        if self.shuffle:
-            # random.Random's integer seeding and shuffle are stable across Python versions and
-            # platforms, so a checkpoint resumes with the same order elsewhere.
-            random.Random(_epoch_seed(self.seed, epoch)).shuffle(order)
-        return order[self.dp_rank :: self.dp_size]
-
-    def _current_order(self) -> list[int]:
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, self.epoch_document_order(self.epoch))
-        return self._order[1]
+    def _rows(self, lo: int, hi: int) -> np.ndarray:
+        positions = np.arange(lo, hi, dtype=np.int64) * self.spec.dp_size + self.spec.dp_rank
+        if not self.spec.shuffle:
+            return positions
+        if self._perm_epoch != self.epoch:
+            self._perm, self._perm_epoch = Permutation(len(self.source), self.spec.seed, self.epoch), self.epoch
+        return self._perm(positions)
 
     def _feed(self) -> None:
-        """Tokenize the next few documents of this rank's stream into the packer."""
-        order = self._current_order()
-        if self.position >= len(order):
-            self.epoch += 1
-            self.position = 0
-            order = self._current_order()
-        end, chars = self.position, 0
-        while end < len(order) and end - self.position < ENCODE_MAX_DOCS and chars < ENCODE_MAX_CHARS:
-            chars += len(self.documents[order[end]])
-            end += 1
-        texts = [self.documents[i] for i in order[self.position : end]]
-        self._packer.add(self.tokenizer.encode(texts))
-        self.documents_consumed += end - self.position
-        self.position = end
+        """Read, tokenize and pack the next few rows of this rank's stream."""
+        if self.position >= self.per_epoch:
+            if self._epoch_tokens == 0 and self.documents == 0:
+                raise ConfigError(
+                    f"every row of data-parallel rank {self.spec.dp_rank}'s share of {self.spec.data_path} is null, "
+                    "blank or not UTF-8; check data.path and data.text_column"
+                )
+            self.epoch, self.position, self._epoch_tokens = self.epoch + 1, 0, 0
+        hi = min(self.position + ENCODE_ROWS, self.per_epoch)
+        texts, tags = [], []
+        for pos, doc in zip(range(self.position, hi), self.source.get(self._rows(self.position, hi)), strict=True):
+            if doc is None:
+                self.skipped += 1
+                continue
+            tags.append((self.epoch, pos, self.documents, self.skipped))  # the cursor if a window starts here
+            texts.append(doc)
+            self.documents += 1
+        self.position = hi
+        if texts:
+            ids = self.tokenizer.encode(texts)
+            self._epoch_tokens += sum(len(x) for x in ids)
+            self.packer.add(ids, tags, skip=self._skip)
+            self._skip = 0
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next micro-batch.
-
-        Returns:
-            ``(inputs, targets)``, int64 tensors of shape ``(micro_batch_size, seq_len)``; row ``i`` of
-            ``targets`` is row ``i`` of ``inputs`` shifted left by one token of the same packed window.
-        """
-        while self._packer.windows_ready() < self.micro_batch_size:
+    def next_windows(self) -> tuple[np.ndarray, dict[str, int]]:
+        """The next micro-batch as ``(micro_batch_size, seq_len + 1)`` windows, and the cursor after it."""
+        while self.packer.windows_ready() < self.spec.micro_batch_size:
             self._feed()
-        windows = torch.tensor([self._packer.pop() for _ in range(self.micro_batch_size)], dtype=torch.int64)
-        self.batches_produced += 1
-        self.tokens_produced += self.micro_batch_size * self.seq_len
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        windows = np.stack([self.packer.pop() for _ in range(self.spec.micro_batch_size)])
+        self.batches += 1
+        return windows, self.cursor()
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self
+    def cursor(self) -> dict[str, int]:
+        """Where the next window starts, plus the counters as of that point (plain ints)."""
+        at = self.packer.position()
+        if at is None:  # nothing buffered: the next window starts with the next row to read
+            return {"epoch": self.epoch, "position": self.position, "offset": 0, "documents": self.documents,
+                    "skipped": self.skipped, "batches": self.batches}  # fmt: skip
+        (epoch, position, documents, skipped), offset = at
+        return {"epoch": epoch, "position": position, "offset": offset, "documents": documents,
+                "skipped": skipped, "batches": self.batches}  # fmt: skip
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.next_batch()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The stream position as plain Python values (JSON/pickle/torch.save friendly)."""
-        return {
-            "version": _STATE_VERSION,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "dp_rank": self.dp_rank,
-            "dp_size": self.dp_size,
-            "num_documents": len(self.documents),
-            "tokenizer": self.tokenizer.fingerprint,
-            "epoch": self.epoch,
-            "position": self.position,
-            "packer": self._packer.state_dict(),
-            "documents_consumed": self.documents_consumed,
-            "tokens_produced": self.tokens_produced,
-            "batches_produced": self.batches_produced,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a :meth:`state_dict`; later batches equal those of the saving loader.
-
-        ``seq_len`` and ``micro_batch_size`` may differ from the saving loader's: the token stream
-        is the same, only cut differently.
-
-        Raises:
-            ConfigError: The state comes from a different seed, shuffle setting, rank layout, corpus
-                or tokenizer, so the stream could not continue where it stopped.
-        """
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"data loader state has version {state.get('version')}, expected {_STATE_VERSION}")
-        current = self.state_dict()
-        diffs = [
-            f"{what} was {state[key]!r} when the checkpoint was saved but is {current[key]!r} now"
-            for key, what in _IDENTITY_KEYS.items()
-            if state[key] != current[key]
-        ]
-        if diffs:
-            raise ConfigError("cannot resume the data stream exactly: " + "; ".join(diffs))
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
-        self._packer.load_state_dict(state["packer"])
-        self.documents_consumed = int(state["documents_consumed"])
-        self.tokens_produced = int(state["tokens_produced"])
-        self.batches_produced = int(state["batches_produced"])
+    def epochs_done(self, cursor: dict[str, int]) -> float:
+        """Fractional epochs of this rank's stream before ``cursor``."""
+        return cursor["epoch"] + cursor["position"] / self.per_epoch
 
 
-def build_loader(
-    cfg: DataConfig,
-    *,
-    vocab_size: int,
-    seq_len: int,
-    micro_batch_size: int,
-    seed: int,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-) -> PackedLoader:
-    """Build the data stream of one data-parallel rank from the ``data`` config.
+def _tokenizer_sample(source: TextSource) -> list[str]:
+    """Rows at an even stride, at most ~MAX_TRAIN_CHARS of text: bounded memory for any corpus size."""
+    stride = max(1, math.ceil(source.total_chars() / MAX_TRAIN_CHARS))
+    sample: list[str] = []
+    for lo in range(0, len(source), 1024 * stride):
+        rows = np.arange(lo, min(lo + 1024 * stride, len(source)), stride)
+        sample.extend(d for d in source.get(rows) if d is not None)
+    return sample
 
-    Cheap checks come first: a given tokenizer is loaded and checked against ``vocab_size`` before
-    any data is read, and the data is validated before a tokenizer is trained.
 
-    Args:
-        cfg: The ``data`` config group.
-        vocab_size: ``model.vocab_size``; the tokenizer must have exactly this many pieces.
-        seq_len: ``train.seq_len``.
-        micro_batch_size: ``train.micro_batch_size``.
-        seed: ``train.seed``; fixes the document order of every epoch.
-        dp_rank: This rank's data-parallel index.
-        dp_size: Number of data-parallel ranks.
+def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, micro_batch_size: int, seed: int,
+                 dp_rank: int = 0, dp_size: int = 1):  # fmt: skip
+    """Build one data-parallel rank's loader from the ``data`` config.
+
+    Cheap checks come first: a given tokenizer is loaded and checked against ``vocab_size`` before any
+    data is read, and the data is validated before a tokenizer is trained.
 
     Returns:
-        The loader, positioned at the start of epoch 0.
+        An ``OnlineLoader`` (or the offline baseline for ``data.loader=offline_packed``): an infinite
+        iterator of ``(inputs, targets)`` int64 tensors of shape ``(micro_batch_size, seq_len)`` with
+        ``state_dict``/``load_state_dict``/``stats``/``close``.
 
     Raises:
-        ConfigError: Bad path/column/tokenizer, vocabulary mismatch, or no documents at all.
+        ConfigError: Bad path/column/tokenizer, vocabulary mismatch, or no documents.
     """
-    _check_layout(seq_len, micro_batch_size, dp_rank, dp_size)
+    if seq_len <= 0 or micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"bad layout: seq_len={seq_len}, micro_batch_size={micro_batch_size}, "
+                         f"dp_rank={dp_rank}, dp_size={dp_size}")  # fmt: skip
     cache_dir = Path(cfg.cache_dir).expanduser()
     tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer is not None else None
-    if cfg.path is None:
-        source, column = builtin_corpus_path(cache_dir), "text"
-    else:
-        source, column = Path(cfg.path).expanduser(), cfg.text_column
-    docs = load_documents(source, column)
-    if not docs.texts:
-        raise ConfigError(
-            f"data.path={source} holds no documents: all {docs.skipped} values of data.text_column={column!r} "
-            "are null or empty; point data.path / data.text_column at text"
-        )
-    _check_enough_documents(len(docs.texts), dp_size)
+    path, column = (builtin_corpus_path(cache_dir), "text") if cfg.path is None else (Path(cfg.path), cfg.text_column)
+    source = TextSource(path, column)
     if tokenizer is None:
-        tokenizer = load_or_train_tokenizer(cfg, docs.texts, vocab_size, cache_dir)
-    log.info(
-        "data: %d documents from %s (%d empty skipped), tokenizer %s (%d pieces)",
-        len(docs.texts),
-        source,
-        docs.skipped,
-        tokenizer.path.name,
-        tokenizer.vocab_size,
-    )
-    return PackedLoader(
-        docs.texts,
-        tokenizer,
-        seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        seed=seed,
-        shuffle=cfg.shuffle,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        skipped_documents=docs.skipped,
-    )
+        sample = _tokenizer_sample(source)
+        if not sample:
+            raise ConfigError(f"data.path={path} holds no documents: every value of data.text_column={column!r} "
+                              "is null, blank or not UTF-8; point data.path / data.text_column at text")  # fmt: skip
+        tokenizer = load_or_train_tokenizer(cfg, sample, vocab_size, cache_dir)
+    log.info("data: %d rows from %s (%d files), tokenizer %s (%d pieces), loader %s",
+             len(source), path, len(source.files), tokenizer.path.name, tokenizer.vocab_size, cfg.loader)  # fmt: skip
+    if cfg.loader == "offline_packed":
+        from hlat.data.offline import build_offline_loader
+
+        return build_offline_loader(cfg, source, tokenizer, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                    seed=seed, dp_rank=dp_rank, dp_size=dp_size)  # fmt: skip
+    from hlat.data.worker import OnlineLoader
+
+    spec = StreamSpec(str(path), column, str(tokenizer.path), vocab_size, seq_len, micro_batch_size, seed,
+                      cfg.shuffle, dp_rank, dp_size)  # fmt: skip
+    PackedStream(spec, source, tokenizer)  # validates the rank layout against the data now, not in the worker
+    return OnlineLoader(spec, source, tokenizer, worker=cfg.worker, prefetch=cfg.prefetch)

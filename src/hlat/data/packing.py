@@ -4,17 +4,23 @@ Documents are joined into one token stream with EOS after each document, and the
 windows of ``seq_len + 1`` tokens (inputs = window[:-1], targets = window[1:]). Consecutive windows
 start ``seq_len`` tokens apart, i.e. they share one token: the last target of a window is the first
 input of the next (Megatron-LM's GPT dataset does the same). With that stride every token of the
-stream is predicted exactly once and every adjacent token pair is trained on exactly once; disjoint
-windows of ``seq_len + 1`` would instead never train the pair that straddles two windows.
+stream is predicted exactly once; disjoint windows would never train the pair that straddles two.
 
 Tokens that do not fill a window stay in the buffer for the next one: nothing is dropped or padded,
 and a window may span several documents (attention is not masked at EOS, as in LLaMA pretraining).
+
+The packer also remembers which document each buffered token came from, so the start of the next
+window can be named as ``(tag, offset)``: the tag its stream gave that document (e.g. epoch and
+position) and the token offset inside it. That is the whole resume state: re-reading the document
+and dropping ``offset`` tokens rebuilds the buffer exactly, however many tokens were left over.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
+
+import numpy as np
 
 
 class Packer:
@@ -36,6 +42,7 @@ class Packer:
         self.eos_id = eos_id
         self._buf: list[int] = []
         self._start = 0  # index in _buf of the first token not yet emitted as an input
+        self._docs: deque[tuple[int, Hashable]] = deque()  # (index in _buf where the doc starts, its tag)
 
     @property
     def buffered(self) -> int:
@@ -46,34 +53,40 @@ class Packer:
         """Number of complete windows that :meth:`pop` can return now."""
         return max(0, (self.buffered - 1) // self.seq_len)
 
-    def add(self, docs: Iterable[Sequence[int]]) -> None:
-        """Append tokenized documents, each followed by EOS, to the stream."""
-        for ids in docs:
-            self._buf.extend(ids)
+    def add(self, docs: Iterable[Sequence[int]], tags: Iterable[Hashable], skip: int = 0) -> None:
+        """Append tokenized documents, each followed by EOS; ``tags`` name them for :meth:`position`.
+
+        ``skip`` drops that many tokens from the front of the first document (used on resume); it may
+        reach the document's EOS (``skip == len(ids)``) but not beyond.
+        """
+        for i, (ids, tag) in enumerate(zip(docs, tags, strict=True)):
+            drop = skip if i == 0 else 0
+            assert drop <= len(ids), f"resume offset {drop} beyond a {len(ids)}-token document"
+            self._docs.append((len(self._buf) - drop, tag))  # where the doc would start, dropped part included
+            self._buf.extend(ids[drop:])
             self._buf.append(self.eos_id)
 
-    def pop(self) -> list[int]:
-        """The next window of ``seq_len + 1`` tokens.
+    def pop(self) -> np.ndarray:
+        """The next window of ``seq_len + 1`` tokens (int64).
 
         Raises:
             IndexError: Fewer than ``seq_len + 1`` tokens are buffered (check :meth:`windows_ready`).
         """
-        end = self._start + self.seq_len + 1
-        if end > len(self._buf):
-            raise IndexError(f"only {self.buffered} tokens buffered, need {self.seq_len + 1}")
-        window = self._buf[self._start : end]
-        # The window's last token stays in the buffer: it is the first input of the next window.
-        self._start = end - 1
+        if self.windows_ready() < 1:
+            raise IndexError(f"need {self.seq_len + 1} buffered tokens, have {self.buffered}")
+        window = np.asarray(self._buf[self._start : self._start + self.seq_len + 1], dtype=np.int64)
+        self._start += self.seq_len
+        while len(self._docs) > 1 and self._docs[1][0] <= self._start:
+            self._docs.popleft()  # documents wholly before the next window's first token
         if self._start >= self._COMPACT_AT:
             del self._buf[: self._start]
+            self._docs = deque((at - self._start, tag) for at, tag in self._docs)
             self._start = 0
         return window
 
-    def state_dict(self) -> dict[str, Any]:
-        """Leftover tokens (not yet emitted as inputs) as a plain list of ints."""
-        return {"tokens": list(self._buf[self._start :])}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore leftover tokens saved by :meth:`state_dict`, replacing the buffer."""
-        self._buf = [int(t) for t in state["tokens"]]
-        self._start = 0
+    def position(self) -> tuple[Hashable, int] | None:
+        """``(tag, offset)`` of the first token of the next window; None when the buffer is empty."""
+        if self.buffered == 0 or not self._docs:
+            return None
+        at, tag = self._docs[0]
+        return tag, self._start - at

@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
@@ -87,19 +89,20 @@ def resolve_files(path: Path | str) -> list[Path]:
 
 
 def _read_arrow(path: Path, text_column: str) -> pa.Table:
-    # Memory-mapping lets Arrow hand out zero-copy buffers. Both IPC flavours are common: the
-    # random-access "file" format (pyarrow.feather, polars) and the "stream" format (HF datasets).
-    with pa.memory_map(str(path)) as source:
+    # Memory-mapped and zero-copy: the table's buffers point into the page cache, so a corpus larger
+    # than RAM costs address space, not memory. Both IPC flavours are common: the random-access "file"
+    # format (pyarrow.feather, polars, `hlat data prepare`) and the "stream" format (HF datasets).
+    source = pa.memory_map(str(path))
+    try:
+        reader = pa.ipc.open_file(source)
+    except pa.ArrowInvalid:
+        source.seek(0)
         try:
-            reader = pa.ipc.open_file(source)
-        except pa.ArrowInvalid:
-            source.seek(0)
-            try:
-                reader = pa.ipc.open_stream(source)
-            except pa.ArrowInvalid as err:
-                raise ConfigError(f"data.path: {path} is not an Arrow IPC file or stream ({err}); {_FIX_PATH}") from err
-        _check_column(path, reader.schema, text_column)
-        return reader.read_all().select([text_column])
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid as err:
+            raise ConfigError(f"data.path: {path} is not an Arrow IPC file or stream ({err}); {_FIX_PATH}") from err
+    _check_column(path, reader.schema, text_column)
+    return reader.read_all().select([text_column])
 
 
 def _read_parquet(path: Path, text_column: str) -> pa.Table:
@@ -108,7 +111,8 @@ def _read_parquet(path: Path, text_column: str) -> pa.Table:
     except (pa.ArrowInvalid, OSError) as err:
         raise ConfigError(f"data.path: {path} is not a Parquet file ({err}); {_FIX_PATH}") from err
     _check_column(path, schema, text_column)
-    # Reading only the text column skips the (possibly large) other columns entirely.
+    # Parquet is compressed, so it is decoded into memory; `hlat data prepare` converts a corpus larger
+    # than RAM into memory-mappable Arrow IPC. Only the text column is read.
     return pq.read_table(path, columns=[text_column])
 
 
@@ -126,7 +130,15 @@ def _read_jsonl(path: Path, text_column: str) -> pa.Table:
 
 def _is_text_type(t: pa.DataType) -> bool:
     # An all-null JSON key is inferred as the null type: valid, just nothing but skipped documents.
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t) or pa.types.is_null(t)
+    # Binary columns are accepted: rows that are not valid UTF-8 are counted and skipped when read.
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_string_view(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_null(t)
+    )
 
 
 def _check_column(path: Path, schema: pa.Schema, text_column: str) -> None:
@@ -138,7 +150,7 @@ def _check_column(path: Path, schema: pa.Schema, text_column: str) -> None:
     t = schema.field(text_column).type
     if not _is_text_type(t):
         raise ConfigError(
-            f"data.text_column={text_column!r} in {path} has type {t}, not string; "
+            f"data.text_column={text_column!r} in {path} has type {t}, not string or binary; "
             "set data.text_column to a string column holding the documents"
         )
 
@@ -168,8 +180,80 @@ def read_text_column(path: Path, text_column: str) -> pa.ChunkedArray:
     return table.column(text_column)
 
 
+def _decode(values: list) -> list[str | None]:
+    """Python strings from string or binary values; None for null, blank, or not valid UTF-8."""
+    out: list[str | None] = []
+    for v in values:
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                v = None
+        # Whitespace-only documents carry no text to learn from; they would only add EOS tokens.
+        out.append(v if v is not None and not v.isspace() and v else None)
+    return out
+
+
+class TextSource:
+    """Random access to the documents of one or more files, by global row index.
+
+    Arrow IPC files are memory-mapped (nothing is read until a row is); Parquet and JSONL are decoded
+    into memory. Rows that are null, blank or not valid UTF-8 read as None: the loader counts and skips
+    them. Row order is file order (files sorted by path), then row order within each file.
+
+    Args:
+        path: A supported file or a directory of them (``data.path``).
+        text_column: Name of the string column / JSONL key (``data.text_column``).
+
+    Raises:
+        ConfigError: See :func:`resolve_files` and :func:`read_text_column`; or every row is null.
+    """
+
+    def __init__(self, path: Path | str, text_column: str = "text") -> None:
+        self.path = Path(path).expanduser()
+        self.text_column = text_column
+        self.files = resolve_files(self.path)
+        chunks = [read_text_column(f, text_column) for f in self.files]
+        self._binary = any(pa.types.is_binary(c.type) or pa.types.is_large_binary(c.type) for c in chunks)
+        # One logical column over all files; string and large_string (or binary) must agree to concatenate.
+        target = pa.large_binary() if self._binary else pa.large_string()
+        self.column = pa.chunked_array([a for c in chunks for a in c.cast(target).chunks], type=target)
+        if len(self.column) == self.column.null_count:
+            raise ConfigError(
+                f"data.path={self.path} holds no documents: all {len(self.column)} values of "
+                f"data.text_column={text_column!r} are null; point data.path / data.text_column at text"
+            )
+
+    def __len__(self) -> int:
+        return len(self.column)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the data for resume checks: files, sizes and row count (not a content hash)."""
+        parts = [f"{f.name}:{f.stat().st_size}" for f in self.files]
+        return f"{len(self)}|" + "|".join(parts)
+
+    def get(self, rows: np.ndarray | list[int]) -> list[str | None]:
+        """The documents at ``rows`` (global indices), in that order; None for skipped rows."""
+        taken = pc.take(self.column, pa.array(np.asarray(rows, dtype=np.int64)))
+        try:
+            values = taken.to_pylist()
+        except UnicodeDecodeError:  # a string column written without UTF-8 validation
+            values = taken.cast(pa.large_binary()).to_pylist()
+        return _decode(values)
+
+    def iter_rows(self, start: int = 0, batch_rows: int = 1024):
+        """Sequential scan from ``start``: yields lists of documents (None for skipped rows)."""
+        for lo in range(start, len(self), batch_rows):
+            yield self.get(range(lo, min(lo + batch_rows, len(self))))
+
+    def total_chars(self) -> int:
+        """Total bytes of text (cheap: Arrow keeps value offsets)."""
+        return int(pc.sum(pc.binary_length(self.column)).as_py() or 0)
+
+
 def load_documents(path: Path | str, text_column: str = "text") -> Documents:
-    """Read every document under ``path`` into memory.
+    """Read every non-skipped document under ``path`` into memory (small corpora, tests, tools).
 
     Args:
         path: A supported file or a directory of them (``data.path``).
@@ -181,14 +265,13 @@ def load_documents(path: Path | str, text_column: str = "text") -> Documents:
     Raises:
         ConfigError: See :func:`resolve_files` and :func:`read_text_column`.
     """
-    files = resolve_files(path)
+    source = TextSource(path, text_column)
     texts: list[str] = []
     skipped = 0
-    for file in files:
-        for doc in read_text_column(file, text_column).to_pylist():
-            # Whitespace-only documents carry no text to learn from; they would only add EOS tokens.
-            if doc is None or not doc.strip():
+    for batch in source.iter_rows():
+        for doc in batch:
+            if doc is None:
                 skipped += 1
             else:
                 texts.append(doc)
-    return Documents(texts=texts, skipped=skipped, files=files)
+    return Documents(texts=texts, skipped=skipped, files=source.files)

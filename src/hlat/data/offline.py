@@ -1,0 +1,382 @@
+"""The ``data.loader=offline_packed`` baseline: pre-tokenize once, then sample fixed windows by index.
+
+This is the NeMo/Megatron ``GPTDataset`` scheme the HLAT paper's dataloader ablation compares its online
+loader with. The corpus is tokenized once into ``<data.cache_dir>/offline/<key>/`` (key: hash of data and
+tokenizer): ``tokens.bin`` (each document's ids + EOS; uint16, uint32 from 65536 pieces),
+``doc_offsets.npy`` (int64, documents + 1) and ``meta.json`` (counts), read back with ``np.memmap``.
+
+Sampling is Megatron's: ``doc_idx`` concatenates one shuffled document order per epoch into an endless
+EOS-joined stream; sample ``s`` is stream tokens ``[s * seq_len, (s + 1) * seq_len]`` (``seq_len + 1``
+tokens, so neighbours share one), located by ``sample_idx`` = (doc_idx position, offset);
+``shuffle_idx`` permutes the samples starting in each epoch. The arrays are built per epoch when first
+needed (Megatron shuffles the documents and samples of all epochs but the last together; per-epoch
+shuffles let the index grow lazily). Rank ``r``'s ``i``-th sample is ``shuffle_idx[i * dp_size + r]``. The
+paper compared its online loader with this baseline, which it reports overfit "because of repetition
+within sequences".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from hlat.config import ConfigError, DataConfig
+from hlat.data.sources import TextSource
+from hlat.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_FORMAT_VERSION = 1  # bump when the cache layout changes: it is part of the cache key
+_STATE_VERSION = 1
+ENCODE_BATCH_ROWS = 1024  # documents per tokenizer call while pre-tokenizing
+_CACHED_EPOCHS = 3  # epochs of index arrays kept in memory (a window may reach into the next epoch)
+
+# state_dict entries that must match on resume, and the setting a user would have changed.
+_IDENTITY_KEYS = {
+    "loader": "data.loader", "seed": "train.seed", "shuffle": "data.shuffle", "seq_len": "train.seq_len",
+    "dp_rank": "the data-parallel rank", "dp_size": "the data-parallel size",
+    "data": "the data (data.path / data.text_column)", "tokenizer": "the tokenizer (data.tokenizer / model.vocab_size)",
+}  # fmt: skip
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Storage dtype of ``tokens.bin``: uint16 below 65536 pieces, else uint32."""
+    return np.dtype(np.uint16 if vocab_size < 65536 else np.uint32)
+
+
+def cache_key(source: TextSource, tokenizer: Tokenizer) -> str:
+    """Hash of the data (fingerprint, resolved paths, mtimes, column) and the tokenizer."""
+    files = "|".join(f"{f.resolve()}:{f.stat().st_mtime_ns}" for f in source.files)
+    text = f"hlat-offline-v{_FORMAT_VERSION}|{source.fingerprint}|{files}|{source.text_column}|{tokenizer.fingerprint}"
+    return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock so that ranks sharing a node tokenize once, not once each."""
+    try:
+        import fcntl
+    except ImportError:  # Not POSIX: concurrent builders still end in one complete cache (atomic rename).
+        yield
+        return
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _tokenize_into(out: Path, source: TextSource, tokenizer: Tokenizer, progress: bool) -> dict[str, Any]:
+    dtype, eos = token_dtype(tokenizer.vocab_size), (tokenizer.eos_id,)
+    documents = skipped = tokens = 0
+    start = time.perf_counter()
+    raw_offsets = out / "doc_offsets.raw"
+    with (
+        open(out / "tokens.bin", "wb") as tok_fh,
+        open(raw_offsets, "wb") as off_fh,
+        tqdm(total=len(source), unit="doc", desc="pre-tokenizing", disable=not progress, mininterval=1.0) as bar,
+    ):
+        off_fh.write(np.zeros(1, np.int64).tobytes())
+        for batch in source.iter_rows(batch_rows=ENCODE_BATCH_ROWS):
+            texts = [t for t in batch if t is not None]
+            skipped += len(batch) - len(texts)
+            if texts:
+                ids = tokenizer.encode(texts)
+                lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+                ends = tokens + np.cumsum(lengths)
+                flat = itertools.chain.from_iterable(itertools.chain(x, eos) for x in ids)
+                tok_fh.write(np.fromiter(flat, dtype=dtype, count=int(ends[-1] - tokens)).tobytes())
+                off_fh.write(ends.tobytes())
+                documents, tokens = documents + len(texts), int(ends[-1])
+            bar.update(len(batch))
+    # Convert the raw offsets to .npy through memmaps: no step holds all of them in memory.
+    src = np.memmap(raw_offsets, dtype=np.int64, mode="r")
+    dst = np.lib.format.open_memmap(out / "doc_offsets.npy", mode="w+", dtype=np.int64, shape=src.shape)
+    dst[:] = src
+    dst.flush()
+    del src, dst
+    raw_offsets.unlink()
+    meta = {
+        "version": _FORMAT_VERSION, "documents": documents, "skipped_rows": skipped, "tokens": tokens,
+        "rows": len(source), "dtype": dtype.name, "eos_id": tokenizer.eos_id, "vocab_size": tokenizer.vocab_size,
+        "data": source.fingerprint, "tokenizer": tokenizer.fingerprint,
+        "seconds": round(time.perf_counter() - start, 3),
+    }  # fmt: skip
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def pretokenize(source: TextSource, tokenizer: Tokenizer, cache_dir: Path | str, *, progress: bool = True) -> Path:
+    """Tokenize ``source`` into ``<cache_dir>/offline/<key>/`` unless that is already there.
+
+    The cache is built in a hidden temporary directory and renamed into place, so a crash never leaves
+    a half-written cache behind; an advisory file lock keeps concurrent ranks from building it twice.
+
+    Returns:
+        The cache directory (``tokens.bin``, ``doc_offsets.npy``, ``meta.json``).
+    """
+    root = Path(cache_dir).expanduser() / "offline"
+    out = root / cache_key(source, tokenizer)
+    if (out / "meta.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(root / f".{out.name}.lock"):
+        if (out / "meta.json").is_file():  # another rank built it while this one waited
+            return out
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}.", suffix=".tmp"))
+        try:
+            meta = _tokenize_into(tmp, source, tokenizer, progress)
+            if out.exists():  # an incomplete cache from an interrupted manual copy; meta.json is missing
+                shutil.rmtree(out)
+            os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    mb = meta["tokens"] * token_dtype(tokenizer.vocab_size).itemsize / 1e6
+    log.info(
+        "pre-tokenized %d documents (%d skipped) into %d tokens (%.1f MB) in %.1fs (%.0f tokens/s) -> %s",
+        meta["documents"], meta["skipped_rows"], meta["tokens"], mb, meta["seconds"],
+        meta["tokens"] / max(meta["seconds"], 1e-9), out,
+    )  # fmt: skip
+    return out
+
+
+class SampleIndex:
+    """Megatron's ``doc_idx`` / ``sample_idx`` / ``shuffle_idx`` over an endless stream of epochs.
+
+    ``doc_lengths`` counts each document's EOS; ``seed`` seeds every epoch's document order and sample
+    permutation (numpy PCG64); ``shuffle=False`` keeps both in source order.
+    """
+
+    def __init__(self, doc_lengths: np.ndarray, seq_len: int, seed: int, shuffle: bool = True) -> None:
+        self.lengths = np.asarray(doc_lengths, dtype=np.int64)
+        self.num_docs, self.tokens_per_epoch = len(self.lengths), int(self.lengths.sum())
+        self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
+        self._orders: dict[int, np.ndarray] = {}
+        self._samples: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _permutation(self, n: int, epoch: int, what: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(n)
+        seq = np.random.SeedSequence([self.seed & (2**64 - 1), epoch, what])
+        return np.random.Generator(np.random.PCG64(seq)).permutation(n)
+
+    @staticmethod
+    def _remember(cache: dict, key: int, value: Any) -> None:
+        cache[key] = value
+        while len(cache) > _CACHED_EPOCHS:  # forget the epoch cached first, never the one just added
+            del cache[next(k for k in cache if k != key)]
+
+    def first_sample(self, epoch: int) -> int:
+        """Index of the first sample whose window starts in ``epoch`` (samples are numbered in stream order)."""
+        return -(-epoch * self.tokens_per_epoch // self.seq_len)
+
+    def epoch_of(self, sample: int) -> int:
+        """The epoch in which ``sample`` (or training position ``sample``) starts."""
+        return sample * self.seq_len // self.tokens_per_epoch
+
+    def doc_idx(self, epoch: int) -> np.ndarray:
+        """Document order of ``epoch``: a permutation of all documents."""
+        if epoch not in self._orders:
+            self._remember(self._orders, epoch, self._permutation(self.num_docs, epoch, 0))
+        return self._orders[epoch]
+
+    def _epoch_samples(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch not in self._samples:
+            first, end = self.first_sample(epoch), self.first_sample(epoch + 1)
+            cum = np.cumsum(self.lengths[self.doc_idx(epoch)])
+            local = np.arange(first, end, dtype=np.int64) * self.seq_len - epoch * self.tokens_per_epoch
+            pos = np.searchsorted(cum, local, side="right")
+            sample_idx = np.stack([pos, local - np.where(pos > 0, cum[pos - 1], 0)], axis=1)
+            self._remember(self._samples, epoch, (sample_idx, first + self._permutation(end - first, epoch, 1)))
+        return self._samples[epoch]
+
+    def sample_idx(self, sample: int) -> tuple[int, int]:
+        """(position in the epoch's ``doc_idx``, token offset in that document) where ``sample`` starts."""
+        epoch = self.epoch_of(sample)
+        pos, offset = self._epoch_samples(epoch)[0][sample - self.first_sample(epoch)]
+        return int(pos), int(offset)
+
+    def shuffle_idx(self, position: int) -> int:
+        """The sample at training position ``position``; each epoch's samples are permuted among themselves."""
+        epoch = self.epoch_of(position)
+        return int(self._epoch_samples(epoch)[1][position - self.first_sample(epoch)])
+
+    def window(self, sample: int, tokens: np.ndarray, doc_offsets: np.ndarray) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of ``sample`` (int64), read from ``tokens``/``doc_offsets``."""
+        epoch = self.epoch_of(sample)
+        pos, offset = self.sample_idx(sample)
+        need, parts = self.seq_len + 1, []
+        while need > 0:
+            doc = self.doc_idx(epoch)[pos]
+            lo = int(doc_offsets[doc]) + offset
+            hi = min(int(doc_offsets[doc + 1]), lo + need)
+            parts.append(tokens[lo:hi])
+            need, offset, pos = need - (hi - lo), 0, pos + 1
+            if pos == self.num_docs:
+                epoch, pos = epoch + 1, 0
+        return np.concatenate(parts).astype(np.int64)
+
+
+class OfflinePackedLoader:
+    """Infinite iterator of ``(inputs, targets)`` micro-batches of pre-tokenized windows for one DP rank.
+
+    Same interface as the online loader. ``directory`` is a :func:`pretokenize` cache built with
+    ``tokenizer``; ``data_fingerprint`` (``TextSource.fingerprint``), the tokenizer, ``seed``
+    (``train.seed``), ``shuffle`` (``data.shuffle``), ``seq_len`` and the DP layout are checked on
+    resume. The position is one number, the samples this rank has consumed, so a resumed loader
+    reproduces the batches exactly (``micro_batch_size`` may change).
+    """
+
+    def __init__(
+        self, directory: Path, tokenizer: Tokenizer, data_fingerprint: str, *, seq_len: int, micro_batch_size: int,
+        seed: int, shuffle: bool = True, dp_rank: int = 0, dp_size: int = 1,
+    ) -> None:  # fmt: skip
+        self.directory = Path(directory)
+        self.meta = json.loads((self.directory / "meta.json").read_text())
+        self.tokens = np.memmap(self.directory / "tokens.bin", dtype=self.meta["dtype"], mode="r")
+        self.doc_offsets = np.load(self.directory / "doc_offsets.npy", mmap_mode="r")
+        self.tokenizer = tokenizer
+        self.data_fingerprint = data_fingerprint
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.seed, self.shuffle, self.dp_rank, self.dp_size = seed, shuffle, dp_rank, dp_size
+        self.index = SampleIndex(np.diff(self.doc_offsets), seq_len, seed, shuffle)
+        self.samples_consumed = self.batches_produced = 0
+
+    @property
+    def num_documents(self) -> int:
+        """Documents in the pre-tokenized corpus (skipped rows excluded)."""
+        return self.index.num_docs
+
+    def global_sample(self, i: int) -> int:
+        """The global sample that is this rank's ``i``-th: ``shuffle_idx[i * dp_size + dp_rank]``."""
+        return self.index.shuffle_idx(i * self.dp_size + self.dp_rank)
+
+    def window(self, sample: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of global ``sample``."""
+        return self.index.window(sample, self.tokens, self.doc_offsets)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch: int64 ``(inputs, targets)`` of shape ``(micro_batch_size, seq_len)``."""
+        first = self.samples_consumed
+        rows = [self.window(self.global_sample(i)) for i in range(first, first + self.micro_batch_size)]
+        windows = torch.from_numpy(np.stack(rows))
+        self.samples_consumed += self.micro_batch_size
+        self.batches_produced += 1
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (samples consumed) and the identity of the stream, as plain Python values."""
+        return {
+            "version": _STATE_VERSION, "loader": "offline_packed", "seed": self.seed, "shuffle": self.shuffle,
+            "seq_len": self.seq_len, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+            "data": self.data_fingerprint, "tokenizer": self.tokenizer.fingerprint,
+            "samples_consumed": self.samples_consumed, "batches_produced": self.batches_produced,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`; later batches equal those of the saving loader.
+
+        Raises:
+            ConfigError: The state comes from the online loader, another seed, shuffle setting,
+                seq_len, rank layout, data or tokenizer.
+        """
+        state = {"loader": "online", **state}  # the online loader's state has no "loader" entry
+        current = self.state_dict()
+        diffs = [
+            f"{what} was {state.get(key)!r} when the checkpoint was saved but is {current[key]!r} now"
+            for key, what in _IDENTITY_KEYS.items()
+            if state.get(key) != current[key]
+        ]
+        if diffs:
+            raise ConfigError("cannot resume the offline_packed data stream exactly: " + "; ".join(diffs))
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"data loader state has version {state.get('version')}, expected {_STATE_VERSION}")
+        self.samples_consumed = int(state["samples_consumed"])
+        self.batches_produced = int(state["batches_produced"])
+
+    def stats(self) -> dict[str, float]:
+        """Data metrics for the tracker.
+
+        ``data/documents_consumed`` is an estimate: the tokens of this rank's consumed samples divided
+        by the mean document length (tokens incl. EOS). ``data/epochs`` is the fraction of the stream
+        consumed by all ranks together (this rank's position times ``dp_size``, in samples of
+        ``seq_len`` new tokens, over the tokens of one epoch).
+        """
+        tokens = self.samples_consumed * self.seq_len
+        per_epoch = self.index.tokens_per_epoch
+        return {
+            "data/documents_consumed": float(tokens * self.num_documents / per_epoch),
+            "data/skipped_documents": float(self.meta["skipped_rows"]),
+            "data/tokens_produced": float(tokens),
+            "data/padding_fraction": 0.0,
+            "data/epochs": float(tokens * self.dp_size / per_epoch),
+        }
+
+    def close(self) -> None:
+        """Nothing to release: the memmaps close with the object."""
+
+
+def build_offline_loader(
+    cfg: DataConfig, source: TextSource, tokenizer: Tokenizer, *,
+    seq_len: int, micro_batch_size: int, seed: int, dp_rank: int, dp_size: int,
+) -> OfflinePackedLoader:  # fmt: skip
+    """The ``data.loader=offline_packed`` loader of one rank: pre-tokenize (cached), then index.
+
+    ``cfg.cache_dir`` and ``cfg.shuffle`` are used; the keyword arguments are as for
+    :class:`OfflinePackedLoader` (``train.seq_len``, ``train.micro_batch_size``, ``train.seed``, DP layout).
+
+    Raises:
+        ConfigError: The data holds no documents or fewer tokens than one window of ``seq_len + 1``.
+    """
+    if seq_len <= 0 or micro_batch_size <= 0:
+        raise ValueError(f"seq_len={seq_len} and micro_batch_size={micro_batch_size} must be positive")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
+    where = f"data.path={source.path} (data.text_column={source.text_column!r})"
+    chars = source.total_chars()
+    if chars == 0:
+        raise ConfigError(f"{where} holds no documents: every row is null or empty; point data.path at text")
+    # Byte fallback bounds the tokens by bytes + one EOS per row: a cheap check before tokenizing.
+    too_few = (
+        f"fewer than one window of train.seq_len + 1 = {seq_len + 1} tokens; lower train.seq_len or point data.path "
+        "at more data"
+    )
+    if chars + len(source) < seq_len + 1:
+        raise ConfigError(f"{where} has only {chars} bytes of text, {too_few}")
+    directory = pretokenize(source, tokenizer, cfg.cache_dir)
+    meta = json.loads((directory / "meta.json").read_text())
+    if meta["documents"] == 0:
+        raise ConfigError(f"{where} holds no documents: all {meta['skipped_rows']} rows are null, blank or not UTF-8")
+    if meta["tokens"] < seq_len + 1:
+        raise ConfigError(f"{where} tokenizes to {meta['tokens']} tokens, {too_few}")
+    log.info(
+        "offline_packed data: %d documents, %d tokens (%d windows of %d per epoch) from %s",
+        meta["documents"], meta["tokens"], meta["tokens"] // seq_len, seq_len + 1, directory,
+    )  # fmt: skip
+    return OfflinePackedLoader(
+        directory, tokenizer, source.fingerprint,
+        seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, shuffle=cfg.shuffle,
+        dp_rank=dp_rank, dp_size=dp_size,
+    )  # fmt: skip

@@ -1,0 +1,169 @@
+"""Run a ``PackedStream`` ahead of the trainer in a background thread or process.
+
+The worker puts ``(windows, cursor, busy_seconds)`` into a bounded queue, ``prefetch`` batches deep.
+Each item carries the stream's cursor *after* that batch, so ``state_dict()`` describes exactly what
+the trainer consumed, never what was merely prefetched. A worker error (bad data found mid-epoch)
+is re-raised in the trainer at the batch where it happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hlat.data.loader import STATE_VERSION, PackedStream, StreamSpec, _identity, check_identity
+from hlat.data.sources import TextSource
+from hlat.data.tokenizer import Tokenizer, load_tokenizer
+
+
+class _Failure:
+    """An exception raised in the worker, carried to the trainer."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _put(q: Any, item: Any, stop: Any) -> bool:
+    """Put unless asked to stop; returns False when stopping."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(stream: PackedStream, q: Any, stop: Any) -> None:
+    busy = 0.0
+    try:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            windows, cursor = stream.next_windows()
+            busy += time.perf_counter() - t0
+            # int32 halves what crosses a process boundary; token ids are < 2^31.
+            if not _put(q, (windows.astype(np.int32), cursor, busy), stop):
+                return
+    except BaseException as exc:  # everything goes to the trainer, which re-raises it
+        _put(q, _Failure(exc), stop)
+
+
+def _process_main(spec: StreamSpec, cursor: dict | None, q: Any, stop: Any) -> None:
+    """Entry point of a worker process: reopen the (memory-mapped) data and the tokenizer, then produce."""
+    source = TextSource(spec.data_path, spec.text_column)
+    tokenizer = load_tokenizer(spec.tokenizer_path, spec.vocab_size)
+    _produce(PackedStream(spec, source, tokenizer, cursor), q, stop)
+
+
+class OnlineLoader:
+    """Infinite iterator of packed ``(inputs, targets)`` micro-batches for one data-parallel rank.
+
+    Args:
+        spec: The stream's parameters.
+        source: The documents (used directly by ``none`` and ``thread`` workers).
+        tokenizer: The tokenizer.
+        worker: ``thread``, ``process`` or ``none`` (tokenize inline, in the trainer's thread).
+        prefetch: Batches the worker keeps ready.
+    """
+
+    def __init__(self, spec: StreamSpec, source: TextSource, tokenizer: Tokenizer, *, worker: str = "thread",
+                 prefetch: int = 4) -> None:  # fmt: skip
+        self.spec, self.source, self.tokenizer = spec, source, tokenizer
+        self.worker, self.prefetch = worker, prefetch
+        self._identity = _identity(spec, source, tokenizer)
+        self._cursor: dict[str, int] | None = None  # after the last consumed batch; None = start
+        self._busy = 0.0
+        self._stream: PackedStream | None = None
+        self._queue: Any = None
+        self._stop: Any = None
+        self._runner: threading.Thread | mp.Process | None = None
+
+    def _start(self) -> None:
+        if self.worker == "none":
+            self._stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursor)
+            return
+        if self.worker == "thread":
+            self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
+            stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursor)
+            self._runner = threading.Thread(target=_produce, args=(stream, self._queue, self._stop), daemon=True,
+                                            name=f"hlat-data-rank{self.spec.dp_rank}")  # fmt: skip
+        else:
+            # spawn, not fork: forking a process whose torch runtime already started threads can deadlock.
+            ctx = mp.get_context("spawn")
+            self._queue, self._stop = ctx.Queue(self.prefetch), ctx.Event()
+            self._runner = ctx.Process(target=_process_main, args=(self.spec, self._cursor, self._queue, self._stop),
+                                       daemon=True, name=f"hlat-data-rank{self.spec.dp_rank}")  # fmt: skip
+        self._runner.start()
+
+    def __iter__(self) -> OnlineLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next_batch()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch: ``(inputs, targets)``, int64, ``(micro_batch_size, seq_len)`` each."""
+        if self._stream is None and self._runner is None:
+            self._start()
+        if self._stream is not None:
+            t0 = time.perf_counter()
+            windows, self._cursor = self._stream.next_windows()
+            self._busy += time.perf_counter() - t0
+        else:
+            item = self._queue.get()
+            if isinstance(item, _Failure):
+                self.close()
+                raise item.exc
+            windows, self._cursor, self._busy = item
+        w = torch.from_numpy(windows.astype(np.int64, copy=False))
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after the last batch handed out, as plain Python values."""
+        cursor = self._cursor or PackedStream(self.spec, self.source, self.tokenizer).cursor()
+        return {"version": STATE_VERSION, **self._identity, **cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the batch at which ``state`` was taken (restarts a running worker).
+
+        Raises:
+            ConfigError: The state comes from different data, tokenizer, seed or rank layout.
+        """
+        check_identity(state, self._identity)
+        self.close()
+        self._cursor = {k: int(state[k]) for k in ("epoch", "position", "offset", "documents", "skipped", "batches")}
+
+    def stats(self) -> dict[str, float]:
+        """Loader metrics as of the last consumed batch (host values, for the trackers)."""
+        c = self._cursor or {"epoch": 0, "position": 0, "documents": 0, "skipped": 0, "batches": 0}
+        tokens = c["batches"] * self.spec.micro_batch_size * self.spec.seq_len
+        per_epoch = (len(self.source) - self.spec.dp_rank + self.spec.dp_size - 1) // self.spec.dp_size
+        return {
+            "data/documents_consumed": float(c["documents"]),
+            "data/skipped_documents": float(c["skipped"]),
+            "data/tokens_produced": float(tokens),
+            "data/padding_fraction": 0.0,  # packing never pads: every window is full of real tokens
+            "data/epochs": c["epoch"] + c["position"] / per_epoch,
+            # What the producer could sustain if never blocked: tokens per second of its busy time.
+            "data/producer_tokens_per_s": tokens / self._busy if self._busy > 0 else 0.0,
+        }
+
+    def close(self) -> None:
+        """Stop the worker (if any); the next batch restarts it from the current position."""
+        if self._runner is not None:
+            self._stop.set()
+            self._runner.join(timeout=10)
+            if isinstance(self._runner, mp.Process) and self._runner.is_alive():
+                self._runner.terminate()
+        self._runner, self._queue, self._stop, self._stream = None, None, None, None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn down the modules
+            self.close()
