@@ -157,7 +157,7 @@ class PackedStream:
         return cursor["epoch"] + cursor["position"] / self.per_epoch
 
 
-def _tokenizer_sample(source: TextSource) -> list[str]:
+def tokenizer_sample(source: TextSource) -> list[str]:
     """Rows at an even stride, at most ~MAX_TRAIN_CHARS of text: bounded memory for any corpus size."""
     stride = max(1, math.ceil(source.total_chars() / MAX_TRAIN_CHARS))
     sample: list[str] = []
@@ -190,7 +190,7 @@ def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, micro_batch_
     path, column = (builtin_corpus_path(cache_dir), "text") if cfg.path is None else (Path(cfg.path), cfg.text_column)
     source = TextSource(path, column)
     if tokenizer is None:
-        sample = _tokenizer_sample(source)
+        sample = tokenizer_sample(source)
         if not sample:
             raise ConfigError(f"data.path={path} holds no documents: every value of data.text_column={column!r} "
                               "is null, blank or not UTF-8; point data.path / data.text_column at text")  # fmt: skip

@@ -363,12 +363,12 @@ def train_tokenizer(
     Raises:
         ConfigError: Unreadable data, a wrong column, or a vocabulary the data cannot fill.
     """
-    from hlat.data.loader import _tokenizer_sample  # the run's sample: same cache key, bounded memory
+    from hlat.data.loader import tokenizer_sample  # the run's sample: same cache key, bounded memory
     from hlat.data.sources import TextSource
 
     cfg = DataConfig(path=str(data), text_column=text_column, tokenizer=None, tokenizer_type=model_type,
                      cache_dir=str(cache_dir))  # fmt: skip
-    tok = load_or_train_tokenizer(cfg, _tokenizer_sample(TextSource(data, text_column)), vocab_size, cache_dir)
+    tok = load_or_train_tokenizer(cfg, tokenizer_sample(TextSource(data, text_column)), vocab_size, cache_dir)
     out = Path(output).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
