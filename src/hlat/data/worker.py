@@ -60,6 +60,9 @@ def _process_main(spec: StreamSpec, cursor: dict | None, q: Any, stop: Any) -> N
     source = TextSource(spec.data_path, spec.text_column)
     tokenizer = load_tokenizer(spec.tokenizer_path, spec.vocab_size)
     _produce(PackedStream(spec, source, tokenizer, cursor), q, stop)
+    # Prefetched batches nobody will read must not hold the process open at exit (its queue feeder
+    # thread would otherwise wait to flush them into the pipe).
+    q.cancel_join_thread()
 
 
 class OnlineLoader:
@@ -159,7 +162,11 @@ class OnlineLoader:
         """Stop the worker (if any); the next batch restarts it from the current position."""
         if self._runner is not None:
             self._stop.set()
-            self._runner.join(timeout=10)
+            deadline = time.monotonic() + 10
+            while self._runner.is_alive() and time.monotonic() < deadline:
+                with contextlib.suppress(queue.Empty):  # drain, so a blocked put returns and sees the stop
+                    self._queue.get(timeout=0.05)
+                self._runner.join(timeout=0.05)
             if isinstance(self._runner, mp.Process) and self._runner.is_alive():
                 self._runner.terminate()
         self._runner, self._queue, self._stop, self._stream = None, None, None, None
