@@ -285,7 +285,7 @@ class Setup:
         return cls(**d)
 
 
-def _write_stream(docs: Sequence[str], path: Path) -> None:
+def _write_stream(docs: Sequence[str], path: Path, batch_rows: int) -> None:
     import pyarrow as pa
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,7 +294,7 @@ def _write_stream(docs: Sequence[str], path: Path) -> None:
     try:
         # The IPC *stream* format is what datasets.Dataset.from_file memory-maps; hlat reads both flavours.
         with os.fdopen(fd, "wb") as fh, pa.ipc.new_stream(fh, table.schema) as writer:
-            writer.write_table(table, max_chunksize=HF_MAP_BATCH)
+            writer.write_table(table, max_chunksize=batch_rows or None)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -332,7 +332,7 @@ def _hf_blocks(lengths: Sequence[int], seq_len: int) -> int:
     return sum(sum(lengths[i : i + HF_MAP_BATCH]) // seq_len for i in range(0, len(lengths), HF_MAP_BATCH))
 
 
-def prepare(cache_dir: Path, size_mb: float, vocab_size: int, seq_lens: Sequence[int]) -> Setup:
+def prepare(cache_dir: Path, size_mb: float, vocab_size: int, seq_lens: Sequence[int], batch_rows: int) -> Setup:
     """Build (or reuse) the benchmark input, the tokenizer and the fast tokenizer.
 
     Args:
@@ -340,6 +340,7 @@ def prepare(cache_dir: Path, size_mb: float, vocab_size: int, seq_lens: Sequence
         size_mb: Approximate UTF-8 size of the benchmark input (the builtin corpus repeated).
         vocab_size: Pieces of the sentencepiece tokenizer trained on the builtin corpus.
         seq_lens: Sequence lengths to compute the HF block counts for.
+        batch_rows: Rows per Arrow record batch in the input file; 0 writes a single batch.
 
     Returns:
         The shared setup.
@@ -354,9 +355,9 @@ def prepare(cache_dir: Path, size_mb: float, vocab_size: int, seq_lens: Sequence
     corpus_mb = sum(len(d.encode("utf-8")) for d in corpus) / 1e6
     repeats = max(1, round(size_mb / corpus_mb))
     docs = corpus * repeats
-    arrow = cache_dir / "bench" / f"corpus-x{repeats}-{len(corpus)}docs.arrow"
+    arrow = cache_dir / "bench" / f"corpus-x{repeats}-{len(corpus)}docs-rb{batch_rows}.arrow"
     if not arrow.is_file():
-        _write_stream(docs, arrow)
+        _write_stream(docs, arrow, batch_rows)
     fast_dir, fast_match = _convert_fast_tokenizer(
         tokenizer.path, cache_dir / "bench" / f"fast-{tokenizer.fingerprint}", corpus
     )
@@ -501,7 +502,7 @@ def prepare_in_subprocess(args: argparse.Namespace) -> Setup:
         RuntimeError: Preparation failed.
     """
     spec = {"cache_dir": str(args.cache_dir), "size_mb": args.size_mb, "vocab_size": args.vocab_size}
-    spec["seq_lens"] = args.seq_len
+    spec["seq_lens"], spec["batch_rows"] = args.seq_len, args.record_batch_rows
     cmd = [sys.executable, str(Path(__file__).resolve()), "--prepare", json.dumps(spec)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     for line in proc.stdout.splitlines():
@@ -561,8 +562,8 @@ def results_table(cases: Sequence[Case]) -> str:
     }
     lines = [
         "| pipeline | parallelism | seq_len | tokens/run | tokens/s (median) | range (min-max) | "
-        "÷ HF+sp (num_proc=None) | peak RSS MB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "÷ HF+sp (num_proc=None) | peak RSS MB | 1-min load before |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cases:
         ok = [r for r in c.results if "error" not in r]
@@ -571,6 +572,8 @@ def results_table(cases: Sequence[Case]) -> str:
         ratio = f"{med / base:.2f}x" if med and base else "-"
         tokens = f"{ok[0]['tokens']:,}" if ok else "-"
         rss = f"{max(r['peak_rss_mb'] for r in ok):.0f}" if ok else "-"
+        loads = [r["load1"] for r in ok]
+        load = f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-"
         seq = str(c.seq_len) if c.seq_len else "-"
         name = c.label
         errors = [r["error"] for r in c.results if "error" in r]
@@ -578,7 +581,7 @@ def results_table(cases: Sequence[Case]) -> str:
             name += f" ({len(errors)} failed: {errors[0]})"
         lines.append(
             f"| {name} | {c.parallelism} | {seq} | {tokens} | {_fmt_rate(med)} | {_fmt_range(c.rates())} | "
-            f"{ratio} | {rss} |"
+            f"{ratio} | {rss} | {load} |"
         )
     return "\n".join(lines)
 
@@ -716,6 +719,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, nargs="+", default=None, help="default 2048 256 (quick: 2048)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument(
+        "--record-batch-rows",
+        type=int,
+        default=HF_MAP_BATCH,
+        help="rows per Arrow record batch of the input (default 1000, what HF's ArrowWriter writes; 0: one batch)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/hlat"), help="hlat cache (corpus, tokenizer)")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
@@ -756,7 +765,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _child_main(args.measure)
     if args.prepare is not None:
         spec = json.loads(args.prepare)
-        setup = prepare(Path(spec["cache_dir"]), spec["size_mb"], spec["vocab_size"], spec["seq_lens"])
+        setup = prepare(
+            Path(spec["cache_dir"]), spec["size_mb"], spec["vocab_size"], spec["seq_lens"], spec["batch_rows"]
+        )
         print(RESULT_TAG + setup.to_json())
         return 0
     started = dt.datetime.now(dt.timezone.utc)
@@ -784,7 +795,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"- input: {setup.documents:,} documents, {setup.megabytes:.1f} MB of text, {setup.corpus_tokens:,} tokens "
-        f"(vocab {args.vocab_size}, {setup.arrow.name}); micro_batch_size={args.micro_batch_size}; "
+        f"(vocab {args.vocab_size}, {setup.arrow.name}, {args.record_batch_rows or 'all'} rows per record batch); "
+        f"micro_batch_size={args.micro_batch_size}; "
         f"{args.repeats} repetition(s) per row, interleaved"
     )
     print(f"- fast tokenizer vs sentencepiece: {setup.fast_match}")

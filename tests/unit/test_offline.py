@@ -200,7 +200,7 @@ def test_sample_index_arithmetic():
     assert sorted(index.shuffle_idx(p) for p in range(4, 8)) == [4, 5, 6, 7]
 
 
-def test_close_is_a_noop(env):
+def test_loader_keeps_working_after_close(env):
     loader = _build(env)
     loader.close()
     assert loader.next_batch()[0].shape == (4, 64)
