@@ -19,7 +19,7 @@ Pipelines (one fresh subprocess per measurement, repetitions interleaved so load
 
 Run from the repository root::
 
-    python bench/data_loader.py            # full run (~10 min on 2 cores)
+    python bench/data_loader.py            # full run (~8 min on 2 cores)
     python bench/data_loader.py --quick    # smoke run (< 60 s)
 
 No network access is needed: the corpus comes from the Python standard library and the tokenizer is
@@ -93,7 +93,7 @@ def run_hlat(spec: dict[str, Any]) -> dict[str, Any]:
             ``batches`` and ``worker`` (a ``data.worker`` value, or None when the field does not exist).
 
     Returns:
-        ``seconds``, ``tokens`` and ``batches`` delivered.
+        ``seconds``, ``tokens`` and ``batches`` delivered, and ``first_batch_s`` (time to the first batch).
     """
     import torch  # noqa: F401  (imported before the clock, as on the HF side; the loader imports it lazily)
 
@@ -107,17 +107,18 @@ def run_hlat(spec: dict[str, Any]) -> dict[str, Any]:
     B, T = spec["micro_batch_size"], spec["seq_len"]
     start = time.perf_counter()
     loader = build_loader(cfg, vocab_size=spec["vocab_size"], seq_len=T, micro_batch_size=B, seed=0)
-    tokens = 0
+    tokens, first = 0, 0.0
     for _ in range(spec["batches"]):
         inputs, targets = next(loader)
         if targets.shape != (B, T) or inputs.dtype != targets.dtype:
             raise AssertionError(f"unexpected batch {tuple(targets.shape)} {targets.dtype}")
+        first = first or time.perf_counter() - start
         tokens += targets.numel()
     seconds = time.perf_counter() - start
     close = getattr(loader, "close", None)
     if callable(close):
         close()
-    return {"seconds": seconds, "tokens": tokens, "batches": spec["batches"]}
+    return {"seconds": seconds, "tokens": tokens, "batches": spec["batches"], "first_batch_s": first}
 
 
 def _group_texts_fn(block_size: int) -> Callable[[dict[str, list]], dict[str, list]]:
@@ -149,7 +150,7 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
             tokenizer), ``tokenizer`` (``"sp"`` or ``"fast"``), ``num_proc``, ``seq_len``, ``micro_batch_size``.
 
     Returns:
-        ``seconds``, ``tokens`` and ``batches`` delivered, and the seconds spent in each stage.
+        ``seconds``, ``tokens`` and ``batches`` delivered, ``first_batch_s`` and the seconds of each stage.
     """
     import datasets
     import torch
@@ -186,15 +187,17 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
         lm.with_format("torch"), batch_size=B, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0)
     )
     tokens = batches = 0
+    first = 0.0
     for batch in loader:
         targets = batch["labels"]
         if targets.shape != (B, T) or targets.dtype != torch.int64:
             raise AssertionError(f"unexpected batch {tuple(targets.shape)} {targets.dtype}")
+        first = first or time.perf_counter() - start
         tokens += targets.numel()
         batches += 1
     end = time.perf_counter()
     stages = {"tokenize": t_tok - start, "group": t_group - t_tok, "iterate": end - t_group}
-    return {"seconds": end - start, "tokens": tokens, "batches": batches, "stages": stages}
+    return {"seconds": end - start, "tokens": tokens, "batches": batches, "stages": stages, "first_batch_s": first}
 
 
 def run_sp_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
@@ -446,6 +449,8 @@ def build_cases(
                 "hlat",
             )
         )
+        if importlib.util.find_spec("datasets") is None:
+            continue  # main() says that the HF side was skipped
         hf = {**common, "kind": "hf", "seq_len": T}
         for num_proc in (None, 2):
             cases.append(
@@ -511,6 +516,23 @@ def prepare_in_subprocess(args: argparse.Namespace) -> Setup:
     raise RuntimeError(f"preparing the benchmark input failed:\n{proc.stderr}")
 
 
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes on the machine have used (``/proc/stat``), or None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_case(case: Case, env: dict[str, str]) -> dict[str, Any]:
     """Run one repetition of ``case`` in a fresh interpreter.
 
@@ -523,14 +545,19 @@ def run_case(case: Case, env: dict[str, str]) -> dict[str, Any]:
     """
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", json.dumps(case.spec)]
     load_before = os.getloadavg()[0]
+    busy0, own0, wall0 = _busy_cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {CHILD_TIMEOUT_S}s"}
+    busy1, own1, wall1 = _busy_cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             result = json.loads(line[len(RESULT_TAG) :])
             result["load1"] = load_before
+            if busy0 is not None and busy1 is not None:
+                # Cores kept busy by everything except this measurement (its process tree), on average.
+                result["other_cores"] = max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)
             return result
     tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or [f"exit code {proc.returncode}"]
     return {"error": tail[0][:200]}
@@ -562,8 +589,8 @@ def results_table(cases: Sequence[Case]) -> str:
     }
     lines = [
         "| pipeline | parallelism | seq_len | tokens/run | tokens/s (median) | range (min-max) | "
-        "÷ HF+sp (num_proc=None) | peak RSS MB | 1-min load before |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "÷ HF+sp (num_proc=None) | first batch (s) | peak RSS MB | other processes (cores) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cases:
         ok = [r for r in c.results if "error" not in r]
@@ -572,8 +599,10 @@ def results_table(cases: Sequence[Case]) -> str:
         ratio = f"{med / base:.2f}x" if med and base else "-"
         tokens = f"{ok[0]['tokens']:,}" if ok else "-"
         rss = f"{max(r['peak_rss_mb'] for r in ok):.0f}" if ok else "-"
-        loads = [r["load1"] for r in ok]
-        load = f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-"
+        firsts = [r["first_batch_s"] for r in ok if "first_batch_s" in r]
+        first = f"{statistics.median(firsts):.2f}" if firsts else "-"
+        others = [r["other_cores"] for r in ok if "other_cores" in r]
+        load = f"{min(others):.2f}-{max(others):.2f}" if others else "-"
         seq = str(c.seq_len) if c.seq_len else "-"
         name = c.label
         errors = [r["error"] for r in c.results if "error" in r]
@@ -581,7 +610,7 @@ def results_table(cases: Sequence[Case]) -> str:
             name += f" ({len(errors)} failed: {errors[0]})"
         lines.append(
             f"| {name} | {c.parallelism} | {seq} | {tokens} | {_fmt_rate(med)} | {_fmt_range(c.rates())} | "
-            f"{ratio} | {rss} | {load} |"
+            f"{ratio} | {first} | {rss} | {load} |"
         )
     return "\n".join(lines)
 
@@ -782,6 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             case.results.append(run_case(case, env))
     load_end = os.getloadavg()
     loads = [r["load1"] for c in cases for r in c.results if "load1" in r]
+    others = [r["other_cores"] for c in cases for r in c.results if "other_cores" in r]
 
     print(f"## Data loader throughput ({started:%Y-%m-%d %H:%M} UTC)\n")
     print(
@@ -791,14 +821,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"- load average (1/5/15 min) at start {load_start[0]:.2f}/{load_start[1]:.2f}/{load_start[2]:.2f}, "
         f"at end {load_end[0]:.2f}/{load_end[1]:.2f}/{load_end[2]:.2f}; 1-min load before each measurement "
-        f"{min(loads, default=0):.2f}-{max(loads, default=0):.2f}"
+        f"{min(loads, default=0):.2f}-{max(loads, default=0):.2f} (includes the benchmark's own previous run)"
     )
+    if others:
+        print(
+            f"- other processes kept {statistics.mean(others):.2f} cores busy on average during the measurements "
+            f"(max {max(others):.2f} in one); column 'other processes' per row"
+        )
     print(
         f"- input: {setup.documents:,} documents, {setup.megabytes:.1f} MB of text, {setup.corpus_tokens:,} tokens "
         f"(vocab {args.vocab_size}, {setup.arrow.name}, {args.record_batch_rows or 'all'} rows per record batch); "
         f"micro_batch_size={args.micro_batch_size}; "
         f"{args.repeats} repetition(s) per row, interleaved"
     )
+    if importlib.util.find_spec("datasets") is None:
+        print(
+            "- **HF side skipped**: `datasets` is not installed (pip install -c constraints.txt datasets transformers)"
+        )
     print(f"- fast tokenizer vs sentencepiece: {setup.fast_match}")
     print(f"- versions: {_versions()}; hlat/data sources sha256 {_hlat_data_digest()}")
     print(f"- wall time {time.perf_counter() - wall:.0f} s\n")

@@ -30,7 +30,7 @@ from hlat.data.tokenizer import MAX_TRAIN_CHARS, Tokenizer, load_or_train_tokeni
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
-ENCODE_ROWS = 64  # rows per tokenizer call: keeps sentencepiece's threads busy, the buffer small
+ENCODE_ROWS = 256  # rows per tokenizer call: 256 keeps both sentencepiece threads busy (64: -16% tokens/s)
 
 
 @dataclass(frozen=True)

@@ -120,13 +120,28 @@ class OnlineLoader:
             windows, self._cursor = self._stream.next_windows()
             self._busy += time.perf_counter() - t0
         else:
-            item = self._queue.get()
+            item = self._get()
             if isinstance(item, _Failure):
                 self.close()
                 raise item.exc
             windows, self._cursor, self._busy = item
         w = torch.from_numpy(windows.astype(np.int64, copy=False))
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def _get(self) -> Any:
+        """The next queue item; fails loudly (instead of waiting forever) if the worker died silently."""
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._runner.is_alive():
+                    code = getattr(self._runner, "exitcode", None)
+                    self.close()
+                    raise RuntimeError(
+                        f"the data worker ({self.worker}) exited (exit code {code}) without producing a batch. "
+                        "A spawned worker re-imports the main script: guard its entry point with "
+                        "`if __name__ == '__main__':`, or use data.worker=thread"
+                    ) from None
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch handed out, as plain Python values."""
