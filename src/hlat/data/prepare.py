@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from hlat.config import ConfigError, DataConfig
-from hlat.data.sources import ARROW_SUFFIXES, JSON_SUFFIXES, PARQUET_SUFFIXES
+from hlat.data.sources import ARROW_SUFFIXES, JSON_SUFFIXES, PARQUET_SUFFIXES, check_column
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -121,18 +121,6 @@ def _clean(value: object) -> tuple[str | None, str | None]:
     return value, None
 
 
-def _text_column(path: Path, schema: pa.Schema, column: str) -> None:
-    if column not in schema.names:
-        raise ConfigError(
-            f"--text-column={column!r} is not a column of {path}; its columns are {schema.names}; "
-            "pass --text-column with the column that holds the documents"
-        )
-    t = schema.field(column).type
-    kinds = ("string", "large_string", "string_view", "binary", "large_binary", "null")
-    if not any(getattr(pa.types, f"is_{kind}")(t) for kind in kinds):
-        raise ConfigError(f"--text-column={column!r} in {path} has type {t}, not string; pass a string column")
-
-
 def _values(array: pa.Array) -> list:
     # Bytes, decoded per value by _clean: a string column written without UTF-8 validation cannot break a batch.
     if pa.types.is_null(array.type):
@@ -174,7 +162,7 @@ def _open_parquet(path: Path, column: str) -> pq.ParquetFile:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise ConfigError(f"INPUT {path} is not a Parquet file ({err})") from err
-    _text_column(path, pf.schema_arrow, column)
+    check_column(path, pf.schema_arrow, column, key="--text-column")
     return pf
 
 
@@ -190,7 +178,7 @@ def _open_arrow(path: Path, column: str) -> Iterator[pa.RecordBatch]:
         except pa.ArrowInvalid as err:
             raise ConfigError(f"INPUT {path} is not an Arrow IPC file or stream ({err})") from err
         batches = iter(reader)
-    _text_column(path, reader.schema, column)
+    check_column(path, reader.schema, column, key="--text-column")
     return batches
 
 

@@ -101,7 +101,7 @@ def _read_arrow(path: Path, text_column: str) -> pa.Table:
             reader = pa.ipc.open_stream(source)
         except pa.ArrowInvalid as err:
             raise ConfigError(f"data.path: {path} is not an Arrow IPC file or stream ({err}); {_FIX_PATH}") from err
-    _check_column(path, reader.schema, text_column)
+    check_column(path, reader.schema, text_column)
     return reader.read_all().select([text_column])
 
 
@@ -110,7 +110,7 @@ def _read_parquet(path: Path, text_column: str) -> pa.Table:
         schema = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise ConfigError(f"data.path: {path} is not a Parquet file ({err}); {_FIX_PATH}") from err
-    _check_column(path, schema, text_column)
+    check_column(path, schema, text_column)
     # Parquet is compressed, so it is decoded into memory; `hlat data prepare` converts a corpus larger
     # than RAM into memory-mappable Arrow IPC. Only the text column is read.
     return pq.read_table(path, columns=[text_column])
@@ -124,7 +124,7 @@ def _read_jsonl(path: Path, text_column: str) -> pa.Table:
             f"data.path: {path} could not be read as JSON Lines ({err}); a .json/.jsonl file must hold one "
             f"JSON object per line with the documents under the key data.text_column={text_column!r}"
         ) from err
-    _check_column(path, table.schema, text_column)
+    check_column(path, table.schema, text_column)
     return table.select([text_column])
 
 
@@ -141,17 +141,18 @@ def _is_text_type(t: pa.DataType) -> bool:
     )
 
 
-def _check_column(path: Path, schema: pa.Schema, text_column: str) -> None:
+def check_column(path: Path, schema: pa.Schema, text_column: str, key: str = "data.text_column") -> None:
+    """Raise a ConfigError naming ``key`` unless ``schema`` has ``text_column`` of a text or binary type."""
     if text_column not in schema.names:
         raise ConfigError(
-            f"data.text_column={text_column!r} is not a column of {path}; its columns are {schema.names}; "
-            "set data.text_column to the one that holds the documents"
+            f"{key}={text_column!r} is not a column of {path}; its columns are {schema.names}; "
+            f"set {key} to the one that holds the documents"
         )
     t = schema.field(text_column).type
     if not _is_text_type(t):
         raise ConfigError(
-            f"data.text_column={text_column!r} in {path} has type {t}, not string or binary; "
-            "set data.text_column to a string column holding the documents"
+            f"{key}={text_column!r} in {path} has type {t}, not string or binary; "
+            f"set {key} to a string column holding the documents"
         )
 
 
