@@ -97,14 +97,22 @@ def test_lines_mode_makes_one_document_per_non_blank_line(tmp_path):
         prepare([path], tmp_path / "whole", progress=False)
 
 
-def test_arrow_input_and_other_column(tmp_path):
+@pytest.mark.parametrize("writer", [pa.ipc.new_stream, pa.ipc.new_file])  # HF's stream format and the file format
+def test_arrow_input_and_other_column(tmp_path, writer):
     table = pa.table({"id": [1, 2, 3], "body": ["alpha", None, "gamma"]})
     path = tmp_path / "in.arrow"
-    with pa.OSFile(str(path), "wb") as fh, pa.ipc.new_stream(fh, table.schema) as writer:  # the stream format
-        writer.write_table(table)
+    with pa.OSFile(str(path), "wb") as fh, writer(fh, table.schema) as w:
+        w.write_table(table)
     report = prepare([path], tmp_path / "out", text_column="body", progress=False)
     assert _read_shards(tmp_path / "out") == ["alpha", "gamma"]
     assert report.skipped == {"null": 1}
+
+
+def test_arrow_input_that_is_not_arrow(tmp_path):
+    path = tmp_path / "fake.arrow"
+    path.write_bytes(b"not arrow at all")
+    with pytest.raises(ConfigError, match=r"INPUT: .*fake\.arrow is not an Arrow IPC file or stream"):
+        prepare([path], tmp_path / "out", progress=False)
 
 
 def test_prepare_refuses_bad_input_cleanly(inputs, tmp_path):

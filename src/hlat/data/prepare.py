@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from hlat.config import ConfigError, DataConfig
-from hlat.data.sources import ARROW_SUFFIXES, JSON_SUFFIXES, PARQUET_SUFFIXES, check_column
+from hlat.data.sources import ARROW_SUFFIXES, JSON_SUFFIXES, PARQUET_SUFFIXES, check_column, open_ipc
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -167,19 +167,11 @@ def _open_parquet(path: Path, column: str) -> pq.ParquetFile:
 
 
 def _open_arrow(path: Path, column: str) -> Iterator[pa.RecordBatch]:
-    source = pa.memory_map(str(path))
-    try:
-        reader = pa.ipc.open_file(source)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    except pa.ArrowInvalid:
-        source.seek(0)
-        try:
-            reader = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid as err:
-            raise ConfigError(f"INPUT {path} is not an Arrow IPC file or stream ({err})") from err
-        batches = iter(reader)
+    reader = open_ipc(path, key="INPUT")
     check_column(path, reader.schema, column, key="--text-column")
-    return batches
+    if isinstance(reader, pa.ipc.RecordBatchFileReader):
+        return (reader.get_batch(i) for i in range(reader.num_record_batches))
+    return iter(reader)
 
 
 def check_input(path: Path, column: str) -> None:

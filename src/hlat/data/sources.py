@@ -88,19 +88,28 @@ def resolve_files(path: Path | str) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(path).as_posix())
 
 
-def _read_arrow(path: Path, text_column: str) -> pa.Table:
-    # Memory-mapped and zero-copy: the table's buffers point into the page cache, so a corpus larger
-    # than RAM costs address space, not memory. Both IPC flavours are common: the random-access "file"
-    # format (pyarrow.feather, polars, `hlat data prepare`) and the "stream" format (HF datasets).
+def open_ipc(path: Path, key: str = "data.path") -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
+    """Open a memory-mapped Arrow IPC file or stream; a ConfigError names ``key`` if it is neither.
+
+    Both IPC flavours are common: the random-access "file" format (pyarrow.feather, polars, ``hlat data
+    prepare``) and the "stream" format (HF datasets).
+    """
     source = pa.memory_map(str(path))
     try:
-        reader = pa.ipc.open_file(source)
+        return pa.ipc.open_file(source)
     except pa.ArrowInvalid:
         source.seek(0)
         try:
-            reader = pa.ipc.open_stream(source)
+            return pa.ipc.open_stream(source)
         except pa.ArrowInvalid as err:
-            raise ConfigError(f"data.path: {path} is not an Arrow IPC file or stream ({err}); {_FIX_PATH}") from err
+            fix = f"; {_FIX_PATH}" if key == "data.path" else ""
+            raise ConfigError(f"{key}: {path} is not an Arrow IPC file or stream ({err}){fix}") from err
+
+
+def _read_arrow(path: Path, text_column: str) -> pa.Table:
+    # Memory-mapped and zero-copy: the table's buffers point into the page cache, so a corpus larger
+    # than RAM costs address space, not memory.
+    reader = open_ipc(path)
     check_column(path, reader.schema, text_column)
     return reader.read_all().select([text_column])
 
