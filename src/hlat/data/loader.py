@@ -30,6 +30,8 @@ from hlat.data.tokenizer import MAX_TRAIN_CHARS, Tokenizer, load_or_train_tokeni
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
+START = {"epoch": 0, "position": 0, "offset": 0, "documents": 0, "skipped": 0, "batches": 0}
+"""The cursor of a fresh stream (see ``PackedStream.cursor``)."""
 ENCODE_ROWS = 256  # rows per tokenizer call: 256 keeps both sentencepiece threads busy (64: -16% tokens/s)
 
 
@@ -49,7 +51,8 @@ class StreamSpec:
     dp_size: int
 
 
-def _identity(spec: StreamSpec, source: TextSource, tokenizer: Tokenizer) -> dict[str, Any]:
+def stream_identity(spec: StreamSpec, source: TextSource, tokenizer: Tokenizer) -> dict[str, Any]:
+    """What a saved stream position is only valid for: seed, shuffle, rank layout, data and tokenizer."""
     return {"seed": spec.seed, "shuffle": spec.shuffle, "dp_rank": spec.dp_rank, "dp_size": spec.dp_size,
             "data": source.fingerprint, "tokenizer": tokenizer.fingerprint}  # fmt: skip
 
@@ -74,6 +77,11 @@ def check_identity(saved: dict[str, Any], current: dict[str, Any]) -> None:
         raise ConfigError("cannot resume the data stream exactly: " + "; ".join(diffs))
 
 
+def rows_per_rank(num_rows: int, dp_rank: int, dp_size: int) -> int:
+    """Rows rank ``dp_rank`` reads per epoch: positions ``dp_rank, dp_rank + dp_size, ...`` below ``num_rows``."""
+    return (num_rows - dp_rank + dp_size - 1) // dp_size
+
+
 class PackedStream:
     """Synchronous producer of packed windows for one rank (the worker runs one of these).
 
@@ -87,16 +95,14 @@ class PackedStream:
 
     def __init__(self, spec: StreamSpec, source: TextSource, tokenizer: Tokenizer, cursor: dict | None = None) -> None:
         self.spec, self.source, self.tokenizer = spec, source, tokenizer
-        self.per_epoch = (len(source) - spec.dp_rank + spec.dp_size - 1) // spec.dp_size  # rows of this rank
+        self.per_epoch = rows_per_rank(len(source), spec.dp_rank, spec.dp_size)
         if self.per_epoch == 0:
             raise ConfigError(f"the data has {len(source)} rows, fewer than the {spec.dp_size} data-parallel ranks; "
                               "point data.path at more data or use fewer ranks")  # fmt: skip
-        c = cursor or {}
-        self.epoch, self.position = int(c.get("epoch", 0)), int(c.get("position", 0))
-        self.documents, self.skipped = int(c.get("documents", 0)), int(c.get("skipped", 0))
-        self.batches = int(c.get("batches", 0))
-        self._skip = int(c.get("offset", 0))  # tokens of the first document already trained on
-        self._epoch_tokens = 0
+        c = {**START, **(cursor or {})}
+        self.epoch, self.position, self.batches = int(c["epoch"]), int(c["position"]), int(c["batches"])
+        self.documents, self.skipped = int(c["documents"]), int(c["skipped"])
+        self._skip = int(c["offset"])  # tokens of the first document already trained on
         self._perm: Permutation | None = None
         self._perm_epoch = -1
         self.packer = Packer(spec.seq_len, tokenizer.eos_id)
@@ -112,12 +118,12 @@ class PackedStream:
     def _feed(self) -> None:
         """Read, tokenize and pack the next few rows of this rank's stream."""
         if self.position >= self.per_epoch:
-            if self._epoch_tokens == 0 and self.documents == 0:
+            if self.documents == 0:  # a whole epoch of this rank's rows and not one document
                 raise ConfigError(
                     f"every row of data-parallel rank {self.spec.dp_rank}'s share of {self.spec.data_path} is null, "
                     "blank or not UTF-8; check data.path and data.text_column"
                 )
-            self.epoch, self.position, self._epoch_tokens = self.epoch + 1, 0, 0
+            self.epoch, self.position = self.epoch + 1, 0
         hi = min(self.position + ENCODE_ROWS, self.per_epoch)
         texts, tags = [], []
         for pos, doc in zip(range(self.position, hi), self.source.get(self._rows(self.position, hi)), strict=True):
@@ -129,9 +135,7 @@ class PackedStream:
             self.documents += 1
         self.position = hi
         if texts:
-            ids = self.tokenizer.encode(texts)
-            self._epoch_tokens += sum(len(x) for x in ids)
-            self.packer.add(ids, tags, skip=self._skip)
+            self.packer.add(self.tokenizer.encode(texts), tags, skip=self._skip)
             self._skip = 0
 
     def next_windows(self) -> tuple[np.ndarray, dict[str, int]]:
@@ -151,10 +155,6 @@ class PackedStream:
         (epoch, position, documents, skipped), offset = at
         return {"epoch": epoch, "position": position, "offset": offset, "documents": documents,
                 "skipped": skipped, "batches": self.batches}  # fmt: skip
-
-    def epochs_done(self, cursor: dict[str, int]) -> float:
-        """Fractional epochs of this rank's stream before ``cursor``."""
-        return cursor["epoch"] + cursor["position"] / self.per_epoch
 
 
 def tokenizer_sample(source: TextSource) -> list[str]:

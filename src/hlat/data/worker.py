@@ -18,7 +18,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hlat.data.loader import STATE_VERSION, PackedStream, StreamSpec, _identity, check_identity
+from hlat.data.loader import (
+    START,
+    STATE_VERSION,
+    PackedStream,
+    StreamSpec,
+    check_identity,
+    rows_per_rank,
+    stream_identity,
+)
 from hlat.data.sources import TextSource
 from hlat.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -80,7 +88,7 @@ class OnlineLoader:
                  prefetch: int = 4) -> None:  # fmt: skip
         self.spec, self.source, self.tokenizer = spec, source, tokenizer
         self.worker, self.prefetch = worker, prefetch
-        self._identity = _identity(spec, source, tokenizer)
+        self._identity = stream_identity(spec, source, tokenizer)
         self._cursor: dict[str, int] | None = None  # after the last consumed batch; None = start
         self._busy = 0.0
         self._stream: PackedStream | None = None
@@ -145,8 +153,7 @@ class OnlineLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch handed out, as plain Python values."""
-        cursor = self._cursor or PackedStream(self.spec, self.source, self.tokenizer).cursor()
-        return {"version": STATE_VERSION, **self._identity, **cursor}
+        return {"version": STATE_VERSION, **self._identity, **(self._cursor or START)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the batch at which ``state`` was taken (restarts a running worker).
@@ -156,13 +163,13 @@ class OnlineLoader:
         """
         check_identity(state, self._identity)
         self.close()
-        self._cursor = {k: int(state[k]) for k in ("epoch", "position", "offset", "documents", "skipped", "batches")}
+        self._cursor = {k: int(state[k]) for k in START}
 
     def stats(self) -> dict[str, float]:
         """Loader metrics as of the last consumed batch (host values, for the trackers)."""
-        c = self._cursor or {"epoch": 0, "position": 0, "documents": 0, "skipped": 0, "batches": 0}
+        c = self._cursor or START
         tokens = c["batches"] * self.spec.micro_batch_size * self.spec.seq_len
-        per_epoch = (len(self.source) - self.spec.dp_rank + self.spec.dp_size - 1) // self.spec.dp_size
+        per_epoch = rows_per_rank(len(self.source), self.spec.dp_rank, self.spec.dp_size)
         return {
             "data/documents_consumed": float(c["documents"]),
             "data/skipped_documents": float(c["skipped"]),
