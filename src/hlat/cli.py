@@ -1,7 +1,7 @@
 """The ``hlat`` command: ``hlat train [overrides]``, ``hlat summary [overrides]`` and ``hlat data ...``.
 
 ``train`` and ``summary`` take Hydra overrides exactly like ``python train.py`` (``hlat train model=small
-precision=bf16``). ``hlat data prepare`` converts raw corpora into memory-mappable Arrow shards and
+precision=bf16_sr``). ``hlat data prepare`` converts raw corpora into memory-mappable Arrow shards and
 ``hlat data tokenizer`` trains a sentencepiece model; both are plain argparse subcommands.
 """
 

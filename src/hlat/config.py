@@ -157,19 +157,67 @@ class OptimizerConfig(_Frozen):
 
 @dataclass
 class PrecisionConfig(_Frozen):
-    """Backend-neutral numeric policy (``conf/precision/``); each backend translates it."""
+    """Backend-neutral numeric policy (``conf/precision/``); each backend translates it (PAPER.md, "Precision").
+
+    The presets: ``fp32``; ``bf16`` (pure: bf16 parameters, gradients and AdamW moments, round-to-nearest-even);
+    ``bf16_sr`` (the same, with every bf16 write of the optimizer stochastically rounded, as Trainium does);
+    ``master_weights`` (bf16 parameters and compute, fp32 master copy and moments in the optimizer);
+    ``autocast`` (fp32 parameters, bf16 matmuls).
+    """
 
     name: str = "fp32"
     """Preset name."""
     param_dtype: str = "float32"
-    """Storage dtype of the parameters."""
+    """Storage dtype of the model's parameters (and of their gradients)."""
     compute_dtype: str = "float32"
-    """Dtype of matmuls in forward/backward (autocast on the torch backend)."""
+    """Dtype of the matmuls in forward and backward; bfloat16 with float32 parameters means autocast."""
+    master_weights: bool = False
+    """Keep an fp32 master copy of the bf16 parameters, and fp32 AdamW moments, in the optimizer; the update is
+    made on the master and copied into the bf16 parameters. Needs param_dtype=bfloat16."""
+    stochastic_rounding: bool = False
+    """Write every bf16 tensor the optimizer updates (parameters, and the moments unless master_weights) with
+    stochastic rounding instead of round-to-nearest-even; seeded by train.seed. Needs param_dtype=bfloat16."""
+    fp32_grad_accum: bool = True
+    """Accumulate gradients over micro-batches in fp32 buffers. Always true with float32 parameters."""
+    fp32_reduce: bool = True
+    """All-reduce gradients (and tensor-parallel partial sums) in fp32. Always true with float32 parameters."""
+    fp32_softmax_ce: bool = True
+    """Softmax and cross-entropy over the vocabulary in fp32. Attention's softmax runs inside the fused attention
+    kernel (SDPA on torch), which keeps its running max and sum in fp32 for bf16 inputs in either case. Always true
+    with float32 compute."""
 
     def __post_init__(self) -> None:
         _check_choice("precision.param_dtype", self.param_dtype, DTYPES)
         _check_choice("precision.compute_dtype", self.compute_dtype, DTYPES)
+        low = self.param_dtype != "float32"
+        _check(
+            not (low and self.compute_dtype == "float32"),
+            f"precision.param_dtype={self.param_dtype} with precision.compute_dtype=float32: matmuls on "
+            "low-precision weights cannot run in fp32; use precision=autocast (fp32 weights, bf16 matmuls) or fp32",
+        )
+        for key in ("master_weights", "stochastic_rounding"):
+            _check(
+                low or not getattr(self, key),
+                f"precision.{key}=true needs precision.param_dtype=bfloat16 (with float32 parameters there is "
+                f"nothing to round or copy); use precision=master_weights or precision=bf16_sr",
+            )
+        for key, needs in (
+            ("fp32_grad_accum", low),
+            ("fp32_reduce", low),
+            ("fp32_softmax_ce", self.compute_dtype != "float32"),
+        ):
+            _check(
+                needs or getattr(self, key),
+                f"precision.{key}=false cannot be honoured with precision.param_dtype={self.param_dtype} and "
+                f"precision.compute_dtype={self.compute_dtype}: that work is already in fp32; leave {key}=true "
+                "or pick a bf16 preset",
+            )
         self._freeze()
+
+    @property
+    def optimizer_dtype(self) -> str:
+        """Storage dtype of the AdamW moments: fp32 with master weights or fp32 parameters, else the param dtype."""
+        return "float32" if self.master_weights else self.param_dtype
 
 
 @dataclass
@@ -243,6 +291,10 @@ class ParallelismConfig(_Frozen):
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    zero1: bool = False
+    """ZeRO-1: shard the optimizer states (and fp32 master weights) over the data-parallel ranks. Required on the
+    neuron backend by precision.master_weights and precision.fp32_grad_accum with bf16 parameters (NxD keeps both
+    inside its ZeRO-1 optimizer)."""
 
     def __post_init__(self) -> None:
         _check(self.tp >= 1 and self.pp >= 1, f"parallelism.tp={self.tp} and parallelism.pp={self.pp} must be >= 1")

@@ -10,14 +10,15 @@ from torch import nn
 
 from hlat.backends.base import Backend
 from hlat.loop import StepOutput, TrainState
+from hlat.precision import global_norm
 
 Rows = list[tuple[int, dict[str, float]]]
 """Metric rows ``(step, {name: value})`` in step order."""
 
 
 def param_norm(model: nn.Module) -> torch.Tensor:
-    """Global L2 norm of all parameters, as a device tensor."""
-    return torch.nn.utils.get_total_norm([p.detach() for p in model.parameters()], foreach=True)
+    """Global L2 norm of all parameters, as a device tensor (accumulated in fp32 for bf16 parameters)."""
+    return global_norm([p.detach() for p in model.parameters()])
 
 
 class MetricsLogger:

@@ -143,6 +143,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
 
+    @torch.no_grad()
+    def init_rope(self) -> None:
+        """(Re)compute the rotary tables in fp32; call again after casting the model to bf16 (``.to`` casts buffers)."""
+        cfg = self.cfg
+        self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
@@ -155,9 +161,7 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Initialize every parameter and buffer in place (after ``to_empty`` when built on meta)."""
         cfg = self.cfg
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.init_rope()
         nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.init_std)
         for layer in self.layers:
             layer.init_weights(cfg.init_std, cfg.scaled_init)

@@ -23,6 +23,7 @@ from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan import GiB, check_fits, estimate_memory
+from hlat.precision import bytes_per_param
 from hlat.provenance import write_provenance
 from hlat.trackers import History, ProgressBar, build_tracker
 
@@ -61,13 +62,15 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
     """A few lines describing the run before it starts."""
     t = cfg.train
     tokens = t.global_batch_size * t.seq_len
+    opt = "AdamW + master" if cfg.precision.master_weights else "AdamW"
     return (
-        f"model={cfg.model.name}: {n_params / 1e6:,.1f}M parameters | precision={cfg.precision.name} | "
+        f"model={cfg.model.name}: {n_params / 1e6:,.1f}M parameters | precision={cfg.precision.name} "
+        f"({bytes_per_param(cfg.precision).total} bytes/parameter) | "
         f"world {dims.world_size} (tp {dims.tp}, pp {dims.pp}, dp {dims.dp})\n"
         f"batch: {t.global_batch_size} x {t.seq_len} = {tokens:,} tokens/step, micro-batch {t.micro_batch_size}, "
         f"grad accumulation {dims.grad_accum(t)} | {t.steps:,} steps = {tokens * t.steps / 1e9:,.3f}B tokens\n"
         f"memory per rank: ~{est.total / GiB:.2f} GiB (weights {est.params / GiB:.2f}, grads {est.grads / GiB:.2f}, "
-        f"AdamW {est.optimizer / GiB:.2f}, activations {est.activations / GiB:.2f}) of {budget / GiB:.1f} GiB available"
+        f"{opt} {est.optimizer / GiB:.2f}, activations {est.activations / GiB:.2f}) of {budget / GiB:.1f} GiB available"
     )
 
 
@@ -89,7 +92,8 @@ def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: 
     tracker, mlflow_tracker = build_tracker(
         cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra
     )
-    tracker.log_params(flatten(OmegaConf.to_container(hydra_cfg, resolve=True)))
+    params = flatten(OmegaConf.to_container(hydra_cfg, resolve=True))
+    tracker.log_params(params | bytes_per_param(cfg.precision).as_params())
     for f in files:
         tracker.log_artifact(f)
     return tracker, mlflow_tracker

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hlat.config import ConfigError
 from hlat.run import main
@@ -128,11 +129,13 @@ def test_hlat_summary_console_script(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16_sr", "master_weights"])
+def test_resume_continues_exactly(tmp_path: Path, cache_dir: Path, monkeypatch, precision: str) -> None:
     monkeypatch.chdir(tmp_path)
-    # decay_steps pins the schedule, so the 3-step first leg sees the 6-step run's learning rates.
+    # decay_steps pins the schedule, so the 3-step first leg sees the 6-step run's learning rates. Under bf16_sr the
+    # rounding is reseeded per step and master_weights' fp32 copies come back as fp32: both resume bit-identically.
     common = [*SMALL_RUN, "train.steps=6", "train.log_every=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=4",
-              f"data.cache_dir={cache_dir}", "tracker=console"]  # fmt: skip
+              f"data.cache_dir={cache_dir}", "tracker=console", f"precision={precision}"]  # fmt: skip
     full = main(compose_cfg(*common), run_dir=tmp_path / "full").history.series("train/loss")
     main(compose_cfg(*common, "train.steps=3"), run_dir=tmp_path / "first")
     assert (tmp_path / "first" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
@@ -160,3 +163,18 @@ def test_own_jsonl_data_with_a_trained_tokenizer(tmp_path: Path, monkeypatch) ->
     assert result.history.series("train/loss")[0][1] == pytest.approx(math.log(512), abs=0.3)
     with pytest.raises(ConfigError, match=r"data\.text_column"):
         main(compose_cfg(*overrides, "data.text_column=missing"), run_dir=tmp_path / "bad")
+
+
+def test_precision_ablation_sweep_composes_every_arm(tmp_path: Path) -> None:
+    r = cli("-m", "--config-dir", str(ROOT / "sweeps"), "--config-name", "precision_ablation", "train.dry_run=true",
+            f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    summaries = [line for line in r.stdout.splitlines() if line.startswith("model=tiny")]
+    assert [s.split("precision=")[1].split()[0] for s in summaries] == [
+        "fp32", "bf16", "bf16_sr", "master_weights", "bf16_sr",
+    ]  # fmt: skip
+    r = cli("--config-dir", str(ROOT / "sweeps"), "--config-name", "precision_ablation",
+            "+precision_arm=bf16_sr_beta2_0.99", "--cfg", "job", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    job = yaml.safe_load(r.stdout)
+    assert (job["precision"]["name"], job["optimizer"]["beta2"], job["train"]["steps"]) == ("bf16_sr", 0.99, 600)

@@ -1,4 +1,10 @@
-"""The PyTorch backend for CPU and CUDA (single process for now)."""
+"""The PyTorch backend for CPU and CUDA (single process for now).
+
+Precision (``hlat.precision``): bf16 parameters are a cast of the fp32 initialization, updated by
+``PrecisionAdamW`` (fp32 math, round-to-nearest or stochastic writes, optional fp32 master copy); fp32 parameters
+with bf16 compute use autocast; ``fp32_grad_accum`` accumulates bf16 gradients into fp32 buffers;
+``fp32_softmax_ce`` runs the cross-entropy on fp32 logits. ``fp32_reduce`` needs no action in a single process.
+"""
 
 from __future__ import annotations
 
@@ -15,19 +21,18 @@ from torch import nn
 from hlat.backends.base import Env
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, PrecisionConfig
 from hlat.parallel import ParallelDims
-
-DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of
 
 
 class TorchBackend:
-    """Eager PyTorch: autocast for lower-precision compute, ``torch.optim.AdamW``, host fetch via ``.tolist()``."""
+    """Eager PyTorch: bf16 parameters or autocast, AdamW with the precision policy, host fetch via ``.tolist()``."""
 
     name = "torch"
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
-        self.param_dtype = torch.float32
-        self.compute_dtype = torch.float32
+        self.precision = PrecisionConfig()
+        self.seed = 0
 
     def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -39,8 +44,8 @@ class TorchBackend:
         if cluster.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("cluster.device=cuda but torch sees no CUDA device; use cluster=cpu")
         self.device = torch.device(cluster.device)
-        self.param_dtype = DTYPE[precision.param_dtype]
-        self.compute_dtype = DTYPE[precision.compute_dtype]
+        self.precision = precision
+        self.seed = seed
         if cluster.num_threads is not None:
             torch.set_num_threads(cluster.num_threads)
         torch.manual_seed(seed)
@@ -59,27 +64,36 @@ class TorchBackend:
         with torch.device("meta"):
             model = model_fn()
         model.to_empty(device=self.device)
-        model.init_weights()
-        return model.to(self.param_dtype)
+        model.init_weights()  # in fp32, so every precision mode starts from the same weights (rounded for bf16)
+        p = self.precision
+        if p.param_dtype != "float32":
+            model.to(DTYPE[p.param_dtype])
+            model.init_rope()  # .to() cast the rotary tables too; they stay fp32
+            if p.fp32_grad_accum:
+                attach_fp32_grad_accum(model)
+        return model
 
     def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        # foreach kernels are the fastest option on CPU and CUDA; fused exists only on CUDA.
-        return torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True
-        )
+        return build_optimizer(groups, cfg, self.precision, self.seed)
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-        autocast = self.compute_dtype != self.param_dtype
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+        p = self.precision
+        autocast = p.param_dtype == "float32" and p.compute_dtype != "float32"
+        with torch.autocast(self.device.type, dtype=DTYPE[p.compute_dtype], enabled=autocast):
             logits = model(inputs)  # (B, T, V)
-        # Cross-entropy in fp32: softmax over a 32k vocabulary loses accuracy in bf16 (PAPER.md, "Precision").
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        # fp32 softmax/CE by default: over a 32k vocabulary bf16 loses accuracy (PAPER.md, "Precision").
+        logits = logits.float() if p.fp32_softmax_ce else logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).float()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        grads = [g for g in map(grad_of, model.parameters()) if g is not None]
+        norm = global_norm(grads)
         if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], foreach=True)
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # no host sync: multiply by 1 when under the limit
+            for g in grads:
+                g.mul_(coef)
+        return norm
 
     def step_end(self) -> None:
         pass

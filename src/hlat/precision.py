@@ -1,0 +1,273 @@
+"""Precision policies on the torch backend: stochastic rounding, fp32 grad accumulation, a low-precision AdamW.
+
+Also the memory each mode costs per parameter (``bytes_per_param``), for the planner and the run's parameters.
+
+Trainium rounds fp32 -> bf16 stochastically in hardware (``NEURON_RT_STOCHASTIC_ROUNDING_EN=1``); no GPU or CPU does.
+Here the optimizer computes its update in fp32 and writes each bf16 tensor it owns through ``round_to_bf16_``, with
+round-to-nearest-even (``precision=bf16``) or stochastic rounding (``precision=bf16_sr``), so the three bf16 modes
+differ only in where the update lands and how it is rounded: forward and backward are the same bf16 code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim.adamw import adamw as functional_adamw  # torch.optim deletes the submodule name
+
+from hlat.config import OptimizerConfig, PrecisionConfig
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_BYTES = {"float32": 4, "bfloat16": 2}
+_LOW16 = 0xFFFF
+_HIGH16 = -0x10000  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 bf16 mantissa bits
+
+
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16, up or down with probability proportional to the distance to the two neighbours.
+
+    bf16 is the upper 16 bits of fp32. Adding a uniform random integer in [0, 2^16) to the bit pattern and then
+    truncating the lower 16 bits carries into the kept bits with probability (lower bits) / 2^16, which is exactly
+    the distance to the lower neighbour over the gap (the same trick as torchao's ``_fp32_to_bf16_sr``). The pattern
+    is sign-magnitude, so negative values round in magnitude the same way; a carry out of the mantissa moves to the
+    next binade, and inf and the canonical NaN are left unchanged. E[result] == x: the rounding is unbiased.
+
+    Args:
+        x: An fp32 tensor.
+        generator: Random source on ``x.device``; seed it for reproducible rounding.
+
+    Returns:
+        A new bf16 tensor of ``x``'s shape.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round_bf16 takes float32, got {x.dtype}")
+    n = x.numel()
+    # random_() on int64 yields 63 random bits: two int32 halves per draw, which halves the generator's work.
+    bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=x.device).random_(generator=generator)
+    bits = bits.view(torch.int32)[:n].view(x.shape)
+    bits.bitwise_and_(_LOW16).add_(x.contiguous().view(torch.int32)).bitwise_and_(_HIGH16)
+    return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
+def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Write fp32 ``src`` into bf16 ``dst``: stochastically if ``generator`` is given, else round-to-nearest-even."""
+    dst.copy_(stochastic_round_bf16(src, generator) if generator is not None else src)
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer uses: the fp32 accumulation buffer when there is one, else ``p.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all ``tensors`` as a 0-d fp32 device tensor, accumulated in fp32 also for bf16 inputs."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]))
+
+
+def attach_fp32_grad_accum(model: nn.Module) -> None:
+    """Accumulate each low-precision parameter's gradient into an fp32 ``main_grad`` across micro-batches.
+
+    A hook runs as soon as autograd has accumulated a micro-batch's gradient into ``p.grad`` (bf16): it adds it to
+    ``p.main_grad`` (fp32) and frees ``p.grad``, so at most one micro-batch gradient per parameter is ever in bf16.
+    Megatron and NxD (``use_fp32_grad_acc``) do the same. ``PrecisionAdamW.zero_grad`` clears the buffers.
+    """
+
+    def accumulate(p: torch.Tensor) -> None:
+        if p.main_grad is None:
+            p.main_grad = p.grad.float()
+        else:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.main_grad = None
+            p.register_post_accumulate_grad_hook(accumulate)
+
+
+def _chunks(params: list[torch.Tensor], max_numel: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of ``params`` of at most ``max_numel`` elements (a larger tensor is a run of its own)."""
+    run: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        if run and size + p.numel() > max_numel:
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += p.numel()
+    if run:
+        yield run
+
+
+class PrecisionAdamW(torch.optim.Optimizer):
+    """AdamW for low-precision parameters: the update is computed in fp32, then written to each storage dtype.
+
+    Per parameter the state holds ``step``, ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype``, and with
+    ``master_weights`` an fp32 ``master`` copy. A step upcasts the stored tensors of a chunk of parameters, runs
+    PyTorch's own functional AdamW (``torch.optim.adamw.adamw``, foreach) on the fp32 copies, and writes back every
+    tensor whose storage is bf16 with round-to-nearest-even or, with ``stochastic_rounding``, with
+    ``stochastic_round_bf16`` from a generator reseeded from (seed, step), so a resumed run rounds exactly as an
+    uninterrupted one. The math is therefore torch's AdamW to the bit; only the storage rounding differs by mode.
+
+    Args:
+        params: Parameters or parameter groups (as for ``torch.optim.AdamW``).
+        lr: Learning rate.
+        betas: (beta1, beta2).
+        eps: Denominator epsilon.
+        weight_decay: Decoupled weight decay.
+        master_weights: Keep fp32 master copies (and fp32 moments).
+        state_dtype: Storage dtype of the moments when there are no master weights.
+        stochastic_rounding: Round bf16 writes stochastically.
+        seed: Seed of the rounding (the run's train.seed).
+        chunk_numel: Parameters are updated in chunks of about this many elements, which bounds the fp32 copies.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        *,
+        master_weights: bool,
+        state_dtype: torch.dtype,
+        stochastic_rounding: bool,
+        seed: int,
+        chunk_numel: int = 1 << 25,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.master_weights = master_weights
+        self.state_dtype = torch.float32 if master_weights else state_dtype
+        self.stochastic_rounding = stochastic_rounding
+        self.seed = seed
+        self.chunk_numel = chunk_numel
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            if self.master_weights:
+                st["master"] = p.detach().to(torch.float32, copy=True)
+        return st
+
+    def _generator(self, device: torch.device, step: int) -> torch.Generator | None:
+        if not self.stochastic_rounding:
+            return None
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        # One stream per (seed, step): reproducible and independent of how many steps this process has run.
+        gen.manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
+        return gen
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """One AdamW update of every parameter that has a gradient."""
+        if closure is not None:
+            raise ValueError("PrecisionAdamW.step takes no closure")
+        gens: dict[torch.device, torch.Generator | None] = {}
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            params = [p for p in group["params"] if grad_of(p) is not None]
+            for chunk in _chunks(params, self.chunk_numel):
+                states = [self._state(p) for p in chunk]
+                device = chunk[0].device
+                if device not in gens:
+                    gens[device] = self._generator(device, int(states[0]["step"]))
+                gen = gens[device]
+                # .float() is the tensor itself when it is already fp32: torch's AdamW then updates it in place.
+                weights = [
+                    st["master"] if self.master_weights else p.float() for p, st in zip(chunk, states, strict=True)
+                ]
+                m = [st["exp_avg"].float() for st in states]
+                v = [st["exp_avg_sq"].float() for st in states]
+                functional_adamw(
+                    weights, [grad_of(p).float() for p in chunk], m, v, [], [st["step"] for st in states],
+                    foreach=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                )  # fmt: skip
+                for p, st, w, m32, v32 in zip(chunk, states, weights, m, v, strict=True):
+                    if p.dtype != torch.float32:
+                        round_to_bf16_(p, w, gen)
+                    if self.state_dtype != torch.float32:
+                        round_to_bf16_(st["exp_avg"], m32, gen)
+                        round_to_bf16_(st["exp_avg_sq"], v32, gen)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` and the fp32 accumulation buffers."""
+        super().zero_grad(set_to_none=set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad = None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore state keeping each saved tensor's dtype.
+
+        ``torch.optim.Optimizer`` casts floating state to its parameter's dtype, which would turn fp32 masters and
+        moments of bf16 parameters into bf16.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params, strict=True):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key != "step" and torch.is_tensor(value):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
+
+def build_optimizer(
+    groups: list[dict], cfg: OptimizerConfig, precision: PrecisionConfig, seed: int
+) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` for fp32 parameters (foreach kernels), ``PrecisionAdamW`` for bf16 ones."""
+    if precision.param_dtype == "float32":
+        return torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True
+        )
+    return PrecisionAdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        master_weights=precision.master_weights, state_dtype=DTYPE[precision.optimizer_dtype],
+        stochastic_rounding=precision.stochastic_rounding, seed=seed,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Training-state bytes per parameter under a precision mode, before any sharding."""
+
+    params: int
+    """The model's parameters."""
+    grads: int
+    """Gradients (the fp32 accumulation buffer when there is one)."""
+    optimizer: int
+    """AdamW's two moments."""
+    master: int
+    """The fp32 master copy (0 without master weights)."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.master
+
+    def as_params(self) -> dict[str, int]:
+        """Flat run parameters for the tracker."""
+        return {f"memory.bytes_per_param.{k}": v for k, v in vars(self).items()} | {
+            "memory.bytes_per_param.total": self.total
+        }
+
+
+def bytes_per_param(p: PrecisionConfig) -> BytesPerParam:
+    """Memory accounting of a mode: fp32 16 B, bf16 / bf16_sr 8 B (10 with fp32_grad_accum), master_weights 18 B."""
+    low = p.param_dtype != "float32"
+    return BytesPerParam(
+        params=_BYTES[p.param_dtype],
+        grads=4 if (p.fp32_grad_accum or not low) else _BYTES[p.param_dtype],
+        optimizer=2 * _BYTES[p.optimizer_dtype],
+        master=4 if p.master_weights else 0,
+    )
