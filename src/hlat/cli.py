@@ -20,6 +20,8 @@ commands:
   summary   validate, count parameters on the meta device, estimate memory, and exit (train.dry_run=true)
   data      prepare data: `hlat data prepare INPUT... --output DIR`, `hlat data tokenizer --data PATH ...`
             (see `hlat data --help`)
+  compare   compare MLflow runs: `hlat compare --experiment NAME | --runs ID... | --sweep DIR [--out DIR]`
+  bench     `hlat bench peak`: measure this host's matmul peak FLOP/s (the CPU MFU denominator) and cache it
 """
 # ConfigError messages of the shared data code name config keys; `hlat data tokenizer` names its flags.
 _FLAG_NAMES = {"data.path": "--data", "data.text_column": "--text-column", "model.vocab_size": "--vocab-size",
@@ -120,6 +122,17 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "data":  # before the top-level parser, which would answer `hlat data --help` itself
         _data(argv[1:])
         return
+    if argv and argv[0] == "compare":
+        from hlat.compare import main as compare_main
+
+        raise SystemExit(compare_main(argv[1:]))
+    if argv and argv[0] == "bench":
+        if argv[1:2] != ["peak"]:
+            print("hlat: usage: hlat bench peak [--cache-dir DIR] [--size N] [--seconds S]", file=sys.stderr)
+            raise SystemExit(2)
+        from hlat.peak import main as peak_main
+
+        raise SystemExit(peak_main(argv[2:]))
     parser = argparse.ArgumentParser(prog="hlat", usage=USAGE, add_help=True)
     parser.add_argument("command", choices=["train", "summary", "data"])
     args, rest = parser.parse_known_args(argv)

@@ -269,6 +269,14 @@ class ClusterConfig(_Frozen):
     """torch intra-op threads on CPU; null keeps torch's default (one per core)."""
     memory_fraction: float = 0.9
     """Share of the device's free memory a run may plan to use; the pre-flight check refuses more."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of ONE device at the compute dtype, the MFU denominator. null: a published figure found
+    by the device's name (H100, A100, ...) on CUDA, or on CPU this host's measured matmul peak
+    (``hlat bench peak``, cached)."""
+    devices_per_node: int = 1
+    """Devices (GPUs, NeuronCores, CPU sockets counted as one) per node, for the cost per node-hour."""
+    price_per_hour: float | None = None
+    """Price of one node per hour (USD) for the cost per 4M tokens (CPT); null: no cost metric."""
 
     def __post_init__(self) -> None:
         _check_choice("cluster.backend", self.backend, ("torch", "neuron"))
@@ -278,6 +286,12 @@ class ClusterConfig(_Frozen):
             f"cluster.num_threads={self.num_threads} must be positive or null",
         )
         _check(0 < self.memory_fraction <= 1, f"cluster.memory_fraction={self.memory_fraction} must lie in (0, 1]")
+        _check(self.peak_tflops is None or self.peak_tflops > 0, f"cluster.peak_tflops={self.peak_tflops} must be > 0")
+        _check(self.devices_per_node >= 1, f"cluster.devices_per_node={self.devices_per_node} must be >= 1")
+        _check(
+            self.price_per_hour is None or self.price_per_hour >= 0,
+            f"cluster.price_per_hour={self.price_per_hour} must be >= 0 or null",
+        )
         self._freeze()
 
 
@@ -317,10 +331,23 @@ class TrackerConfig(_Frozen):
     """MLflow run name; null derives one from the model and precision presets."""
     flush_every_s: float = 5.0
     """Metrics are buffered and sent in one batch at most this often (and at the end)."""
+    spike_window: int = 20
+    """Gradient spikes (PAPER.md, "Monitoring"): steps in the running mean r of the gradient norm."""
+    spike_threshold: float = 0.1
+    """A spike starts when the gradient norm exceeds r + spike_threshold and lasts while it stays above."""
+    spike_summary_every: int = 1000
+    """Log the spike summary (count, single-step fraction, longest, mean duration) every this many steps
+    (0: only at the end)."""
+    plots: bool = True
+    """At the end of a run, plot loss, grad norm with spikes, param norm, LR and the spike-duration histogram
+    into ``<run dir>/plots/`` and log them as artifacts."""
 
     def __post_init__(self) -> None:
         _check_choice("tracker.kind", self.kind, ("mlflow", "console"))
         _check(self.flush_every_s >= 0, f"tracker.flush_every_s={self.flush_every_s} must be >= 0")
+        _check(self.spike_window >= 1, f"tracker.spike_window={self.spike_window} must be >= 1")
+        _check(self.spike_threshold >= 0, f"tracker.spike_threshold={self.spike_threshold} must be >= 0")
+        _check(self.spike_summary_every >= 0, f"tracker.spike_summary_every={self.spike_summary_every} must be >= 0")
         self._freeze()
 
 

@@ -1,19 +1,165 @@
-"""Training metrics: buffered on the device every step, fetched and logged every interval."""
+"""Training metrics: buffered on the device every step, fetched and logged every interval.
+
+Also the host-side statistics computed from the fetched values: gradient spikes as the paper defines them
+(``SpikeDetector``) and throughput, model FLOPs utilization and cost (``Throughput``).
+"""
 
 from __future__ import annotations
 
+import math
+import resource
 import time
+from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hlat.backends.base import Backend
+from hlat.config import ClusterConfig
 from hlat.loop import StepOutput, TrainState
 from hlat.precision import global_norm
 
 Rows = list[tuple[int, dict[str, float]]]
 """Metric rows ``(step, {name: value})`` in step order."""
+
+
+class SpikeDetector:
+    """Gradient spikes as the paper defines them (PAPER.md, "Monitoring"; arXiv 2404.10630 §4.2).
+
+    r is the mean gradient norm of the previous ``window`` steps (every step enters it, spikes included). A spike
+    starts at a step whose norm exceeds r + ``threshold`` and lasts while each following norm stays above its own
+    r + ``threshold``; its duration is the number of such steps. Detection starts once ``window`` norms have been
+    seen. A non-finite norm counts as above the threshold and does not enter the mean.
+    """
+
+    def __init__(self, window: int = 20, threshold: float = 0.1) -> None:
+        self.window, self.threshold = window, threshold
+        self._recent: deque[float] = deque(maxlen=window)
+        self.count = 0
+        """Spikes started so far."""
+        self.length = 0
+        """Duration of the spike in progress (0: none)."""
+        self.durations: Counter[int] = Counter()
+        """Histogram of finished spikes: duration -> number of spikes."""
+
+    def update(self, norm: float) -> dict[str, float]:
+        """Feed one step's gradient norm; returns the live metrics for that step."""
+        row: dict[str, float] = {}
+        if len(self._recent) == self.window:
+            limit = sum(self._recent) / self.window + self.threshold
+            above = not math.isfinite(norm) or norm > limit
+            if above:
+                self.count += self.length == 0
+                self.length += 1
+            elif self.length:
+                self.durations[self.length] += 1
+                self.length = 0
+            row = {"spike/active": float(above), "spike/length": float(self.length),
+                   "spike/count": float(self.count), "spike/limit": limit}  # fmt: skip
+        if math.isfinite(norm):
+            self._recent.append(norm)
+        return row
+
+    def summary(self) -> dict[str, float]:
+        """Finished spikes plus the one in progress: count, single-step fraction (the paper's 86%), longest, mean."""
+        durations = self.durations + (Counter({self.length: 1}) if self.length else Counter())
+        n = sum(durations.values())
+        return {
+            "spike/summary_count": float(n),
+            "spike/single_step_fraction": durations[1] / n if n else 0.0,
+            "spike/longest": float(max(durations, default=0)),
+            "spike/mean_duration": sum(d * c for d, c in durations.items()) / n if n else 0.0,
+        }
+
+    def histogram(self) -> dict[int, int]:
+        """Duration -> number of spikes, the one in progress included."""
+        durations = self.durations + (Counter({self.length: 1}) if self.length else Counter())
+        return dict(sorted(durations.items()))
+
+    def state_dict(self) -> dict:
+        """Plain-python state for checkpoints, so a resumed run continues the statistics."""
+        return {"recent": list(self._recent), "count": self.count, "length": self.length,
+                "durations": dict(self.durations)}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``."""
+        self._recent = deque(state["recent"], maxlen=self.window)
+        self.count, self.length = state["count"], state["length"]
+        self.durations = Counter({int(k): v for k, v in state["durations"].items()})
+
+
+def flops_per_token(n_params: int, n_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
+                    *, causal: bool = False) -> float:  # fmt: skip
+    """Training FLOPs per token, PaLM's formula (Chowdhery et al. 2022, App. B): 6N + 12·L·H·Q·T.
+
+    N counts the parameters that take part in matmuls: all of them minus the input embedding table (a lookup).
+    12·L·H·Q·T is the attention score and value matmuls, forward and backward, over the full T x T matrix.
+    ``causal=True`` halves that term (6·L·H·Q·T): the FLOPs a causal kernel actually needs.
+    """
+    attn = (6 if causal else 12) * n_layers * n_heads * head_dim * seq_len
+    return 6 * (n_params - n_embedding) + attn
+
+
+# Published dense peak TFLOP/s per device by compute dtype (vendor datasheets; no sparsity).
+PEAK_TFLOPS = {
+    "H100": {"bfloat16": 989.4, "float32": 66.9},  # SXM; fp32 without TF32
+    "H200": {"bfloat16": 989.4, "float32": 66.9},
+    "A100": {"bfloat16": 312.0, "float32": 19.5},
+    "trn1": {"bfloat16": 95.0},  # one NeuronCore-v2 (PAPER.md: 32 x 95 TFLOPS per trn1.32xlarge)
+}
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Converts tokens/s into MFU and cost; built once per run."""
+
+    flops_per_token: float
+    """PaLM formula (non-causal attention)."""
+    flops_per_token_causal: float
+    """Causal-halved attention term."""
+    peak_flops: float | None
+    """Peak FLOP/s of all devices of the run together; None: no MFU metric."""
+    cost_per_hour: float | None
+    """USD per hour for all nodes of the run; None: no cost metric."""
+
+    def metrics(self, tokens_per_s: float) -> dict[str, float]:
+        """``perf/mfu``, ``perf/mfu_causal``, ``perf/model_tflops`` and ``perf/cost_per_4m_tokens`` (CPT)."""
+        out = {"perf/model_tflops": tokens_per_s * self.flops_per_token / 1e12}
+        if self.peak_flops:
+            out["perf/mfu"] = tokens_per_s * self.flops_per_token / self.peak_flops
+            out["perf/mfu_causal"] = tokens_per_s * self.flops_per_token_causal / self.peak_flops
+        if self.cost_per_hour is not None and tokens_per_s > 0:
+            out["perf/cost_per_4m_tokens"] = self.cost_per_hour * 4e6 / tokens_per_s / 3600
+        return out
+
+
+def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: str) -> tuple[float | None, str]:
+    """Peak FLOP/s of ONE device at ``compute_dtype`` and where the figure comes from.
+
+    In order: ``cluster.peak_tflops``; the published figure for the device (trn1 on the neuron backend, the CUDA
+    device's name); on CPU this host's measured matmul peak cached by ``hlat bench peak``. (None, why) otherwise.
+    """
+    if cluster.peak_tflops is not None:
+        return cluster.peak_tflops * 1e12, "cluster.peak_tflops"
+    if cluster.backend == "neuron" or cluster.device == "cuda":
+        name = "trn1" if cluster.backend == "neuron" else torch.cuda.get_device_name()
+        for key, table in PEAK_TFLOPS.items():
+            if key in name and compute_dtype in table:
+                return table[compute_dtype] * 1e12, f"published {key} {compute_dtype} peak"
+        return None, f"no published {compute_dtype} peak for {name!r}: set cluster.peak_tflops to get MFU"
+    from hlat.peak import cached_peak
+
+    flops = cached_peak(compute_dtype, cache_dir)
+    if flops is None:
+        return None, "this CPU's matmul peak is not measured yet: run `hlat bench peak` once to get MFU"
+    return flops, f"measured {compute_dtype} matmul peak (hlat bench peak)"
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def param_norm(model: nn.Module) -> torch.Tensor:
@@ -25,10 +171,13 @@ class MetricsLogger:
     """Loop hook: keeps per-step loss and grad norm on the device, logs them every ``every`` steps.
 
     Each flush makes ONE host transfer (``backend.fetch``) and hands ``sink`` one row per step
-    (``train/loss``, ``train/grad_norm``, ``train/lr``); the last row of the interval also carries
-    ``train/param_norm`` and the interval's throughput: ``perf/tokens_per_s``, ``perf/step_time_s``,
-    ``perf/data_wait_s`` (per step, averaged), ``train/tokens_seen``, plus whatever host values
-    ``extra`` returns (the data loader's ``data/*`` statistics).
+    (``train/loss``, ``train/grad_norm``, ``train/lr`` and the live ``spike/*`` metrics); the last row of the
+    interval also carries ``train/param_norm``, the interval's throughput (``perf/tokens_per_s``,
+    ``perf/sequences_per_s``, ``perf/step_time_s``, ``perf/data_wait_s`` per step), MFU and cost
+    (``Throughput``), peak host memory (``sys/peak_rss_gib``, and ``sys/cuda_max_allocated_gib`` on CUDA),
+    ``train/tokens_seen``, the spike summary every ``spike_summary_every`` steps and at the end, plus whatever
+    host values ``extra`` returns (the data loader's ``data/*`` statistics). All of it is computed on the host
+    from the fetched values: telemetry adds no device synchronisation.
     """
 
     def __init__(
@@ -40,10 +189,15 @@ class MetricsLogger:
         every: int,
         last_step: int,
         tokens_per_step: int,
+        seq_len: int = 1,
         extra: Callable[[], dict[str, float]] | None = None,
+        spikes: SpikeDetector | None = None,
+        spike_summary_every: int = 0,
+        throughput: Throughput | None = None,
     ) -> None:
         self.backend, self.model, self.sink, self.extra = backend, model, sink, extra
-        self.every, self.last_step, self.tokens_per_step = every, last_step, tokens_per_step
+        self.every, self.last_step, self.tokens_per_step, self.seq_len = every, last_step, tokens_per_step, seq_len
+        self.spikes, self.spike_summary_every, self.throughput = spikes, spike_summary_every, throughput
         self._steps: list[int] = []
         self._loss: list[torch.Tensor] = []
         self._grad_norm: list[torch.Tensor] = []
@@ -58,9 +212,28 @@ class MetricsLogger:
         self._lr.append(out.lr)
         self._wait += out.data_wait_s
         if state.step % self.every == 0 or state.step == self.last_step:
-            self._flush(state)
+            self.flush(state)
 
-    def _flush(self, state: TrainState) -> None:
+    def _interval_metrics(self, n_steps: int, elapsed: float, wait: float) -> dict[str, float]:
+        tokens_per_s = n_steps * self.tokens_per_step / elapsed
+        out = {
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/sequences_per_s": tokens_per_s / self.seq_len,
+            "perf/step_time_s": elapsed / n_steps,
+            "perf/data_wait_s": wait / n_steps,
+            "sys/peak_rss_gib": peak_rss_bytes() / 2**30,
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["sys/cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        if self.throughput is not None:
+            out.update(self.throughput.metrics(tokens_per_s))
+        return out
+
+    def flush(self, state: TrainState) -> None:
+        """Fetch and log the steps buffered since the last flush (nothing if there are none)."""
+        if not self._steps:
+            return
         tensors = {
             "loss": torch.stack(self._loss),
             "grad_norm": torch.stack(self._grad_norm),
@@ -74,20 +247,20 @@ class MetricsLogger:
             # Runs once the values are on the host, so the clock covers the device work of the interval.
             elapsed = time.perf_counter() - self._t0
             self._t0 = time.perf_counter()
-            rows: Rows = [
-                (s, {"train/loss": loss, "train/grad_norm": gn, "train/lr": lr})
-                for s, loss, gn, lr in zip(steps, values["loss"], values["grad_norm"], lrs, strict=True)
-            ]
-            rows[-1][1].update(
-                {
-                    "train/param_norm": values["param_norm"][0],
-                    "train/tokens_seen": float(tokens_seen),
-                    "perf/tokens_per_s": len(steps) * self.tokens_per_step / elapsed,
-                    "perf/step_time_s": elapsed / len(steps),
-                    "perf/data_wait_s": wait / len(steps),
-                    **host,
-                }
-            )
+            rows: Rows = []
+            for s, loss, gn, lr in zip(steps, values["loss"], values["grad_norm"], lrs, strict=True):
+                row = {"train/loss": loss, "train/grad_norm": gn, "train/lr": lr}
+                if self.spikes is not None:
+                    row.update(self.spikes.update(gn))
+                rows.append((s, row))
+            last = rows[-1][1]
+            last.update({"train/param_norm": values["param_norm"][0], "train/tokens_seen": float(tokens_seen)})
+            last.update(self._interval_metrics(len(steps), elapsed, wait))
+            last.update(host)
+            every = self.spike_summary_every
+            summary_due = steps[-1] == self.last_step or (every and steps[-1] // every > (steps[0] - 1) // every)
+            if self.spikes is not None and summary_due:
+                last.update(self.spikes.summary())
             self.sink(rows)
 
         self.backend.fetch(tensors, emit)

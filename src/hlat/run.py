@@ -18,14 +18,14 @@ from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
 from hlat.loop import TrainState, fit
-from hlat.metrics import MetricsLogger
+from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, flops_per_token, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan import GiB, check_fits, estimate_memory
 from hlat.precision import bytes_per_param
 from hlat.provenance import write_provenance
-from hlat.trackers import History, ProgressBar, build_tracker
+from hlat.trackers import History, ProgressBar, SeriesRecorder, build_tracker
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +74,15 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
     )
 
 
-def _restore(backend, path: Path, model, optimizer, data) -> TrainState:
-    """Load a checkpoint into the built model, optimizer and loader; return the saved progress."""
+PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
+
+
+def _restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) -> TrainState:
+    """Load a checkpoint into the built model, optimizer, loader and spike statistics; return the saved progress."""
     extra = backend.load(path, model, optimizer)
     data.load_state_dict(extra["data"])
+    if "spikes" in extra:
+        spikes.load_state_dict(extra["spikes"])
     torch.set_rng_state(extra["rng"])
     state = TrainState(**extra["train_state"])
     log.info("resumed from %s at step %d", path, state.step)
@@ -85,15 +90,15 @@ def _restore(backend, path: Path, model, optimizer, data) -> TrainState:
 
 
 def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: dict[str, str], rank: int,
-                    extra: list) -> tuple:  # fmt: skip
-    """Write provenance into ``run_dir``, open the tracker, log params and the provenance files."""
+                    extra: list, derived: dict[str, Any]) -> tuple:  # fmt: skip
+    """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files."""
     prov_tags, files = write_provenance(run_dir, OmegaConf.to_yaml(hydra_cfg, resolve=True))
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
     tracker, mlflow_tracker = build_tracker(
         cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra
     )
     params = flatten(OmegaConf.to_container(hydra_cfg, resolve=True))
-    tracker.log_params(params | bytes_per_param(cfg.precision).as_params())
+    tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
     for f in files:
         tracker.log_artifact(f)
     return tracker, mlflow_tracker
@@ -122,7 +127,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     )  # fmt: skip
     model = backend.build_model(functools.partial(Transformer, cfg.model), dims)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
-    state = _restore(backend, resume_from, model, optimizer, data) if resume_from else TrainState()
+    spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
+    state = _restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else TrainState()
 
     if run_dir is None:
         from hydra.core.hydra_config import HydraConfig
@@ -132,17 +138,32 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     tags = {"backend": backend.name, "run_dir": str(run_dir)}
     if resume_from is not None:
         tags["resumed_from"] = str(resume_from)
-    extra_trackers = [history, progress] if progress else [history]
-    tracker, mlflow_tracker = _start_tracking(cfg, hydra_cfg, run_dir, tags, env.rank, extra_trackers)
+    recorder = SeriesRecorder(PLOTTED)
+    extra_trackers = [history, recorder] + ([progress] if progress else [])
+    throughput, peak_source = _throughput(cfg, n_params, env.world_size)
+    tags["perf.peak_source"] = peak_source
+    derived = {"perf.flops_per_token": throughput.flops_per_token,
+               "perf.flops_per_token_causal": throughput.flops_per_token_causal,
+               "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None}  # fmt: skip
+    tracker, mlflow_tracker = _start_tracking(cfg, hydra_cfg, run_dir, tags, env.rank, extra_trackers, derived)
+    if throughput.peak_flops is None:
+        log.info("no MFU metric: %s", peak_source)
 
     tokens_per_step = t.global_batch_size * t.seq_len
-    logger = MetricsLogger(backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps,
-                           tokens_per_step=tokens_per_step, extra=data.stats)  # fmt: skip
+    logger = MetricsLogger(
+        backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps, tokens_per_step=tokens_per_step,
+        seq_len=t.seq_len, extra=data.stats, spikes=spikes, spike_summary_every=cfg.tracker.spike_summary_every,
+        throughput=throughput,
+    )  # fmt: skip
+
+    def checkpoint_extra(s: TrainState) -> dict:
+        logger.flush(s)  # the spike statistics in the checkpoint then cover every step up to it
+        return {"train_state": dataclasses.asdict(s), "data": data.state_dict(), "rng": torch.get_rng_state(),
+                "spikes": spikes.state_dict()}  # fmt: skip
+
     saver = checkpoint.CheckpointHook(
         backend, Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else run_dir / "checkpoints",
-        model, optimizer,
-        lambda s: {"train_state": dataclasses.asdict(s), "data": data.state_dict(), "rng": torch.get_rng_state()},
-        every=t.checkpoint_every, last_step=t.steps, keep_last=t.keep_last,
+        model, optimizer, checkpoint_extra, every=t.checkpoint_every, last_step=t.steps, keep_last=t.keep_last,
     )  # fmt: skip
     status = "FAILED"
     try:
@@ -153,6 +174,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
             hooks=[h for h in (progress, logger, saver) if h is not None],
         )  # fmt: skip
         status = "FINISHED"
+        if env.rank == 0 and cfg.tracker.plots:
+            _plot(recorder, spikes, run_dir / "plots", tracker)
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -169,6 +192,33 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         if mlflow_tracker is not None:
             print(mlflow_tracker.ui_hint())
     return RunResult(cfg, state, history, mlflow_tracker.run_id if mlflow_tracker else None)
+
+
+def _throughput(cfg: RunConfig, n_params: int, world_size: int) -> tuple[Throughput, str]:
+    """FLOPs per token of this model and sequence length, the run's peak FLOP/s and cost per hour."""
+    m = cfg.model
+    per_token = functools.partial(flops_per_token, n_params, m.vocab_size * m.dim, m.n_layers, m.n_heads,
+                                  m.head_dim, cfg.train.seq_len)  # fmt: skip
+    peak, source = resolve_peak_flops(cfg.cluster, cfg.precision.compute_dtype, cfg.data.cache_dir)
+    nodes = -(-world_size // cfg.cluster.devices_per_node)
+    price = cfg.cluster.price_per_hour
+    return Throughput(
+        flops_per_token=per_token(causal=False),
+        flops_per_token_causal=per_token(causal=True),
+        peak_flops=peak * world_size if peak else None,
+        cost_per_hour=price * nodes if price is not None else None,
+    ), source
+
+
+def _plot(recorder: SeriesRecorder, spikes: SpikeDetector, out_dir: Path, tracker) -> None:
+    """End-of-run plots as artifacts; a plotting failure is logged, never fails a finished run."""
+    from hlat.plots import training_plots
+
+    try:
+        for f in training_plots({k: recorder.series(k) for k in PLOTTED}, spikes.histogram(), out_dir):
+            tracker.log_artifact(f)
+    except Exception:  # the run itself succeeded; losing a plot must not change that
+        log.exception("could not write the end-of-run plots to %s", out_dir)
 
 
 def entry(hydra_cfg: DictConfig) -> None:

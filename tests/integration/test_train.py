@@ -73,8 +73,49 @@ def test_short_run_loss_falls_and_lands_in_mlflow(tmp_path: Path, cache_dir: Pat
     assert run.data.params["model.dim"] == "128" and run.data.params["optimizer.beta2"] == "0.95"
     assert run.data.tags["backend"] == "torch"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "provenance.json"} <= artifacts
+    assert {"config.yaml", "provenance.json", "training.png", "spikes.json"} <= artifacts
     assert (tmp_path / "run" / "config.yaml").read_text().count("dim: 128") == 1
+
+
+@pytest.mark.slow
+def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    """Spike metrics agree with a brute-force recomputation from the logged grad norms; MFU and cost are logged."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from tests.unit.test_telemetry import brute_force_spikes
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_cfg(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0", "train.steps=60",
+                      "tracker.spike_window=4", "tracker.spike_threshold=0.02", "tracker.spike_summary_every=20",
+                      "cluster.peak_tflops=0.5", "cluster.price_per_hour=2.0")  # fmt: skip
+    result = main(cfg, run_dir=tmp_path / "run")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    rid = result.mlflow_run_id
+
+    def hist(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(rid, key)}
+
+    norms = [v for _, v in sorted(hist("train/grad_norm").items())]
+    active, durations = brute_force_spikes(norms, 4, 0.02)
+    logged = hist("spike/active")
+    assert [bool(logged[s]) for s in range(5, 61)] == active[4:]  # detection starts after the window
+    assert hist("spike/count")[60] == len(durations) > 0
+    summary = hist("spike/single_step_fraction")
+    assert set(summary) == {20, 40, 60}  # every spike_summary_every steps and at the end
+    assert summary[60] == pytest.approx(durations.count(1) / len(durations))
+    assert hist("spike/longest")[60] == max(durations)
+    spikes = json.loads((tmp_path / "run" / "plots" / "spikes.json").read_text())
+    assert spikes["count"] == len(durations)
+
+    tokens_per_s, mfu = hist("perf/tokens_per_s"), hist("perf/mfu")
+    assert set(mfu) == {10, 20, 30, 40, 50, 60}
+    ftok = float(client.get_run(rid).data.params["perf.flops_per_token"])
+    assert mfu[60] == pytest.approx(tokens_per_s[60] * ftok / 0.5e12)
+    assert hist("perf/cost_per_4m_tokens")[60] == pytest.approx(2.0 * 4e6 / tokens_per_s[60] / 3600)
+    assert 0.05 < hist("sys/peak_rss_gib")[60] < 20
+    assert hist("perf/sequences_per_s")[60] == pytest.approx(tokens_per_s[60] / 64)
 
 
 @pytest.mark.slow

@@ -73,3 +73,35 @@ def test_history_is_bounded_but_keeps_the_first_row() -> None:
     small = History(max_rows=10)
     small.log_metrics([(1, {"train/loss": 1.0}), (2, {"train/loss": 2.0})])
     assert small.series("train/loss") == [(1, 1.0), (2, 2.0)]  # the first row is not repeated
+
+
+def test_logging_does_not_wait_for_a_slow_server_and_retries_failures(tmp_path: Path, monkeypatch) -> None:
+    import threading
+    import time
+
+    from mlflow import MlflowClient
+
+    cfg = TrackerConfig(uri=f"sqlite:///{tmp_path}/m.db", flush_every_s=0)
+    ml = MLflowTracker(cfg, "r", {})
+    real, entered, gate, failures = ml.client.log_batch, threading.Event(), threading.Event(), []
+
+    def slow_then_flaky(*a, **k):
+        entered.set()
+        gate.wait(5)  # the "server" answers only when the test lets it
+        if not failures:
+            failures.append(1)
+            raise ConnectionError("server hiccup")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ml.client, "log_batch", slow_then_flaky)
+    ml.log_metrics([(1, {"train/loss": 1.0})])
+    assert entered.wait(5)  # the background thread is now stuck in a send
+    start = time.perf_counter()
+    for step in range(2, 201):
+        ml.log_metrics([(step, {"train/loss": float(step)})])
+    assert time.perf_counter() - start < 1.0  # 199 calls while the send is stuck: none of them waited for it
+    gate.set()  # the stuck send now fails; its batch goes back to the buffer
+    ml.finish()  # and everything is sent here
+    client = MlflowClient(tracking_uri=cfg.uri)
+    assert sorted(m.step for m in client.get_metric_history(ml.run_id, "train/loss")) == list(range(1, 201))
+    assert failures == [1]

@@ -1,0 +1,531 @@
+"""Compare MLflow runs: a Markdown table of the config keys that differ and the headline metrics, plus a plot.
+
+The library behind ``hlat compare``. Runs are picked by experiment name, by run ids, or by a Hydra multirun
+directory (every hlat run carries the tag ``run_dir``, its job's output directory)::
+
+    python -m hlat.compare --experiment precision_ablation
+    python -m hlat.compare --sweep multirun/2026-11-22/07-34-38 --out /tmp/cmp
+    python -m hlat.compare --uri sqlite:///other.db --runs 1a2b3c4d... 5e6f7a8b...
+
+It writes ``comparison.md`` and ``comparison.png`` into ``--out``. mlflow and matplotlib are imported inside the
+functions that need them, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+
+# The per-step metrics hlat logs (see hlat.metrics); train/param_norm only every log interval.
+METRIC_KEYS = (
+    "train/loss",
+    "train/grad_norm",
+    "train/lr",
+    "train/param_norm",
+    "perf/tokens_per_s",
+    "perf/step_time_s",
+)
+
+# Params that differ from run to run without saying anything about the configuration.
+IGNORED_PREFIXES = ("hydra.",)
+IGNORED_KEYS = frozenset({"tracker.run_name", "train.checkpoint_dir", "train.resume"})
+
+# MLflow's run statuses (mlflow.entities.RunStatus), for checking ``status`` before it goes into a filter string.
+RUN_STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")
+
+_SMOOTH = 5  # moving-average window of the loss plot, in logged points
+_SEARCH_PAGE = 1000
+
+
+@dataclass
+class RunData:
+    """One MLflow run, read back: its identity, flattened config and metric histories.
+
+    Attributes:
+        run_id: The MLflow run id.
+        run_name: The MLflow run name.
+        params: Every logged param (the flattened resolved Hydra config), as strings.
+        metrics: ``{key: [(step, value), ...]}`` sorted by step, for every key in ``METRIC_KEYS`` (an empty list
+            when the run never logged it).
+        status: The run's MLflow status (FINISHED, RUNNING, FAILED, KILLED, ...).
+        run_dir: The run's ``run_dir`` tag (its Hydra output directory), or ``None`` when untagged.
+    """
+
+    run_id: str
+    run_name: str
+    params: dict[str, str]
+    metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    status: str = ""
+    run_dir: str | None = None
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """The ``(step, value)`` history of one metric; empty when it was not logged."""
+        return self.metrics.get(key, [])
+
+    def values(self, key: str) -> list[float]:
+        """Just the values of one metric's history, in step order."""
+        return [v for _, v in self.series(key)]
+
+
+# --------------------------------------------------------------------------------------------------- selection
+
+
+def _check_store_exists(uri: str) -> None:
+    """Refuse a local store that does not exist: MLflow would silently create an empty one there."""
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///") :].split("?", 1)[0]
+        if path and path != ":memory:" and not Path(path).expanduser().exists():
+            raise ValueError(
+                f"no MLflow store at {uri} ({Path(path).expanduser().resolve()} does not exist); run from the "
+                "directory holding mlflow.db or pass its tracking URI (--uri sqlite:///path/to/mlflow.db)"
+            )
+    elif "://" not in uri or uri.startswith("file:"):
+        path = uri[len("file://") :] if uri.startswith("file://") else uri.removeprefix("file:")
+        if not Path(path).expanduser().exists():
+            raise ValueError(f"no MLflow store at {uri} (the directory does not exist); pass the right --uri")
+
+
+def _search_all(client: Any, experiment_ids: list[str], filter_string: str) -> list[Any]:
+    """Every matching run (all result pages), oldest first."""
+    runs: list[Any] = []
+    token = None
+    while True:
+        page = client.search_runs(
+            experiment_ids,
+            filter_string,
+            max_results=_SEARCH_PAGE,
+            order_by=["attributes.start_time ASC"],
+            page_token=token,
+        )
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _all_experiments(client: Any) -> list[Any]:
+    """Every active experiment (all result pages)."""
+    experiments: list[Any] = []
+    token = None
+    while True:
+        page = client.search_experiments(max_results=_SEARCH_PAGE, page_token=token)
+        experiments.extend(page)
+        token = page.token
+        if not token:
+            return experiments
+
+
+def _history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
+    """One metric's history sorted by step; a step logged twice keeps its latest value."""
+    by_step: dict[int, tuple[int, float]] = {}
+    for m in client.get_metric_history(run_id, key):
+        prev = by_step.get(m.step)
+        if prev is None or m.timestamp >= prev[0]:
+            by_step[m.step] = (m.timestamp, float(m.value))
+    return [(step, by_step[step][1]) for step in sorted(by_step)]
+
+
+def _load(client: Any, run: Any) -> RunData:
+    info = run.info
+    return RunData(
+        run_id=info.run_id,
+        run_name=info.run_name or info.run_id[:8],
+        params=dict(run.data.params),
+        metrics={key: _history(client, info.run_id, key) for key in METRIC_KEYS},
+        status=info.status,
+        run_dir=run.data.tags.get("run_dir"),
+    )
+
+
+def _under(run_dir: str, root: Path) -> bool:
+    """Whether ``run_dir`` is ``root`` or inside it (whole path components: ``sweep/1`` is not under ``sweep/10``)."""
+    for candidate in {Path(run_dir).expanduser(), Path(run_dir).expanduser().resolve()}:
+        if candidate == root or root in candidate.parents:
+            return True
+    return False
+
+
+def select_runs(
+    uri: str,
+    *,
+    experiment: str | None = None,
+    run_ids: list[str] | None = None,
+    sweep_dir: str | None = None,
+    status: str | None = "FINISHED",
+) -> list[RunData]:
+    """Read the runs to compare from an MLflow tracking store.
+
+    Exactly one selector must be given. Runs picked by experiment or sweep directory come oldest first; explicit
+    run ids keep the order given (duplicates dropped).
+
+    Args:
+        uri: MLflow tracking URI, e.g. ``sqlite:///mlflow.db``.
+        experiment: Name of an MLflow experiment: all of its (active) runs.
+        run_ids: Explicit MLflow run ids.
+        sweep_dir: A Hydra multirun directory: the runs, in any experiment, whose ``run_dir`` tag is that
+            directory or inside it. Relative paths are taken from the working directory.
+        status: Keep only runs with this MLflow status; ``None`` keeps every status. Explicitly named runs in
+            another status are an error rather than silently dropped.
+
+    Returns:
+        The selected runs with their params and metric histories.
+
+    Raises:
+        ValueError: When not exactly one selector is given, the store does not exist, or nothing matches.
+    """
+    given = [
+        name
+        for name, value in (("experiment", experiment), ("run_ids", run_ids), ("sweep_dir", sweep_dir))
+        if value is not None
+    ]
+    if len(given) != 1:
+        what = "none was given" if not given else f"got {' and '.join(given)}"
+        raise ValueError(
+            f"select runs with exactly one of experiment=, run_ids= or sweep_dir= (--experiment NAME, --runs ID "
+            f"[ID ...] or --sweep DIR); {what}"
+        )
+    if run_ids is not None and not run_ids:
+        raise ValueError("run_ids is empty; give at least one MLflow run id (--runs ID [ID ...])")
+    if status is not None and status not in RUN_STATUSES:
+        raise ValueError(f"unknown run status {status!r}; use one of {', '.join(RUN_STATUSES)}, or None for all")
+    _check_store_exists(uri)
+
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        return _select(client, uri, experiment, run_ids, sweep_dir, status)
+    except MlflowException as e:
+        raise ValueError(f"cannot read the MLflow store at {uri}: {e.message}; check --uri") from e
+
+
+def _select(
+    client: Any, uri: str, experiment: str | None, run_ids: list[str] | None, sweep_dir: str | None, status: str | None
+) -> list[RunData]:
+    """The body of ``select_runs`` once the arguments are checked and the client is open."""
+    from mlflow.exceptions import MlflowException
+
+    status_filter = f"attributes.status = '{status}'" if status else ""
+    status_hint = f"; pass status=None (--all-statuses) to include runs that are not {status}" if status else ""
+
+    if experiment is not None:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            names = sorted(e.name for e in _all_experiments(client))
+            raise ValueError(
+                f"no MLflow experiment {experiment!r} at {uri}; existing experiments: "
+                f"{', '.join(names) or '(none)'}. Check --experiment and --uri"
+            )
+        runs = _search_all(client, [exp.experiment_id], status_filter)
+        if not runs:
+            total = len(_search_all(client, [exp.experiment_id], ""))
+            state = f"no {status} runs ({total} in other states{status_hint})" if status and total else "no runs"
+            raise ValueError(f"MLflow experiment {experiment!r} at {uri} has {state}")
+        return [_load(client, run) for run in runs]
+
+    if run_ids is not None:
+        runs, missing = [], []
+        for run_id in dict.fromkeys(run_ids):
+            try:
+                runs.append(client.get_run(run_id))
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                missing.append(run_id)
+        if missing:
+            raise ValueError(
+                f"no MLflow run with id {', '.join(missing)} at {uri}; check the ids (the full 32-character run "
+                "id, as in the MLflow UI) and --uri"
+            )
+        wrong = [f"{r.info.run_id} is {r.info.status}" for r in runs if status and r.info.status != status]
+        if wrong:
+            raise ValueError(f"runs at {uri} not {status}: {', '.join(wrong)}{status_hint}")
+        return [_load(client, run) for run in runs]
+
+    assert sweep_dir is not None
+    root = Path(sweep_dir).expanduser().resolve()
+    experiment_ids = [e.experiment_id for e in _all_experiments(client)]
+    candidates = _search_all(client, experiment_ids, "") if experiment_ids else []
+    runs = [run for run in candidates if run.data.tags.get("run_dir") and _under(run.data.tags["run_dir"], root)]
+    if not runs:
+        raise ValueError(
+            f"no MLflow run at {uri} has its run_dir tag under {root}; check --sweep (a Hydra multirun "
+            "directory such as multirun/DATE/TIME) and --uri (the store the sweep logged to)"
+        )
+    kept = [run for run in runs if not status or run.info.status == status]
+    if not kept:
+        raise ValueError(f"none of the {len(runs)} runs under {root} at {uri} is {status}{status_hint}")
+    return [_load(client, run) for run in kept]
+
+
+# --------------------------------------------------------------------------------------------------- analysis
+
+
+def _ignored(key: str) -> bool:
+    return key.startswith(IGNORED_PREFIXES) or key in IGNORED_KEYS
+
+
+def differing_keys(runs: Sequence[RunData]) -> list[str]:
+    """The param keys whose values differ between the runs, sorted.
+
+    A key that some runs lack counts as differing. Keys that change from run to run without describing the
+    configuration (``hydra.*``, ``tracker.run_name``, ``train.checkpoint_dir``, ``train.resume``) are left out.
+
+    Args:
+        runs: The runs to compare.
+
+    Returns:
+        Sorted param keys; empty for fewer than two runs.
+    """
+    keys = {k for run in runs for k in run.params if not _ignored(k)}
+    return sorted(k for k in keys if len({run.params.get(k) for run in runs}) > 1)
+
+
+def shown_keys(runs: Sequence[RunData]) -> list[str]:
+    """``differing_keys`` with the keys a differing preset name already explains folded into that name.
+
+    A config group's preset (``precision.name``) sets the group's other fields, and some run params are derived
+    from them (``memory.bytes_per_param.*``). A differing key is left out when its value is a function of a
+    differing ``<group>.name`` across the runs (runs with the same preset name share its value), so the table
+    shows ``precision.name`` and ``optimizer.beta2`` rather than every precision field.
+    """
+    keys = differing_keys(runs)
+    names = [k for k in keys if k.endswith(".name")]
+
+    def explained(key: str) -> bool:
+        for name in names:
+            seen: dict[str | None, str | None] = {}
+            if all(seen.setdefault(r.params.get(name), r.params.get(key)) == r.params.get(key) for r in runs):
+                return True
+        return False
+
+    return [k for k in keys if k in names or not explained(k)]
+
+
+def final_loss(run: RunData) -> float | None:
+    """Mean of the last 10% of the logged loss points (at least one); ``None`` without loss points."""
+    loss = run.values("train/loss")
+    if not loss:
+        return None
+    return statistics.fmean(loss[-max(1, len(loss) // 10) :])
+
+
+def min_loss(run: RunData) -> float | None:
+    """Smallest logged loss, ignoring NaN; ``None`` without loss points (NaN when every point is NaN)."""
+    loss = run.values("train/loss")
+    if not loss:
+        return None
+    return min((v for v in loss if not math.isnan(v)), default=math.nan)
+
+
+def grad_norm_median(run: RunData) -> float | None:
+    """Median gradient norm over the second half of the logged points; ``None`` without points."""
+    gn = run.values("train/grad_norm")
+    return statistics.median(gn[len(gn) // 2 :]) if gn else None
+
+
+def last_param_norm(run: RunData) -> float | None:
+    """The last logged parameter norm; ``None`` without points."""
+    pn = run.values("train/param_norm")
+    return pn[-1] if pn else None
+
+
+def median_tokens_per_s(run: RunData) -> float | None:
+    """Median of the logged throughput in tokens per second; ``None`` without points."""
+    tps = run.values("perf/tokens_per_s")
+    return statistics.median(tps) if tps else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _cell(text: str) -> str:
+    """A value safe inside a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def summary_table(runs: Sequence[RunData]) -> str:
+    """A Markdown table with one row per run.
+
+    Columns: run name, short run id, one column per differing param key, then the final loss (mean of the last
+    10% of logged loss points), the minimum loss, the gradient-norm median over the second half, the last
+    parameter norm and the median tokens/s. A missing metric shows as ``-``.
+
+    Args:
+        runs: The runs to compare, in row order.
+
+    Returns:
+        The table, without a trailing newline.
+    """
+    keys = shown_keys(runs)
+    head = [
+        "run",
+        "run id",
+        *keys,
+        "final loss (last 10%)",
+        "min loss",
+        "grad norm median (2nd half)",
+        "param norm (end)",
+        "tokens/s (median)",
+    ]
+    align = ["---", "---", *("---" for _ in keys), "---:", "---:", "---:", "---:", "---:"]
+    lines = [f"| {' | '.join(_cell(h) for h in head)} |", f"|{'|'.join(align)}|"]
+    for run in runs:
+        cells = [
+            _cell(run.run_name),
+            f"`{run.run_id[:8]}`",
+            *(_cell(run.params.get(k, "-")) for k in keys),
+            _fmt(final_loss(run), ".4f"),
+            _fmt(min_loss(run), ".4f"),
+            _fmt(grad_norm_median(run), ".3f"),
+            _fmt(last_param_norm(run), ".2f"),
+            _fmt(median_tokens_per_s(run), ",.0f"),
+        ]
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def label(run: RunData, keys: Sequence[str]) -> str:
+    """A legend label: the run name plus its values of ``keys``, e.g. ``bf16 (precision.name=bf16)``."""
+    values = ", ".join(f"{k}={run.params.get(k, '-')}" for k in keys)
+    return f"{run.run_name} ({values})" if values else run.run_name
+
+
+def _smooth(values: Sequence[float], k: int = _SMOOTH) -> list[float]:
+    """Trailing moving average over ``k`` points (fewer at the start)."""
+    return [statistics.fmean(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))]
+
+
+def plot(runs: Sequence[RunData], path: Path | str) -> Path:
+    """Write a PNG: the loss (moving average of 5 logs) and the gradient norm (log y) of every run, overlaid.
+
+    Uses a bare ``matplotlib.figure.Figure`` (Agg canvas), so neither pyplot nor the global backend is touched.
+
+    Args:
+        runs: The runs to plot; each is labelled with its name and its values of the differing keys.
+        path: Where to write the PNG; its directory must exist.
+
+    Returns:
+        ``path`` as a ``Path``.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    path = Path(path)
+    keys = shown_keys(runs)
+    labels = [textwrap.fill(label(run, keys), width=150, subsequent_indent="    ") for run in runs]
+    legend_lines = sum(text.count("\n") + 1 for text in labels)
+    fig = Figure(figsize=(13, 4.5 + 0.2 * legend_lines), layout="constrained")  # the legend below gets its room
+    ax_loss, ax_gn = fig.subplots(1, 2)
+    handles = []
+    for i, (run, text) in enumerate(zip(runs, labels, strict=True)):
+        color = f"C{i % 10}"  # the same colour for a run in both panels
+        if loss := run.series("train/loss"):
+            steps, values = zip(*loss, strict=True)
+            ax_loss.plot(steps, _smooth(values), color=color, linewidth=1.2)
+        if gn := run.series("train/grad_norm"):
+            steps, values = zip(*gn, strict=True)
+            ax_gn.plot(steps, values, color=color, linewidth=0.9)
+        handles.append(Line2D([], [], color=color, linewidth=1.5, label=text))
+    ax_loss.set(title=f"training loss (moving average of {_SMOOTH} logs)", xlabel="step", ylabel="loss")
+    ax_gn.set(title="gradient L2 norm before clipping", xlabel="step", ylabel="grad norm")
+    if ax_gn.lines:
+        ax_gn.set_yscale("log")
+    for ax in (ax_loss, ax_gn):
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def write_report(runs: Sequence[RunData], out_dir: Path | str, *, title: str | None = None) -> tuple[Path, Path]:
+    """Write ``comparison.md`` (title, table, link to the plot) and ``comparison.png`` into ``out_dir``.
+
+    Args:
+        runs: The runs to compare.
+        out_dir: Output directory, created if missing; existing report files are overwritten.
+        title: The Markdown title line (without ``#``); defaults to "Comparison of N MLflow runs".
+
+    Returns:
+        ``(markdown_path, png_path)``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = plot(runs, out_dir / "comparison.png")
+    md = out_dir / "comparison.md"
+    title = title or f"Comparison of {len(runs)} MLflow run{'s' if len(runs) != 1 else ''}"
+    md.write_text(f"# {title}\n\n{summary_table(runs)}\n\n![loss and gradient norm per run]({png.name})\n")
+    return md, png
+
+
+# --------------------------------------------------------------------------------------------------- command line
+
+
+def build_parser(prog: str = "hlat compare") -> argparse.ArgumentParser:
+    """The argument parser of ``hlat compare``."""
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="Compare MLflow runs: a Markdown table of differing config keys and headline metrics, plus a "
+        "loss / gradient-norm plot.",
+    )
+    ap.add_argument("--uri", default=DEFAULT_URI, help=f"MLflow tracking URI (default: {DEFAULT_URI})")
+    sel = ap.add_mutually_exclusive_group(required=True)
+    sel.add_argument("--experiment", metavar="NAME", help="all runs of this MLflow experiment")
+    sel.add_argument("--runs", metavar="ID", nargs="+", help="these MLflow run ids")
+    sel.add_argument("--sweep", metavar="DIR", help="the runs of this Hydra multirun directory (tag run_dir)")
+    ap.add_argument(
+        "--out", metavar="DIR", type=Path, default=Path("comparison"), help="output directory (default: comparison/)"
+    )
+    ap.add_argument("--all-statuses", action="store_true", help="include runs that are not FINISHED")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``hlat compare``: print the table and write the report.
+
+    Args:
+        argv: Command-line arguments without the program name; ``None`` reads ``sys.argv``.
+
+    Returns:
+        0 on success, 2 when the selection is invalid or matches nothing (the reason goes to stderr). Usage
+        errors exit through argparse with status 2.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        runs = select_runs(
+            args.uri,
+            experiment=args.experiment,
+            run_ids=args.runs,
+            sweep_dir=args.sweep,
+            status=None if args.all_statuses else "FINISHED",
+        )
+    except ValueError as e:
+        print(f"hlat compare: {e}", file=sys.stderr)
+        return 2
+    if args.experiment is not None:
+        what = f"experiment {args.experiment}"
+    elif args.sweep is not None:
+        what = f"sweep {args.sweep}"
+    else:
+        what = "selected runs"
+    md, png = write_report(runs, args.out, title=f"Comparison of {len(runs)} MLflow runs: {what}")
+    print(summary_table(runs))
+    print(f"\nreport: {md}\nplot:   {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

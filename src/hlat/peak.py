@@ -1,0 +1,244 @@
+"""This host's matrix-multiply peak FLOP/s, measured once and cached: the MFU denominator on CPU.
+
+A CPU has no datasheet peak worth trusting (it depends on the vector units, the clock under load, the number of
+threads torch uses and the torch build), so we measure it: square ``n×n`` matmuls in each dtype, best of several
+timed windows. The result is cached per host in ``<cache_dir>/peak-<fingerprint>.json``, where the fingerprint
+hashes everything that changes the answer (CPU model, usable cores, torch version, torch threads), so a cache
+directory shared between machines never hands one host another's peak. Run it as ``python -m hlat.peak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_CACHE_DIR = "~/.cache/hlat"
+DEFAULT_DTYPES = ("float32", "bfloat16")
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (``"float32"``, ``"bfloat16"``, ...)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}; use a name such as 'float32' or 'bfloat16'")
+    return dtype
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued kernels on ``device`` (CUDA runs asynchronously; CPU matmuls return when done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_flops(
+    dtype: torch.dtype, *, n: int = 2048, seconds: float = 1.0, device: str = "cpu", repeats: int = 5
+) -> float:
+    """Measure the FLOP/s of square ``n×n`` matmuls in ``dtype`` (``2·n³`` FLOPs each).
+
+    A warm-up of about ``seconds / 2`` (at least two matmuls) first brings the clocks, caches and the BLAS
+    thread pool to steady state and times one matmul; from that, each of ``repeats`` timed windows runs a fixed
+    number of matmuls lasting about ``seconds``. The best window is returned, not the mean: a peak is what the
+    hardware *can* do, and on a shared host the slower windows measure the neighbours (another process on the
+    cores, a clock dip), not the hardware. The matmuls use whatever ``torch.get_num_threads()`` is set to.
+
+    Args:
+        dtype: Element type of both operands and the result.
+        n: Matrix side. Small sizes (a few hundred) do not fill the vector units and underestimate the peak.
+        seconds: Approximate length of each timed window.
+        device: Torch device string, e.g. ``"cpu"`` or ``"cuda"``; on CUDA the timing synchronizes the device.
+        repeats: Number of timed windows.
+
+    Returns:
+        The best window's FLOP/s. A dtype with no fast kernel (fp16 on most CPUs) still gets measured, slowly:
+        each window runs at least one matmul, however long it takes.
+
+    Raises:
+        ValueError: If ``n``, ``seconds`` or ``repeats`` is not positive.
+    """
+    if n < 1 or seconds <= 0 or repeats < 1:
+        raise ValueError(f"n, seconds and repeats must be positive, got n={n}, seconds={seconds}, repeats={repeats}")
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=dev, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dtype)
+    c = torch.empty(n, n, device=dev, dtype=dtype)
+    flops_per_matmul = 2.0 * n**3
+
+    # Warm-up, synchronizing each matmul so that the last one gives an honest time per matmul.
+    warm_start = time.perf_counter()
+    iters, per_matmul = 0, 0.0
+    while iters < 2 or time.perf_counter() - warm_start < seconds / 2:
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        _sync(dev)
+        per_matmul = time.perf_counter() - t0
+        iters += 1
+
+    # Fixed matmul count per window, one clock read and one synchronization on each side of it.
+    per_window = max(1, round(seconds / max(per_matmul, 1e-9)))
+    best = 0.0
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(per_window):
+            torch.matmul(a, b, out=c)
+        _sync(dev)
+        elapsed = time.perf_counter() - t0
+        best = max(best, per_window * flops_per_matmul / elapsed)
+    return best
+
+
+def _cpu_model() -> str:
+    """The CPU model name from ``/proc/cpuinfo`` (Linux), else ``platform.processor()`` or the machine type."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "Hardware", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def host_info() -> dict[str, str | int]:
+    """The inputs of :func:`host_fingerprint`: what decides this host's matmul peak.
+
+    Returns:
+        ``{"cpu": model name, "cores": usable cores, "torch": torch version, "threads": torch.get_num_threads()}``.
+    """
+    return {
+        "cpu": _cpu_model(),
+        "cores": _usable_cores(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def host_fingerprint() -> str:
+    """A short stable id of this host's compute: 12 hex characters of a SHA-256 over :func:`host_info`.
+
+    Changing the CPU model, the usable cores (affinity, container limits), the torch version or
+    ``torch.set_num_threads`` changes the id, so a cached peak is only reused under the same conditions.
+    """
+    blob = json.dumps(host_info(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def cache_path(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
+    """The cache file for this host: ``<cache_dir>/peak-<fingerprint>.json`` (``~`` expanded)."""
+    return Path(cache_dir).expanduser() / f"peak-{host_fingerprint()}.json"
+
+
+def measure_and_cache(
+    cache_dir: str | Path = DEFAULT_CACHE_DIR, dtypes: Sequence[str] = DEFAULT_DTYPES, **kw: Any
+) -> dict[str, float]:
+    """Measure the matmul peak of each dtype on this host and write it to :func:`cache_path`.
+
+    The file is replaced (atomically, so a training run reading it never sees half a file) with
+    ``{"fingerprint", "host": host_info(), "measured_at": ISO-8601 UTC time, "flops": {dtype name: FLOP/s}}``.
+
+    Args:
+        cache_dir: Directory of the cache file; created if missing.
+        dtypes: Torch dtype names to measure, e.g. ``("float32", "bfloat16")``.
+        **kw: Passed to :func:`measure_matmul_flops` (``n``, ``seconds``, ``repeats``). The cache is keyed by the
+            CPU, so leave ``device`` at ``"cpu"``.
+
+    Returns:
+        FLOP/s per dtype name, as written.
+
+    Raises:
+        ValueError: If a name is not a torch dtype (before anything is measured), or on bad ``kw`` values.
+    """
+    resolved = {name: _dtype(name) for name in dtypes}
+    flops = {name: measure_matmul_flops(dtype, **kw) for name, dtype in resolved.items()}
+    path = cache_path(cache_dir)
+    record = {
+        "fingerprint": host_fingerprint(),
+        "host": host_info(),
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "flops": flops,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return flops
+
+
+def cached_peak(dtype_name: str, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> float | None:
+    """This host's cached matmul peak for ``dtype_name``, in FLOP/s.
+
+    Never raises for a bad cache: a training run asking for its MFU denominator must not crash over it.
+
+    Args:
+        dtype_name: Torch dtype name, e.g. ``"bfloat16"``.
+        cache_dir: Directory given to :func:`measure_and_cache`.
+
+    Returns:
+        The FLOP/s, or None if this host (same fingerprint) never measured that dtype, or if the file is
+        unreadable, corrupt, records another fingerprint, or holds a value that is not a positive finite number.
+    """
+    try:
+        path = cache_path(cache_dir)
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("fingerprint") != host_fingerprint():
+            return None
+        value = record["flops"][dtype_name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure this host's matmul peaks, cache them and print a markdown table of GFLOP/s.
+
+    Args:
+        argv: Command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status, 0.
+    """
+    parser = argparse.ArgumentParser(
+        prog="hlat bench peak", description="Measure and cache this host's matmul peak FLOP/s (MFU on CPU)."
+    )
+    parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="cache directory (default: %(default)s)")
+    parser.add_argument("--size", type=int, default=2048, help="matrix side n (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="length of each timed window (default: 1.0)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed windows per dtype (default: %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES), help="torch dtype names")
+    args = parser.parse_args(argv)
+
+    flops = measure_and_cache(args.cache_dir, args.dtypes, n=args.size, seconds=args.seconds, repeats=args.repeats)
+    print(f"matmul peak, n={args.size}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
+    print("| dtype | GFLOP/s |")
+    print("|---|---:|")
+    for name, value in flops.items():
+        print(f"| {name} | {value / 1e9:.1f} |")
+    print(f"\ncache: {cache_path(args.cache_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,385 @@
+"""hlat.compare: run selection from a real sqlite MLflow store, the comparison table, the report files, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hlat import compare
+from hlat.compare import RunData, differing_keys, select_runs, summary_table, write_report
+
+STEPS = list(range(1, 21))  # 20 logged points: the last 10% are steps 19 and 20
+SWEEP = "multirun/2026-01-01/00-00-00"
+
+
+@dataclass
+class Store:
+    uri: str
+    root: Path  # the directory holding mlflow.db and the fake multirun tree
+    ids: dict[str, str]  # run name -> run id
+
+
+def _loss(offset: float) -> list[float]:
+    return [5.0 - 0.1 * s + offset for s in STEPS]  # ends ..., 3.1 + offset, 3.0 + offset
+
+
+def _make_run(
+    client,
+    exp_id: str,
+    name: str,
+    *,
+    start: int,
+    params: dict[str, str],
+    metrics: dict[str, list],
+    run_dir: str | None,
+    finish: bool = True,
+) -> str:
+    from mlflow.entities import Metric, Param
+
+    tags = {"run_dir": run_dir} if run_dir else {}
+    run_id = client.create_run(exp_id, start_time=start, run_name=name, tags=tags).info.run_id
+    client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+    points = [Metric(key, float(v), 1_000 + step, step) for key, series in metrics.items() for step, v in series]
+    client.log_batch(run_id, metrics=points[::-1])  # logged newest first: select_runs must sort by step
+    if finish:
+        client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    """One experiment of three finished runs differing in precision, one crashed run, and decoys elsewhere."""
+    from mlflow import MlflowClient
+
+    root = tmp_path_factory.mktemp("compare")
+    uri = f"sqlite:///{root}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("ablation")
+    other = client.create_experiment("other")
+    client.create_experiment("empty")
+
+    def params(i: int, precision: str, total: int) -> dict[str, str]:
+        return {
+            "model.name": "tiny",
+            "optimizer.beta2": "0.95",
+            "precision.name": precision,
+            "memory.bytes_per_param.total": str(total),
+            # per-run noise that differing_keys must ignore
+            "tracker.run_name": precision,
+            "train.checkpoint_dir": f"/ckpt/{i}",
+            "train.resume": str(i),
+            "hydra.job.num": str(i),
+        }
+
+    grad = [(s, float(s)) for s in STEPS]  # second half 11..20: median 15.5
+    ids = {
+        "fp32": _make_run(
+            client,
+            exp,
+            "fp32",
+            start=1_000,
+            params=params(0, "fp32", 16),
+            run_dir=f"{root}/{SWEEP}/0",
+            metrics={
+                "train/loss": list(zip(STEPS, _loss(0.0), strict=True)),
+                "train/grad_norm": grad,
+                "train/lr": [(s, 1e-3) for s in STEPS],
+                "train/param_norm": [(5, 40.0), (10, 41.0), (15, 41.5), (20, 42.0)],
+                "perf/tokens_per_s": [(s, 1000.0 * s) for s in STEPS],  # median 10,500
+                "perf/step_time_s": [(s, 0.5) for s in STEPS],
+            },
+        ),
+        "bf16": _make_run(
+            client,
+            exp,
+            "bf16",
+            start=2_000,
+            params=params(1, "bf16", 8),
+            run_dir=f"{root}/{SWEEP}/1",
+            metrics={
+                "train/loss": list(zip(STEPS, _loss(0.5), strict=True)),
+                "train/grad_norm": [(s, 2.0 * v) for s, v in grad],  # median 31
+                "train/param_norm": [(10, 30.0), (20, 31.25)],
+                "perf/tokens_per_s": [(1, 100.0), (2, 300.0), (3, 200.0)],  # median 200
+            },
+        ),
+        # no param norm and no throughput logged: those cells must read "-"
+        "bf16_sr": _make_run(
+            client,
+            exp,
+            "bf16_sr",
+            start=3_000,
+            run_dir=f"{root}/{SWEEP}/2",
+            params={**params(2, "bf16_sr", 8), "precision.stochastic_rounding": "True"},
+            metrics={"train/loss": list(zip(STEPS, _loss(0.25), strict=True)), "train/grad_norm": grad},
+        ),
+        "crashed": _make_run(
+            client,
+            exp,
+            "crashed",
+            start=4_000,
+            params=params(3, "bf16", 8),
+            run_dir=f"{root}/{SWEEP}/3",
+            metrics={"train/loss": [(1, 9.0)]},
+            finish=False,
+        ),
+        # in another experiment, its directory a string prefix of the sweep's but not inside it
+        "decoy": _make_run(
+            client,
+            other,
+            "decoy",
+            start=5_000,
+            params=params(4, "fp32", 16),
+            run_dir=f"{root}/{SWEEP}-b/0",
+            metrics={"train/loss": [(1, 1.0)]},
+        ),
+    }
+    return Store(uri=uri, root=root, ids=ids)
+
+
+def names(runs: list[RunData]) -> list[str]:
+    return [r.run_name for r in runs]
+
+
+def table_rows(table: str) -> list[list[str]]:
+    """The cells of a Markdown table: header first, separator line dropped."""
+    lines = table.splitlines()
+    assert set(lines[1]) <= set("|-:"), lines[1]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in [lines[0], *lines[2:]]]
+
+
+# --------------------------------------------------------------------------------------------------- selection
+
+
+def test_select_by_experiment_reads_finished_runs_oldest_first(store: Store) -> None:
+    runs = select_runs(store.uri, experiment="ablation")
+    assert names(runs) == ["fp32", "bf16", "bf16_sr"]
+    fp32 = runs[0]
+    assert fp32.run_id == store.ids["fp32"] and fp32.status == "FINISHED"
+    assert fp32.params["precision.name"] == "fp32" and fp32.params["model.name"] == "tiny"
+    assert set(fp32.metrics) == set(compare.METRIC_KEYS)
+    assert [s for s, _ in fp32.metrics["train/loss"]] == STEPS  # sorted although logged newest first
+    assert fp32.metrics["train/loss"][-1] == (20, pytest.approx(3.0))
+    assert fp32.metrics["train/param_norm"] == [(5, 40.0), (10, 41.0), (15, 41.5), (20, 42.0)]
+    assert runs[2].metrics["train/param_norm"] == [] and runs[2].metrics["perf/tokens_per_s"] == []
+    assert fp32.run_dir == f"{store.root}/{SWEEP}/0"
+
+
+def test_select_all_statuses_includes_the_unfinished_run(store: Store) -> None:
+    runs = select_runs(store.uri, experiment="ablation", status=None)
+    assert names(runs) == ["fp32", "bf16", "bf16_sr", "crashed"]
+    assert runs[-1].status == "RUNNING"
+
+
+def test_select_by_run_ids_keeps_the_given_order(store: Store) -> None:
+    ids = store.ids
+    runs = select_runs(store.uri, run_ids=[ids["bf16_sr"], ids["decoy"], ids["fp32"], ids["bf16_sr"]])
+    assert names(runs) == ["bf16_sr", "decoy", "fp32"]
+
+
+def test_select_by_run_id_refuses_an_unfinished_run_unless_asked(store: Store) -> None:
+    with pytest.raises(ValueError, match=rf"{store.ids['crashed']} is RUNNING.*--all-statuses"):
+        select_runs(store.uri, run_ids=[store.ids["fp32"], store.ids["crashed"]])
+    runs = select_runs(store.uri, run_ids=[store.ids["crashed"]], status=None)
+    assert names(runs) == ["crashed"]
+
+
+def test_select_by_sweep_dir_matches_whole_path_components(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = select_runs(store.uri, sweep_dir=str(store.root / SWEEP))
+    assert names(runs) == ["fp32", "bf16", "bf16_sr"]  # not the decoy in .../00-00-00-b
+    monkeypatch.chdir(store.root)
+    relative = select_runs(store.uri, sweep_dir=SWEEP + "/", status=None)
+    assert names(relative) == ["fp32", "bf16", "bf16_sr", "crashed"]
+    assert names(select_runs(store.uri, sweep_dir=f"{SWEEP}-b")) == ["decoy"]
+    assert names(select_runs(store.uri, sweep_dir=f"{SWEEP}/1")) == ["bf16"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({}, r"exactly one of experiment=, run_ids= or sweep_dir=.*none was given"),
+        ({"experiment": "ablation", "sweep_dir": "x"}, r"exactly one of .*got experiment and sweep_dir"),
+        ({"experiment": "a", "run_ids": ["b"], "sweep_dir": "c"}, r"got experiment and run_ids and sweep_dir"),
+        ({"run_ids": []}, r"run_ids is empty"),
+        ({"experiment": "ablation", "status": "DONE"}, r"unknown run status 'DONE'"),
+    ],
+)
+def test_select_argument_errors(store: Store, kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        select_runs(store.uri, **kwargs)
+
+
+def test_select_errors_name_what_was_not_found_and_where(store: Store, tmp_path: Path) -> None:
+    uri = store.uri
+    with pytest.raises(ValueError, match=r"no MLflow experiment 'nope' at sqlite:///.*ablation, empty, other"):
+        select_runs(uri, experiment="nope")
+    with pytest.raises(ValueError, match=r"experiment 'empty' at sqlite:///\S+ has no runs"):
+        select_runs(uri, experiment="empty")
+    with pytest.raises(ValueError, match=rf"no MLflow run with id 0123abcd at {uri}"):
+        select_runs(uri, run_ids=[store.ids["fp32"], "0123abcd"])
+    with pytest.raises(ValueError, match=rf"no MLflow run at {uri} has its run_dir tag under .*elsewhere"):
+        select_runs(uri, sweep_dir=str(tmp_path / "elsewhere"))
+    with pytest.raises(ValueError, match=rf"none of the 1 runs under .*{SWEEP}/3 at {uri} is FINISHED"):
+        select_runs(uri, sweep_dir=str(store.root / SWEEP / "3"))
+    missing = tmp_path / "missing.db"
+    with pytest.raises(ValueError, match=r"no MLflow store at sqlite:///.*missing\.db.*--uri"):
+        select_runs(f"sqlite:///{missing}", experiment="ablation")
+    assert not missing.exists()  # and none was created on the way
+
+
+# --------------------------------------------------------------------------------------------------- analysis
+
+
+def run(name: str, params: dict[str, str], **metrics: list[tuple[int, float]]) -> RunData:
+    return RunData(run_id=f"{name:0<32}", run_name=name, params=params, metrics=metrics)
+
+
+def test_differing_keys_ignores_per_run_noise() -> None:
+    a = run(
+        "a",
+        {
+            "precision.name": "fp32",
+            "model.name": "tiny",
+            "hydra.job.num": "0",
+            "tracker.run_name": "a",
+            "train.checkpoint_dir": "/c/0",
+            "train.resume": "False",
+            "only.in.a": "1",
+        },
+    )
+    b = run(
+        "b",
+        {
+            "precision.name": "bf16",
+            "model.name": "tiny",
+            "hydra.job.num": "1",
+            "tracker.run_name": "b",
+            "train.checkpoint_dir": "/c/1",
+            "train.resume": "True",
+        },
+    )
+    assert differing_keys([a, b]) == ["only.in.a", "precision.name"]
+    assert differing_keys([a]) == []
+    assert differing_keys([a, a]) == []
+
+
+def test_differing_keys_of_the_stored_runs(store: Store) -> None:
+    runs = select_runs(store.uri, experiment="ablation")
+    assert differing_keys(runs) == [
+        "memory.bytes_per_param.total",
+        "precision.name",
+        "precision.stochastic_rounding",
+    ]
+
+
+def test_summary_table_values(store: Store) -> None:
+    runs = select_runs(store.uri, experiment="ablation")
+    header, *rows = table_rows(summary_table(runs))
+    assert header == [  # the precision fields and memory figures are folded into precision.name
+        "run", "run id", "precision.name",
+        "final loss (last 10%)", "min loss", "grad norm median (2nd half)", "param norm (end)", "tokens/s (median)",
+    ]  # fmt: skip
+    assert rows == [
+        ["fp32", f"`{store.ids['fp32'][:8]}`", "fp32", "3.0500", "3.0000", "15.500", "42.00", "10,500"],
+        ["bf16", f"`{store.ids['bf16'][:8]}`", "bf16", "3.5500", "3.5000", "31.000", "31.25", "200"],
+        ["bf16_sr", f"`{store.ids['bf16_sr'][:8]}`", "bf16_sr", "3.3000", "3.2500", "15.500", "-", "-"],
+    ]
+
+
+def test_keys_a_preset_name_explains_are_folded_into_it() -> None:
+    runs = [
+        run("a", {"precision.name": "bf16_sr", "precision.stochastic_rounding": "True", "optimizer.beta2": "0.95"}),
+        run("b", {"precision.name": "bf16_sr", "precision.stochastic_rounding": "True", "optimizer.beta2": "0.99"}),
+        run("c", {"precision.name": "bf16", "precision.stochastic_rounding": "False", "optimizer.beta2": "0.95"}),
+    ]
+    assert compare.differing_keys(runs) == ["optimizer.beta2", "precision.name", "precision.stochastic_rounding"]
+    assert compare.shown_keys(runs) == ["optimizer.beta2", "precision.name"]  # beta2 varies within bf16_sr: kept
+    runs[1].params["precision.stochastic_rounding"] = "False"  # now not a function of the preset: shown
+    assert compare.shown_keys(runs) == compare.differing_keys(runs)
+
+
+def test_summary_statistics_edge_cases() -> None:
+    short = run("short", {}, **{"train/loss": [(1, 4.0), (2, float("nan")), (3, 2.0)], "train/grad_norm": [(1, 7.0)]})
+    assert compare.final_loss(short) == 2.0  # fewer than 10 points: the last one
+    assert compare.min_loss(short) == 2.0  # NaN ignored
+    assert compare.grad_norm_median(short) == 7.0
+    empty = run("empty", {"x": "1"})
+    assert compare.final_loss(empty) is None and compare.last_param_norm(empty) is None
+    header, row = table_rows(summary_table([empty]))
+    assert header[:2] == ["run", "run id"] and len(header) == 7  # one run: no differing keys
+    assert row[2:] == ["-"] * 5
+    piped = run("a|b", {"k": "x|y"})
+    assert "a\\|b" in summary_table([piped, run("c", {"k": "z"})])
+
+
+def test_label_names_the_differing_values() -> None:
+    a = run("a", {"precision.name": "fp32", "optimizer.beta2": "0.95"})
+    assert compare.label(a, ["optimizer.beta2", "precision.name"]) == "a (optimizer.beta2=0.95, precision.name=fp32)"
+    assert compare.label(a, []) == "a"
+
+
+# --------------------------------------------------------------------------------------------------- report and CLI
+
+
+def test_write_report(store: Store, tmp_path: Path) -> None:
+    runs = select_runs(store.uri, experiment="ablation")
+    out = tmp_path / "nested" / "report"
+    md, png = write_report(runs, out)
+    assert (md, png) == (out / "comparison.md", out / "comparison.png")
+    text = md.read_text()
+    assert text.startswith("# Comparison of 3 MLflow runs\n")
+    assert summary_table(runs) in text
+    assert "](comparison.png)" in text
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_copes_with_runs_that_logged_nothing(tmp_path: Path) -> None:
+    path = compare.plot([run("empty", {}), run("one", {}, **{"train/loss": [(1, 3.0)]})], tmp_path / "p.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_main_writes_the_report(store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cmp"
+    assert compare.main(["--uri", store.uri, "--sweep", str(store.root / SWEEP), "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "| fp32 |" in stdout and "3.0500" in stdout and str(out / "comparison.md") in stdout
+    assert (out / "comparison.png").stat().st_size > 0
+    assert "Comparison of 3 MLflow runs: sweep" in (out / "comparison.md").read_text()
+
+
+def test_main_all_statuses(store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--uri", store.uri, "--runs", store.ids["crashed"], "--out", str(tmp_path)]
+    assert compare.main(argv) == 2
+    assert "RUNNING" in capsys.readouterr().err
+    assert compare.main([*argv, "--all-statuses"]) == 0
+    assert "| crashed |" in capsys.readouterr().out
+
+
+def test_main_unknown_experiment_returns_2(store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert compare.main(["--uri", store.uri, "--experiment", "nope", "--out", str(tmp_path / "x")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"hlat compare: no MLflow experiment 'nope' at {store.uri}")
+    assert captured.out == ""
+    assert not (tmp_path / "x").exists()
+
+
+def test_main_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--experiment", "a", "--sweep", "b"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        compare.main([])
+    assert (
+        e.value.code == 2 and "one of the arguments --experiment --runs --sweep is required" in capsys.readouterr().err
+    )
+
+
+def test_import_is_cheap() -> None:
+    code = "import sys, hlat.compare; print(sorted(m for m in ('mlflow', 'matplotlib') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
