@@ -341,12 +341,17 @@ class TrackerConfig(_Frozen):
     plots: bool = True
     """At the end of a run, plot loss, grad norm with spikes, param norm, LR and the spike-duration histogram
     into ``<run dir>/plots/`` and log them as artifacts."""
+    layer_grad_norms_every: int = 0
+    """Every this many steps, log the gradient norm of each layer (``grad_norm/layers.<i>``, ...); 0: off, no cost."""
+    system_metrics: bool = True
+    """MLflow's own system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s, in MLflow's thread."""
 
     def __post_init__(self) -> None:
         _check_choice("tracker.kind", self.kind, ("mlflow", "console"))
         _check(self.flush_every_s >= 0, f"tracker.flush_every_s={self.flush_every_s} must be >= 0")
         _check(self.spike_window >= 1, f"tracker.spike_window={self.spike_window} must be >= 1")
         _check(self.spike_threshold >= 0, f"tracker.spike_threshold={self.spike_threshold} must be >= 0")
+        _check(self.layer_grad_norms_every >= 0, "tracker.layer_grad_norms_every must be >= 0 (0 turns it off)")
         _check(self.spike_summary_every >= 0, f"tracker.spike_summary_every={self.spike_summary_every} must be >= 0")
         self._freeze()
 

@@ -52,12 +52,14 @@ def fit(
     tokens_per_step: int,
     lr_fn: Callable[[int], float],
     hooks: Sequence[Hook] = (),
+    grad_hooks: Sequence[Callable[[int, nn.Module], None]] = (),
 ) -> TrainState:
     """Train from ``state.step`` to ``steps``; returns the final state.
 
     Each step: set the learning rate, run ``grad_accum`` micro-batches (loss scaled by 1/grad_accum so
     the gradient is the global-batch mean), clip, step, then call every hook. Nothing here reads a
-    tensor on the host: hooks decide when to fetch.
+    tensor on the host: hooks decide when to fetch. ``grad_hooks`` see ``(step, model)`` while the step's
+    gradients exist (after the last backward, before clipping).
     """
     model.train()
     while state.step < steps:
@@ -73,6 +75,8 @@ def fit(
             loss = backend.loss(model, inputs, targets) / grad_accum
             loss.backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        for grad_hook in grad_hooks:
+            grad_hook(state.step + 1, model)
         grad_norm = backend.clip_grad_norm(model, clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

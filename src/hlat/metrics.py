@@ -19,7 +19,7 @@ from torch import nn
 from hlat.backends.base import Backend
 from hlat.config import ClusterConfig
 from hlat.loop import StepOutput, TrainState
-from hlat.precision import global_norm
+from hlat.precision import global_norm, grad_of
 
 Rows = list[tuple[int, dict[str, float]]]
 """Metric rows ``(step, {name: value})`` in step order."""
@@ -157,9 +157,53 @@ def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: st
     return flops, f"measured {compute_dtype} matmul peak (hlat bench peak)"
 
 
+class Uptime:
+    """Goodput accounting of one training job across restarts (the paper's uptime, PAPER.md Table 1).
+
+    wall: seconds since the job's first launch (downtime between a crash and the restart included); productive:
+    seconds of the steps the job keeps (restored from the checkpoint on resume, so work done after the last
+    checkpoint by a process that died is not in it); lost = wall - productive (redone work, restart and start-up
+    overhead, downtime); uptime = productive / wall.
+    """
+
+    def __init__(self, start: float, productive_s: float = 0.0, restarts: int = 0) -> None:
+        self.start, self.productive_s, self.restarts = start, productive_s, restarts
+
+    @classmethod
+    def resumed(cls, state: dict) -> Uptime:
+        """The job's accounting as saved in a checkpoint, with one more restart."""
+        return cls(state["start"], state["productive_s"], state["restarts"] + 1)
+
+    def add_productive(self, seconds: float) -> None:
+        """Count ``seconds`` of completed training steps."""
+        self.productive_s += seconds
+
+    def metrics(self, now: float | None = None) -> dict[str, float]:
+        """``uptime/*`` metrics at wall-clock time ``now`` (default: the current time)."""
+        wall = max((time.time() if now is None else now) - self.start, 1e-9)
+        productive = min(self.productive_s, wall)
+        return {"uptime/wall_s": wall, "uptime/productive_s": productive, "uptime/lost_s": wall - productive,
+                "uptime/restarts": float(self.restarts), "uptime/pct": 100 * productive / wall}  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """Plain-python state for checkpoints."""
+        return {"start": self.start, "productive_s": self.productive_s, "restarts": self.restarts}
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far (Linux ``ru_maxrss`` is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def layer_grad_norms(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradient L2 norm per layer (``grad_norm/layers.3``, ``grad_norm/embed``, ...) as device tensors."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        g = grad_of(p)
+        if g is not None:
+            parts = name.split(".")
+            groups.setdefault(".".join(parts[:2]) if parts[0] == "layers" else parts[0], []).append(g)
+    return {f"grad_norm/{k}": global_norm(v) for k, v in groups.items()}
 
 
 def param_norm(model: nn.Module) -> torch.Tensor:
@@ -175,9 +219,9 @@ class MetricsLogger:
     interval also carries ``train/param_norm``, the interval's throughput (``perf/tokens_per_s``,
     ``perf/sequences_per_s``, ``perf/step_time_s``, ``perf/data_wait_s`` per step), MFU and cost
     (``Throughput``), peak host memory (``sys/peak_rss_gib``, and ``sys/cuda_max_allocated_gib`` on CUDA),
-    ``train/tokens_seen``, the spike summary every ``spike_summary_every`` steps and at the end, plus whatever
-    host values ``extra`` returns (the data loader's ``data/*`` statistics). All of it is computed on the host
-    from the fetched values: telemetry adds no device synchronisation.
+    ``train/tokens_seen``, the job's ``uptime/*`` (``Uptime``), the spike summary every ``spike_summary_every``
+    steps and at the end, plus whatever host values ``extra`` returns (the data loader's ``data/*`` statistics).
+    All of it is computed on the host from the fetched values: telemetry adds no device synchronisation.
     """
 
     def __init__(
@@ -194,10 +238,14 @@ class MetricsLogger:
         spikes: SpikeDetector | None = None,
         spike_summary_every: int = 0,
         throughput: Throughput | None = None,
+        uptime: Uptime | None = None,
+        layer_norms_every: int = 0,
     ) -> None:
         self.backend, self.model, self.sink, self.extra = backend, model, sink, extra
         self.every, self.last_step, self.tokens_per_step, self.seq_len = every, last_step, tokens_per_step, seq_len
         self.spikes, self.spike_summary_every, self.throughput = spikes, spike_summary_every, throughput
+        self.uptime, self.layer_norms_every = uptime, layer_norms_every
+        self._layer_norms: dict[int, dict[str, torch.Tensor]] = {}
         self._steps: list[int] = []
         self._loss: list[torch.Tensor] = []
         self._grad_norm: list[torch.Tensor] = []
@@ -228,7 +276,15 @@ class MetricsLogger:
             torch.cuda.reset_peak_memory_stats()
         if self.throughput is not None:
             out.update(self.throughput.metrics(tokens_per_s))
+        if self.uptime is not None:
+            self.uptime.add_productive(elapsed)
+            out.update(self.uptime.metrics())
         return out
+
+    def capture_grads(self, step: int, model: nn.Module) -> None:
+        """Grad hook for ``fit``: every ``layer_norms_every`` steps, keep per-layer gradient norms (on the device)."""
+        if self.layer_norms_every and step % self.layer_norms_every == 0:
+            self._layer_norms[step] = layer_grad_norms(model)
 
     def flush(self, state: TrainState) -> None:
         """Fetch and log the steps buffered since the last flush (nothing if there are none)."""
@@ -239,6 +295,8 @@ class MetricsLogger:
             "grad_norm": torch.stack(self._grad_norm),
             "param_norm": param_norm(self.model),
         }
+        for step, norms in self._layer_norms.items():
+            tensors.update({f"{step}|{name}": value for name, value in norms.items()})
         # Captured by value: on lazy devices ``emit`` runs after later steps have started.
         steps, lrs, wait, tokens_seen = self._steps, self._lr, self._wait, state.tokens_seen
         host = self.extra() if self.extra is not None else {}
@@ -253,6 +311,11 @@ class MetricsLogger:
                 if self.spikes is not None:
                     row.update(self.spikes.update(gn))
                 rows.append((s, row))
+            by_step = dict(rows)
+            for key, value in values.items():
+                if "|" in key:
+                    step, name = key.split("|", 1)
+                    by_step[int(step)][name] = value[0]
             last = rows[-1][1]
             last.update({"train/param_norm": values["param_norm"][0], "train/tokens_seen": float(tokens_seen)})
             last.update(self._interval_metrics(len(steps), elapsed, wait))
@@ -265,4 +328,4 @@ class MetricsLogger:
 
         self.backend.fetch(tensors, emit)
         self._steps, self._loss, self._grad_norm, self._lr = [], [], [], []
-        self._wait = 0.0
+        self._wait, self._layer_norms = 0.0, {}

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
 from hlat.loop import TrainState, fit
-from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, flops_per_token, resolve_peak_flops
+from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, Uptime, flops_per_token, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
@@ -77,8 +78,12 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
 PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
 
 
-def _restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) -> TrainState:
-    """Load a checkpoint into the built model, optimizer, loader and spike statistics; return the saved progress."""
+def _restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) -> tuple[TrainState, dict]:
+    """Load a checkpoint into the built model, optimizer, loader and spike statistics.
+
+    Returns:
+        The saved progress, and the job record (MLflow run id, uptime accounting; empty in older checkpoints).
+    """
     extra = backend.load(path, model, optimizer)
     data.load_state_dict(extra["data"])
     if "spikes" in extra:
@@ -86,16 +91,16 @@ def _restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector)
     torch.set_rng_state(extra["rng"])
     state = TrainState(**extra["train_state"])
     log.info("resumed from %s at step %d", path, state.step)
-    return state
+    return state, extra.get("job", {})
 
 
 def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: dict[str, str], rank: int,
-                    extra: list, derived: dict[str, Any]) -> tuple:  # fmt: skip
+                    extra: list, derived: dict[str, Any], run_id: str | None) -> tuple:  # fmt: skip
     """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files."""
     prov_tags, files = write_provenance(run_dir, OmegaConf.to_yaml(hydra_cfg, resolve=True))
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
     tracker, mlflow_tracker = build_tracker(
-        cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra
+        cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra, run_id=run_id
     )
     params = flatten(OmegaConf.to_container(hydra_cfg, resolve=True))
     tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
@@ -106,6 +111,7 @@ def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: 
 
 def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     """Train as ``hydra_cfg`` says; ``run_dir`` defaults to Hydra's output directory."""
+    launched = time.time()  # the job's start, unless a checkpoint says it started earlier
     cfg = to_run_config(hydra_cfg)
     t = cfg.train
     backend = get_backend(cfg.cluster.backend)
@@ -128,7 +134,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     model = backend.build_model(functools.partial(Transformer, cfg.model), dims)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
     spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
-    state = _restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else TrainState()
+    state, job = _restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else (TrainState(), {})
+    uptime = Uptime.resumed(job["uptime"]) if "uptime" in job else Uptime(launched)
 
     if run_dir is None:
         from hydra.core.hydra_config import HydraConfig
@@ -145,7 +152,9 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     derived = {"perf.flops_per_token": throughput.flops_per_token,
                "perf.flops_per_token_causal": throughput.flops_per_token_causal,
                "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None}  # fmt: skip
-    tracker, mlflow_tracker = _start_tracking(cfg, hydra_cfg, run_dir, tags, env.rank, extra_trackers, derived)
+    tracker, mlflow_tracker = _start_tracking(cfg, hydra_cfg, run_dir, tags, env.rank, extra_trackers, derived,
+                                              job.get("mlflow_run_id"))  # fmt: skip
+    run_id = mlflow_tracker.run_id if mlflow_tracker else job.get("mlflow_run_id")
     if throughput.peak_flops is None:
         log.info("no MFU metric: %s", peak_source)
 
@@ -153,13 +162,14 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     logger = MetricsLogger(
         backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps, tokens_per_step=tokens_per_step,
         seq_len=t.seq_len, extra=data.stats, spikes=spikes, spike_summary_every=cfg.tracker.spike_summary_every,
-        throughput=throughput,
+        throughput=throughput, uptime=uptime, layer_norms_every=cfg.tracker.layer_grad_norms_every,
     )  # fmt: skip
 
     def checkpoint_extra(s: TrainState) -> dict:
-        logger.flush(s)  # the spike statistics in the checkpoint then cover every step up to it
+        logger.flush(s)  # the spike statistics and productive time in the checkpoint then cover every step up to it
+        record = {"mlflow_run_id": run_id, "uptime": uptime.state_dict()}  # a restart continues this MLflow run
         return {"train_state": dataclasses.asdict(s), "data": data.state_dict(), "rng": torch.get_rng_state(),
-                "spikes": spikes.state_dict()}  # fmt: skip
+                "spikes": spikes.state_dict(), "job": record}  # fmt: skip
 
     saver = checkpoint.CheckpointHook(
         backend, Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else run_dir / "checkpoints",
@@ -172,6 +182,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
             steps=t.steps, grad_accum=dims.grad_accum(t), clip_grad_norm=cfg.optimizer.clip_grad_norm,
             tokens_per_step=tokens_per_step, lr_fn=functools.partial(lr_at, cfg=cfg.optimizer, total_steps=t.steps),
             hooks=[h for h in (progress, logger, saver) if h is not None],
+            grad_hooks=[logger.capture_grads] if cfg.tracker.layer_grad_norms_every else [],
         )  # fmt: skip
         status = "FINISHED"
         if env.rank == 0 and cfg.tracker.plots:

@@ -176,16 +176,33 @@ class MLflowTracker(NoopTracker):
     flush; ``finish`` stops the thread and sends what is left from the caller, where an error is raised.
     """
 
-    def __init__(self, cfg: TrackerConfig, run_name: str, tags: dict[str, str]) -> None:
+    def __init__(self, cfg: TrackerConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> None:
         from mlflow import MlflowClient  # imported here: mlflow takes ~3 s to import
 
         self.uri = cfg.uri or default_uri()
         self.client = MlflowClient(tracking_uri=self.uri)
-        exp = self.client.get_experiment_by_name(cfg.experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
         tags = {**tags, "host": socket.gethostname()}
-        self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+        self.existing_params: dict[str, str] | None = None
+        """The params of a run continued after a restart; None for a new run."""
+        previous = self._find(run_id) if run_id else None
+        if previous is not None:  # a restarted job continues its own run
+            self.run_id, self.experiment_id = previous.info.run_id, previous.info.experiment_id
+            self.existing_params = dict(previous.data.params)
+            self.client.update_run(self.run_id, status="RUNNING")
+            for key, value in tags.items():
+                self.client.set_tag(self.run_id, key, value)
+        else:
+            exp = self.client.get_experiment_by_name(cfg.experiment)
+            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
+            self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
         self.flush_every_s = cfg.flush_every_s
+        self._system = None
+        if cfg.system_metrics:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system = SystemMetricsMonitor(self.run_id, resume_logging=previous is not None,
+                                                tracking_uri=self.uri)  # fmt: skip
+            self._system.start()
         self._pending: list[Any] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -193,10 +210,26 @@ class MLflowTracker(NoopTracker):
         self._thread = threading.Thread(target=self._background, name="hlat-mlflow-flush", daemon=True)
         self._thread.start()
 
+    def _find(self, run_id: str) -> Any:
+        """The run ``run_id`` in this store, or None (with a warning) when it is not there."""
+        try:
+            return self.client.get_run(run_id)
+        except Exception:  # MlflowException: another store, or the run was deleted
+            log.warning("MLflow run %s of this job is not in %s; starting a new run", run_id, self.uri)
+            return None
+
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in params.items()]
+        values = {k: str(v)[:_MAX_PARAM_LEN] for k, v in params.items()}
+        if self.existing_params is not None:
+            # MLflow refuses to change a logged param: a restart that changed one records it as a tag instead.
+            for key, value in values.items():
+                old = self.existing_params.get(key)
+                if old is not None and old != value:
+                    self.client.set_tag(self.run_id, f"restart.changed.{key}", f"{old} -> {value}"[:5000])
+            values = {k: v for k, v in values.items() if k not in self.existing_params}
+        items = [Param(k, v) for k, v in values.items()]
         for i in range(0, len(items), _MAX_PARAMS):
             self.client.log_batch(self.run_id, params=items[i : i + _MAX_PARAMS])
 
@@ -238,6 +271,8 @@ class MLflowTracker(NoopTracker):
         self.client.log_artifact(self.run_id, str(path))
 
     def finish(self, status: str = "FINISHED") -> None:
+        if self._system is not None:
+            self._system.finish()
         self._stopping = True
         self._wake.set()
         self._thread.join()
@@ -256,18 +291,20 @@ class MLflowTracker(NoopTracker):
 
 
 def build_tracker(
-    cfg: TrackerConfig, *, rank: int, run_name: str, tags: dict[str, str], extra: list[Tracker]
-) -> tuple[Tracker, MLflowTracker | None]:
+    cfg: TrackerConfig, *, rank: int, run_name: str, tags: dict[str, str], extra: list[Tracker],
+    run_id: str | None = None,
+) -> tuple[Tracker, MLflowTracker | None]:  # fmt: skip
     """The tracker for this rank (a no-op off rank 0) and the MLflow tracker inside it, if any.
 
-    ``extra`` trackers (progress bar, history) are added on rank 0 only.
+    ``extra`` trackers (progress bar, history) are added on rank 0 only. ``run_id``: the MLflow run of a job being
+    resumed, which is continued instead of starting a new one.
     """
     if rank != 0:
         return NoopTracker(), None
     trackers: list[Tracker] = list(extra)
     mlflow_tracker = None
     if cfg.kind == "mlflow":
-        mlflow_tracker = MLflowTracker(cfg, run_name, tags)
+        mlflow_tracker = MLflowTracker(cfg, run_name, tags, run_id=run_id)
         trackers.append(mlflow_tracker)
     else:
         trackers.append(ConsoleTracker())

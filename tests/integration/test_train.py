@@ -89,7 +89,8 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
     monkeypatch.chdir(tmp_path)
     cfg = compose_cfg(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0", "train.steps=60",
                       "tracker.spike_window=4", "tracker.spike_threshold=0.02", "tracker.spike_summary_every=20",
-                      "cluster.peak_tflops=0.5", "cluster.price_per_hour=2.0")  # fmt: skip
+                      "cluster.peak_tflops=0.5", "cluster.price_per_hour=2.0",
+                      "tracker.layer_grad_norms_every=20")  # fmt: skip
     result = main(cfg, run_dir=tmp_path / "run")
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     rid = result.mlflow_run_id
@@ -116,6 +117,14 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
     assert hist("perf/cost_per_4m_tokens")[60] == pytest.approx(2.0 * 4e6 / tokens_per_s[60] / 3600)
     assert 0.05 < hist("sys/peak_rss_gib")[60] < 20
     assert hist("perf/sequences_per_s")[60] == pytest.approx(tokens_per_s[60] / 64)
+    # Per-layer gradient norms every 20 steps; their squares add up to the (pre-clip) global norm's square.
+    layers = [k for k in client.get_run(rid).data.metrics if k.startswith("grad_norm/")]
+    assert sorted(layers) == ["grad_norm/embed", "grad_norm/layers.0", "grad_norm/layers.1", "grad_norm/lm_head",
+                              "grad_norm/norm"]  # fmt: skip
+    for step in (20, 40, 60):
+        total = sum(hist(k)[step] ** 2 for k in layers)
+        assert total == pytest.approx(hist("train/grad_norm")[step] ** 2, rel=1e-4)
+    assert set(hist("grad_norm/layers.0")) == {20, 40, 60}
 
 
 @pytest.mark.slow
@@ -219,3 +228,34 @@ def test_precision_ablation_sweep_composes_every_arm(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     job = yaml.safe_load(r.stdout)
     assert (job["precision"]["name"], job["optimizer"]["beta2"], job["train"]["steps"]) == ("bf16_sr", 0.99, 600)
+
+
+@pytest.mark.slow
+def test_a_restarted_job_continues_its_mlflow_run_and_counts_uptime(tmp_path: Path, cache_dir: Path,
+                                                                    monkeypatch) -> None:  # fmt: skip
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    common = [*SMALL_RUN, "train.log_every=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=4",
+              f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0", "tracker.plots=false"]  # fmt: skip
+    first = main(compose_cfg(*common, "train.steps=3"), run_dir=tmp_path / "first")
+    second = main(compose_cfg(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
+                  run_dir=tmp_path / "second")  # fmt: skip
+    assert second.mlflow_run_id == first.mlflow_run_id  # one MLflow run for the whole job
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(first.mlflow_run_id)
+    assert run.info.status == "FINISHED" and len(client.search_runs([run.info.experiment_id])) == 1
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4, 5, 6]
+    assert run.data.tags["restart.changed.train.steps"] == "3 -> 6"  # MLflow params cannot change: a tag says so
+    assert run.data.tags["resumed_from"].endswith("step_00000003")
+
+    def last(key: str) -> float:
+        return max(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp)).value
+
+    assert last("uptime/restarts") == 1.0
+    wall, productive, lost = last("uptime/wall_s"), last("uptime/productive_s"), last("uptime/lost_s")
+    assert wall == pytest.approx(productive + lost) and 0 < productive < wall
+    assert last("uptime/pct") == pytest.approx(100 * productive / wall)
+    # The job started with the first launch: its wall time covers both processes.
+    first_wall = max(m.value for m in client.get_metric_history(run.info.run_id, "uptime/wall_s") if m.step == 3)
+    assert wall > first_wall

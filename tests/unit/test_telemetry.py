@@ -134,3 +134,21 @@ def test_peak_resolution_order(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr("hlat.peak.cached_peak", lambda dtype, cache_dir: 3.0e11 if dtype == "bfloat16" else None)
     assert resolve_peak_flops(ClusterConfig(), "bfloat16", str(tmp_path))[0] == 3.0e11
     assert math.isclose(resolve_peak_flops(ClusterConfig(peak_tflops=0.3), "float32", "")[0], 3e11)
+
+
+def test_uptime_across_a_simulated_restart() -> None:
+    from hlat.metrics import Uptime
+
+    job = Uptime(start=1000.0)
+    job.add_productive(50.0)  # steps 1-50, checkpoint at t=1060 (10 s of start-up before the first step)
+    saved = job.state_dict()
+    job.add_productive(30.0)  # steps 51-80 done, then the process dies at t=1100; those 30 s are lost
+    m = job.metrics(now=1100.0)
+    assert (m["uptime/wall_s"], m["uptime/productive_s"], m["uptime/restarts"]) == (100.0, 80.0, 0.0)
+    # Restarted at t=1130 from the checkpoint: 30 s down, 30 s of redone work ahead, 5 s start-up again.
+    job = Uptime.resumed(saved)
+    job.add_productive(30.0)  # steps 51-80 again, now for good: t=1165
+    m = job.metrics(now=1165.0)
+    assert m["uptime/restarts"] == 1.0 and m["uptime/wall_s"] == 165.0
+    assert m["uptime/productive_s"] == 80.0 and m["uptime/lost_s"] == 85.0
+    assert m["uptime/pct"] == pytest.approx(100 * 80 / 165)
