@@ -283,10 +283,12 @@ class MLflowTracker(NoopTracker):
 
     def ui_hint(self) -> str:
         """One line telling the user how to open this run."""
+        page = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        if self.uri.startswith(("http://", "https://")):  # a tracking server: its UI is at the same address
+            return f"MLflow run {self.run_id} (experiment {self.experiment_id}): {self.uri.rstrip('/')}/{page}"
         return (
             f"MLflow run {self.run_id} (experiment {self.experiment_id}). Open it with: "
-            f"mlflow ui --backend-store-uri {self.uri}  then "
-            f"http://127.0.0.1:5000/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+            f"mlflow ui --backend-store-uri {self.uri}  then http://127.0.0.1:5000/{page}"
         )
 
 
