@@ -3,9 +3,9 @@
 The library behind ``hlat compare``. Runs are picked by experiment name, by run ids, or by a Hydra multirun
 directory (every hlat run carries the tag ``run_dir``, its job's output directory)::
 
-    python -m hlat.compare --experiment precision_ablation
-    python -m hlat.compare --sweep multirun/2026-11-22/07-34-38 --out /tmp/cmp
-    python -m hlat.compare --uri sqlite:///other.db --runs 1a2b3c4d... 5e6f7a8b...
+    hlat compare --experiment precision_ablation
+    hlat compare --sweep multirun/2026-11-22/07-34-38 --out /tmp/cmp
+    hlat compare --uri sqlite:///other.db --runs 1a2b3c4d... 5e6f7a8b...
 
 It writes ``comparison.md`` and ``comparison.png`` into ``--out``. mlflow and matplotlib are imported inside the
 functions that need them, so importing this module stays cheap.
