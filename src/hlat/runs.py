@@ -1,0 +1,249 @@
+"""hlat runs read back from MLflow: pick them by experiment, run ids or sweep directory (``select_runs``).
+
+Used by ``hlat compare``; mlflow is imported inside the functions, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+
+# The per-step metrics hlat logs (see hlat.metrics); train/param_norm only every log interval.
+METRIC_KEYS = (
+    "train/loss",
+    "train/grad_norm",
+    "train/lr",
+    "train/param_norm",
+    "perf/tokens_per_s",
+    "perf/step_time_s",
+)
+
+# MLflow's run statuses (mlflow.entities.RunStatus), for checking ``status`` before it goes into a filter string.
+RUN_STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")
+
+_SEARCH_PAGE = 1000
+
+
+@dataclass
+class RunData:
+    """One MLflow run, read back: its identity, flattened config and metric histories.
+
+    Attributes:
+        run_id: The MLflow run id.
+        run_name: The MLflow run name.
+        params: Every logged param (the flattened resolved Hydra config), as strings.
+        metrics: ``{key: [(step, value), ...]}`` sorted by step, for every key in ``METRIC_KEYS`` (an empty list
+            when the run never logged it).
+        status: The run's MLflow status (FINISHED, RUNNING, FAILED, KILLED, ...).
+        run_dir: The run's ``run_dir`` tag (its Hydra output directory), or ``None`` when untagged.
+    """
+
+    run_id: str
+    run_name: str
+    params: dict[str, str]
+    metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    status: str = ""
+    run_dir: str | None = None
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """The ``(step, value)`` history of one metric; empty when it was not logged."""
+        return self.metrics.get(key, [])
+
+    def values(self, key: str) -> list[float]:
+        """Just the values of one metric's history, in step order."""
+        return [v for _, v in self.series(key)]
+
+
+# --------------------------------------------------------------------------------------------------- selection
+
+
+def _check_store_exists(uri: str) -> None:
+    """Refuse a local store that does not exist: MLflow would silently create an empty one there."""
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///") :].split("?", 1)[0]
+        if path and path != ":memory:" and not Path(path).expanduser().exists():
+            raise ValueError(
+                f"no MLflow store at {uri} ({Path(path).expanduser().resolve()} does not exist); run from the "
+                "directory holding mlflow.db or pass its tracking URI (--uri sqlite:///path/to/mlflow.db)"
+            )
+    elif "://" not in uri or uri.startswith("file:"):
+        path = uri[len("file://") :] if uri.startswith("file://") else uri.removeprefix("file:")
+        if not Path(path).expanduser().exists():
+            raise ValueError(f"no MLflow store at {uri} (the directory does not exist); pass the right --uri")
+
+
+def _search_all(client: Any, experiment_ids: list[str], filter_string: str) -> list[Any]:
+    """Every matching run (all result pages), oldest first."""
+    runs: list[Any] = []
+    token = None
+    while True:
+        page = client.search_runs(
+            experiment_ids,
+            filter_string,
+            max_results=_SEARCH_PAGE,
+            order_by=["attributes.start_time ASC"],
+            page_token=token,
+        )
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _all_experiments(client: Any) -> list[Any]:
+    """Every active experiment (all result pages)."""
+    experiments: list[Any] = []
+    token = None
+    while True:
+        page = client.search_experiments(max_results=_SEARCH_PAGE, page_token=token)
+        experiments.extend(page)
+        token = page.token
+        if not token:
+            return experiments
+
+
+def _history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
+    """One metric's history sorted by step; a step logged twice keeps its latest value."""
+    by_step: dict[int, tuple[int, float]] = {}
+    for m in client.get_metric_history(run_id, key):
+        prev = by_step.get(m.step)
+        if prev is None or m.timestamp >= prev[0]:
+            by_step[m.step] = (m.timestamp, float(m.value))
+    return [(step, by_step[step][1]) for step in sorted(by_step)]
+
+
+def _load(client: Any, run: Any) -> RunData:
+    info = run.info
+    return RunData(
+        run_id=info.run_id,
+        run_name=info.run_name or info.run_id[:8],
+        params=dict(run.data.params),
+        metrics={key: _history(client, info.run_id, key) for key in METRIC_KEYS},
+        status=info.status,
+        run_dir=run.data.tags.get("run_dir"),
+    )
+
+
+def _under(run_dir: str, root: Path) -> bool:
+    """Whether ``run_dir`` is ``root`` or inside it (whole path components: ``sweep/1`` is not under ``sweep/10``)."""
+    for candidate in {Path(run_dir).expanduser(), Path(run_dir).expanduser().resolve()}:
+        if candidate == root or root in candidate.parents:
+            return True
+    return False
+
+
+def select_runs(
+    uri: str,
+    *,
+    experiment: str | None = None,
+    run_ids: list[str] | None = None,
+    sweep_dir: str | None = None,
+    status: str | None = "FINISHED",
+) -> list[RunData]:
+    """Read the runs to compare from an MLflow tracking store.
+
+    Exactly one selector must be given. Runs picked by experiment or sweep directory come oldest first; explicit
+    run ids keep the order given (duplicates dropped).
+
+    Args:
+        uri: MLflow tracking URI, e.g. ``sqlite:///mlflow.db``.
+        experiment: Name of an MLflow experiment: all of its (active) runs.
+        run_ids: Explicit MLflow run ids.
+        sweep_dir: A Hydra multirun directory: the runs, in any experiment, whose ``run_dir`` tag is that
+            directory or inside it. Relative paths are taken from the working directory.
+        status: Keep only runs with this MLflow status; ``None`` keeps every status. Explicitly named runs in
+            another status are an error rather than silently dropped.
+
+    Returns:
+        The selected runs with their params and metric histories.
+
+    Raises:
+        ValueError: When not exactly one selector is given, the store does not exist, or nothing matches.
+    """
+    given = [
+        name
+        for name, value in (("experiment", experiment), ("run_ids", run_ids), ("sweep_dir", sweep_dir))
+        if value is not None
+    ]
+    if len(given) != 1:
+        what = "none was given" if not given else f"got {' and '.join(given)}"
+        raise ValueError(
+            f"select runs with exactly one of experiment=, run_ids= or sweep_dir= (--experiment NAME, --runs ID "
+            f"[ID ...] or --sweep DIR); {what}"
+        )
+    if run_ids is not None and not run_ids:
+        raise ValueError("run_ids is empty; give at least one MLflow run id (--runs ID [ID ...])")
+    if status is not None and status not in RUN_STATUSES:
+        raise ValueError(f"unknown run status {status!r}; use one of {', '.join(RUN_STATUSES)}, or None for all")
+    _check_store_exists(uri)
+
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        return _select(client, uri, experiment, run_ids, sweep_dir, status)
+    except MlflowException as e:
+        raise ValueError(f"cannot read the MLflow store at {uri}: {e.message}; check --uri") from e
+
+
+def _select(
+    client: Any, uri: str, experiment: str | None, run_ids: list[str] | None, sweep_dir: str | None, status: str | None
+) -> list[RunData]:
+    """The body of ``select_runs`` once the arguments are checked and the client is open."""
+    from mlflow.exceptions import MlflowException
+
+    status_filter = f"attributes.status = '{status}'" if status else ""
+    status_hint = f"; pass status=None (--all-statuses) to include runs that are not {status}" if status else ""
+
+    if experiment is not None:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            names = sorted(e.name for e in _all_experiments(client))
+            raise ValueError(
+                f"no MLflow experiment {experiment!r} at {uri}; existing experiments: "
+                f"{', '.join(names) or '(none)'}. Check --experiment and --uri"
+            )
+        runs = _search_all(client, [exp.experiment_id], status_filter)
+        if not runs:
+            total = len(_search_all(client, [exp.experiment_id], ""))
+            state = f"no {status} runs ({total} in other states{status_hint})" if status and total else "no runs"
+            raise ValueError(f"MLflow experiment {experiment!r} at {uri} has {state}")
+        return [_load(client, run) for run in runs]
+
+    if run_ids is not None:
+        runs, missing = [], []
+        for run_id in dict.fromkeys(run_ids):
+            try:
+                runs.append(client.get_run(run_id))
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                missing.append(run_id)
+        if missing:
+            raise ValueError(
+                f"no MLflow run with id {', '.join(missing)} at {uri}; check the ids (the full 32-character run "
+                "id, as in the MLflow UI) and --uri"
+            )
+        wrong = [f"{r.info.run_id} is {r.info.status}" for r in runs if status and r.info.status != status]
+        if wrong:
+            raise ValueError(f"runs at {uri} not {status}: {', '.join(wrong)}{status_hint}")
+        return [_load(client, run) for run in runs]
+
+    assert sweep_dir is not None
+    root = Path(sweep_dir).expanduser().resolve()
+    experiment_ids = [e.experiment_id for e in _all_experiments(client)]
+    candidates = _search_all(client, experiment_ids, "") if experiment_ids else []
+    runs = [run for run in candidates if run.data.tags.get("run_dir") and _under(run.data.tags["run_dir"], root)]
+    if not runs:
+        raise ValueError(
+            f"no MLflow run at {uri} has its run_dir tag under {root}; check --sweep (a Hydra multirun "
+            "directory such as multirun/DATE/TIME) and --uri (the store the sweep logged to)"
+        )
+    kept = [run for run in runs if not status or run.info.status == status]
+    if not kept:
+        raise ValueError(f"none of the {len(runs)} runs under {root} at {uri} is {status}{status_hint}")
+    return [_load(client, run) for run in kept]
