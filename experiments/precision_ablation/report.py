@@ -21,24 +21,18 @@ ARMS = ("fp32", "master_weights", "bf16_sr", "bf16", "bf16_sr-beta2-0.99")
 
 def load_runs(uri: str, experiment: str) -> dict[str, dict]:
     """Newest FINISHED run per run name: ``{name: {"id": ..., "loss": [(step, v)], "grad_norm": ..., ...}}``."""
-    from mlflow import MlflowClient
+    from hlat.runs import select_runs
 
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        raise SystemExit(f"no MLflow experiment {experiment!r} at {uri}; run the sweep first (see README.md)")
-    runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", order_by=["start_time DESC"])
-    out: dict[str, dict] = {}
-    for run in runs:
-        name = run.info.run_name
-        if name in out:
-            continue
-        series = {}
-        for key in ("train/loss", "train/grad_norm", "train/param_norm"):
-            hist = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
-            series[key.split("/")[1]] = hist
-        out[name] = {"id": run.info.run_id, "params": run.data.params, **series}
-    return out
+    try:
+        runs = select_runs(uri, experiment=experiment)  # oldest first
+    except ValueError as e:
+        raise SystemExit(f"{e} (run the sweep first, see README.md)") from None
+    newest = {r.run_name: r for r in runs}  # a later run of the same arm replaces an earlier one
+    return {
+        name: {"id": r.run_id, "params": r.params, "loss": r.series("train/loss"),
+               "grad_norm": r.series("train/grad_norm"), "param_norm": r.series("train/param_norm")}
+        for name, r in newest.items()
+    }  # fmt: skip
 
 
 def table(runs: dict[str, dict]) -> str:
