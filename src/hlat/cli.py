@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "data":  # options before it: `hlat -x data` is not a thing
         parser.error("put `data` first: hlat data {prepare,tokenizer} ...")
     if args.command == "summary":
-        rest = [*rest, "train.dry_run=true", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+        rest = [*rest, "train.dry_run=true", "hydra.output_subdir=null", "hydra/job_logging=none",
                 "hydra.run.dir=."]  # fmt: skip
     _hydra_train(rest)
 

@@ -378,6 +378,8 @@ class TrainConfig(_Frozen):
     """Where checkpoints go; null means ``<run dir>/checkpoints``."""
     keep_last: int = 2
     """Keep only the newest N checkpoints (0 keeps all)."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this permanently (0: none)."""
     resume: str | None = None
     """Resume from this checkpoint directory, or from the latest complete one under this checkpoints root."""
     dry_run: bool = False
@@ -386,7 +388,7 @@ class TrainConfig(_Frozen):
     def __post_init__(self) -> None:
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
             _check(getattr(self, key) > 0, f"train.{key}={getattr(self, key)} must be positive")
-        for key in ("checkpoint_every", "keep_last"):
+        for key in ("checkpoint_every", "keep_last", "keep_every"):
             _check(getattr(self, key) >= 0, f"train.{key}={getattr(self, key)} must be >= 0")
         self._freeze()
 

@@ -126,6 +126,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     log.info("%s", text)
     check_fits(est, env.memory_budget_bytes, cfg)  # before any allocation
     resume_from = checkpoint.resolve(t.resume) if t.resume else None
+    if resume_from is not None:
+        checkpoint.check_compatible(resume_from, dataclasses.asdict(cfg.model))  # before anything is built
 
     data = build_loader(
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
@@ -174,6 +176,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     saver = checkpoint.CheckpointHook(
         backend, Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else run_dir / "checkpoints",
         model, optimizer, checkpoint_extra, every=t.checkpoint_every, last_step=t.steps, keep_last=t.keep_last,
+        keep_every=t.keep_every, meta={"model": dataclasses.asdict(cfg.model)},
     )  # fmt: skip
     status = "FAILED"
     try:

@@ -259,3 +259,15 @@ def test_a_restarted_job_continues_its_mlflow_run_and_counts_uptime(tmp_path: Pa
     # The job started with the first launch: its wall time covers both processes.
     first_wall = max(m.value for m in client.get_metric_history(run.info.run_id, "uptime/wall_s") if m.step == 3)
     assert wall > first_wall
+
+
+@pytest.mark.slow
+def test_resume_with_another_model_shape_fails_before_any_work(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    common = [*SMALL_RUN, "train.steps=2", "optimizer.warmup_steps=1", f"data.cache_dir={cache_dir}",
+              "tracker=console", "tracker.plots=false"]  # fmt: skip
+    main(compose_cfg(*common), run_dir=tmp_path / "first")
+    resume = f"train.resume={tmp_path / 'first' / 'checkpoints'}"
+    with pytest.raises(ConfigError, match=r"model shape changed \(model\.dim=128 in the checkpoint but 64 now\)"):
+        main(compose_cfg(*common, "model.dim=64", resume), run_dir=tmp_path / "second")
+    assert not (tmp_path / "second").exists()  # refused before the run directory, model or data were made
