@@ -68,11 +68,6 @@ def problems(path: Path, *, checksums: bool = False) -> list[str]:
     return out
 
 
-def is_complete(path: Path) -> bool:
-    """A checkpoint is complete when its manifest exists and every listed file has its recorded size."""
-    return not problems(path)
-
-
 def latest(root: Path) -> Path | None:
     """The newest complete checkpoint under ``root`` whose files match their checksums (None if there is none).
 

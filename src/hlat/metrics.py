@@ -37,8 +37,6 @@ class SpikeDetector:
     def __init__(self, window: int = 20, threshold: float = 0.1) -> None:
         self.window, self.threshold = window, threshold
         self._recent: deque[float] = deque(maxlen=window)
-        self.count = 0
-        """Spikes started so far."""
         self.length = 0
         """Duration of the spike in progress (0: none)."""
         self.durations: Counter[int] = Counter()
@@ -51,7 +49,6 @@ class SpikeDetector:
             limit = sum(self._recent) / self.window + self.threshold
             above = not math.isfinite(norm) or norm > limit
             if above:
-                self.count += self.length == 0
                 self.length += 1
             elif self.length:
                 self.durations[self.length] += 1
@@ -62,9 +59,14 @@ class SpikeDetector:
             self._recent.append(norm)
         return row
 
+    @property
+    def count(self) -> int:
+        """Spikes started so far (finished ones plus the one in progress)."""
+        return sum(self.durations.values()) + (self.length > 0)
+
     def summary(self) -> dict[str, float]:
         """Finished spikes plus the one in progress: count, single-step fraction (the paper's 86%), longest, mean."""
-        durations = self.durations + (Counter({self.length: 1}) if self.length else Counter())
+        durations = self.histogram()
         n = sum(durations.values())
         return {
             "spike/summary_count": float(n),
@@ -80,13 +82,13 @@ class SpikeDetector:
 
     def state_dict(self) -> dict:
         """Plain-python state for checkpoints, so a resumed run continues the statistics."""
-        return {"recent": list(self._recent), "count": self.count, "length": self.length,
+        return {"recent": list(self._recent), "length": self.length,
                 "durations": dict(self.durations)}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``."""
         self._recent = deque(state["recent"], maxlen=self.window)
-        self.count, self.length = state["count"], state["length"]
+        self.length = state["length"]
         self.durations = Counter({int(k): v for k, v in state["durations"].items()})
 
 

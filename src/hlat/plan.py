@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from hlat.config import ConfigError, RunConfig
 from hlat.model import count_params
 from hlat.parallel import ParallelDims
-from hlat.precision import bytes_per_param
+from hlat.precision import BYTES, bytes_per_param
 
 GiB = 1024**3
-_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ def estimate_memory(cfg: RunConfig, dims: ParallelDims) -> tuple[int, MemoryEsti
     shard = dims.tp * dims.pp
     bpp = bytes_per_param(cfg.precision)
     opt_shard = shard * (dims.dp if cfg.parallelism.zero1 else 1)
-    a_scale = _BYTES[cfg.precision.compute_dtype] / 2
+    a_scale = BYTES[cfg.precision.compute_dtype] / 2
     s, b, h, a = t.seq_len, t.micro_batch_size, m.dim, m.n_heads
     per_layer = s * b * h * (34 + 5 * a * s / h) * a_scale
     logits = 2 * 4 * s * b * m.vocab_size

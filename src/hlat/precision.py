@@ -20,7 +20,8 @@ from torch.optim.adamw import adamw as functional_adamw  # torch.optim deletes t
 from hlat.config import OptimizerConfig, PrecisionConfig
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_BYTES = {"float32": 4, "bfloat16": 2}
+BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per element of each supported dtype name."""
 _LOW16 = 0xFFFF
 _HIGH16 = -0x10000  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 bf16 mantissa bits
 
@@ -266,8 +267,8 @@ def bytes_per_param(p: PrecisionConfig) -> BytesPerParam:
     """Memory accounting of a mode: fp32 16 B, bf16 / bf16_sr 8 B (10 with fp32_grad_accum), master_weights 18 B."""
     low = p.param_dtype != "float32"
     return BytesPerParam(
-        params=_BYTES[p.param_dtype],
-        grads=4 if (p.fp32_grad_accum or not low) else _BYTES[p.param_dtype],
-        optimizer=2 * _BYTES[p.optimizer_dtype],
+        params=BYTES[p.param_dtype],
+        grads=4 if (p.fp32_grad_accum or not low) else BYTES[p.param_dtype],
+        optimizer=2 * BYTES[p.optimizer_dtype],
         master=4 if p.master_weights else 0,
     )
