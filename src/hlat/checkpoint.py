@@ -1,19 +1,23 @@
-"""Checkpoint policy: where and when to save, atomic step directories, finding the latest valid one.
+"""Checkpoint policy: where and when to save, atomic step directories, finding the newest valid one.
 
 *How* weights and optimizer state are written is the backend's business (``Backend.save``/``load``:
-one file on the torch backend, sharded NxD files on Trainium). This module makes each save atomic: the
-backend writes into ``step_XXXXXXXX.tmp/``, then ``manifest.json`` (step, every file's size and sha256, the
-model shape) goes in last and the directory is renamed. A directory without a manifest is never loaded, and
-one whose files do not match their checksums is skipped with a warning naming it.
+torch.distributed.checkpoint on the torch backend, sharded NxD files on Trainium). This module makes each save
+atomic: the backend writes into ``step_XXXXXXXX.tmp/`` (in a background thread when the save is asynchronous), then
+``manifest.json`` (step, every file's size and sha256, the config and its hash) goes in last and the directory is
+renamed. A directory without a manifest is never loaded, and one whose files do not match their checksums is
+skipped with a warning naming it. Retention deletes old checkpoints only after a new one is complete.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,12 @@ from hlat.config import ConfigError
 from hlat.loop import StepOutput, TrainState
 
 MANIFEST = "manifest.json"
+JOB = "job.json"
 log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message names the cause and which checkpoints are intact."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -40,6 +49,11 @@ def sha256(path: Path) -> str:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Short, stable hash of a resolved config (sorted JSON)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def manifest(path: Path) -> dict[str, Any] | None:
@@ -98,75 +112,232 @@ def resolve(path: str) -> Path:
     return found
 
 
-SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-"""Model fields that decide the shape of the saved weights."""
+def find_resume(resume: str, root: Path) -> Path | None:
+    """The checkpoint a run starts from under ``train.resume`` (auto | never | a path), given its checkpoint root.
 
-
-def check_compatible(path: Path, model_cfg: dict[str, Any]) -> None:
-    """Refuse, before anything is built, to resume a checkpoint of another model shape (names every difference).
-
-    Other model fields (init, rope_theta, max_seq_len, ...) may change on resume; each change is logged.
+    auto: the newest valid checkpoint in ``root``, None if there is none. never: None, but a ``root`` that already
+    holds a valid checkpoint is refused (the new run's checkpoints would mix with the old ones).
     """
-    saved = (manifest(path) or {}).get("model")
-    if saved is None:  # a checkpoint from before the shape was recorded: load_state_dict will check
+    if resume == "never":
+        found = latest(root)
+        if found is not None:
+            raise ConfigError(
+                f"train.resume=never, but the checkpoint directory {root} already holds {found.name}: its "
+                "checkpoints would mix with this run's. Use train.resume=auto to continue from it, or set "
+                "train.checkpoint_dir to an empty directory"
+            )
+        return None
+    if resume == "auto":
+        found = latest(root)
+        if found is None:
+            log.info("no checkpoint in %s: starting at step 0", root)
+        return found
+    return resolve(resume)
+
+
+SHAPE_KEYS = tuple(f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"))
+"""Config keys that decide the shape of the saved weights."""
+LAYOUT_KEYS = {
+    "parallelism.tp": "the weights are saved sharded by tensor-parallel rank",
+    "parallelism.pp": "the layers are saved by pipeline stage",
+    "precision.param_dtype": "the weights and optimizer moments are stored in that dtype",
+    "precision.master_weights": "the optimizer state holds (or lacks) the fp32 master copy",
+}
+"""Other keys whose change makes the saved state unloadable, and why (there is no resharding or conversion)."""
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_compatible(path: Path, config: dict[str, Any]) -> None:
+    """Refuse, before anything is built, to resume a checkpoint whose saved state this config cannot load.
+
+    ``config`` is the run's resolved config as nested plain values. A change of model shape, parallel layout or
+    parameter/optimizer storage is a ConfigError naming every such key; any other change (more steps, another
+    learning rate, ...) is allowed and logged.
+    """
+    meta = manifest(path) or {}
+    if "config" in meta:
+        saved, now = _flat(meta["config"]), _flat(config)
+    elif "model" in meta:  # written before the whole config was recorded
+        saved, now = _flat({"model": meta["model"]}), _flat({"model": config.get("model", {})})
+    else:
         return
-    changed = [k for k in sorted(set(saved) | set(model_cfg)) if k != "name" and saved.get(k) != model_cfg.get(k)]
-    diff = [f"model.{k}={saved.get(k)!r} in the checkpoint but {model_cfg.get(k)!r} now" for k in changed]
-    if any(k in SHAPE_KEYS for k in changed):
+    changed = [k for k in sorted(set(saved) | set(now)) if not k.endswith(".name") and saved.get(k) != now.get(k)]
+    diff = {k: f"{k}={saved.get(k)!r} in the checkpoint but {now.get(k)!r} now" for k in changed}
+    breaking = [diff[k] + (f" ({LAYOUT_KEYS[k]})" if k in LAYOUT_KEYS else "") for k in changed
+                if k in SHAPE_KEYS or k in LAYOUT_KEYS]  # fmt: skip
+    if breaking:
         raise ConfigError(
-            f"cannot resume {path}: the model shape changed ({'; '.join(diff)}). Resume with the checkpoint's "
-            "model settings, or start a new run without train.resume"
+            f"cannot resume {path}: {'; '.join(breaking)}. Resume with the checkpoint's settings for these keys, "
+            "or start a new run (train.resume=never with another train.checkpoint_dir)"
         )
-    for line in diff:
-        log.info("resuming with a changed setting: %s", line)
+    for k in changed:
+        if not k.startswith(("train.resume", "fault.")):
+            log.info("resuming with a changed setting: %s", diff[k])
 
 
-def save(backend: Backend, root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any],
-         step: int, keep_last: int, keep_every: int = 0, meta: dict[str, Any] | None = None) -> Path:  # fmt: skip
-    """Write one checkpoint atomically, then delete all but the newest ``keep_last`` (0 keeps all).
-
-    Checkpoints at multiples of ``keep_every`` (0: none) are kept permanently. ``meta`` (e.g. the model shape) is
-    recorded in the manifest next to every file's size and sha256.
-    """
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    backend.save(tmp, model, optimizer, extra)
-    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
-             for p in sorted(tmp.rglob("*")) if p.is_file()}  # fmt: skip
-    with open(tmp / MANIFEST, "w") as f:
-        json.dump({"step": step, "files": files, **(meta or {})}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    if keep_last > 0:
-        done = [p for p in sorted(root.glob("step_*")) if not p.name.endswith(".tmp")]
-        for old in done[:-keep_last]:
-            old_step = int(old.name.removeprefix("step_"))
-            if keep_every and old_step % keep_every == 0:
-                continue  # a permanent checkpoint
-            (old / MANIFEST).unlink(missing_ok=True)  # invalidate first: a half-deleted dir is never loaded
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+def check_disk_space(root: Path, needed: int) -> None:
+    """ConfigError if the volume of ``root`` has less than ``needed`` bytes free (one more checkpoint)."""
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise ConfigError(
+            f"train.checkpoint_dir={root}: {free / 2**30:.2f} GiB free, but one checkpoint needs about "
+            f"{needed / 2**30:.2f} GiB; free space there or point train.checkpoint_dir at a larger volume"
+        )
 
 
-class CheckpointHook:
-    """Loop hook: saves every ``every`` steps (0: never mid-run) and after the last step.
+def checkpoint_bytes(path: Path | None) -> int | None:
+    """Total size of a checkpoint from its manifest (None without one)."""
+    meta = manifest(path) if path is not None else None
+    return sum(r if isinstance(r, int) else r["size"] for r in meta["files"].values()) if meta else None
 
-    ``extra_fn`` supplies the framework-neutral state (train state, data-loader position, RNG).
+
+def read_job(root: Path) -> dict[str, Any]:
+    """The job record (MLflow run id, start time) of the run writing into ``root``; empty if there is none."""
+    try:
+        return json.loads((root / JOB).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_job(root: Path, record: dict[str, Any]) -> None:
+    """Record the job (atomically), so a restart before the first checkpoint still continues the same run."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{JOB}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, root / JOB)
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether ``e`` (possibly wrapped by torch.distributed.checkpoint) is a disk-full error."""
+    seen: list[BaseException] = []
+    todo: list[Any] = [e]
+    while todo:
+        x = todo.pop()
+        if not isinstance(x, BaseException) or any(x is s for s in seen):
+            continue
+        seen.append(x)
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        todo += [x.__cause__, x.__context__, getattr(x, "exception", None), *getattr(x, "failures", {}).values()]
+    return "No space left on device" in str(e)
+
+
+SaveFault = Callable[[str, int, Path], None]
+"""Fault-injection callback: ``(stage, step, directory)`` with stage ``written`` (files written, no manifest yet)
+or ``complete`` (renamed into place)."""
+
+
+class Checkpointer:
+    """Loop hook: saves every ``every`` steps (0: never mid-run) and after the last step, at most one save in flight.
+
+    ``extra_fn`` supplies the framework-neutral state (train state, data-loader position, RNG, job record). With
+    ``async_save`` the backend copies the state to host memory and the disk writes, checksums, manifest, rename
+    and retention run in a background thread; an error there (e.g. a full disk) is raised by the next ``save`` or
+    by ``wait``. Checkpoints at multiples of ``keep_every`` (0: none) survive retention of the newest ``keep_last``
+    (0 keeps all). ``meta`` (the config) goes into every manifest.
     """
 
     def __init__(self, backend: Backend, root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 extra_fn: Any, *, every: int, last_step: int, keep_last: int, keep_every: int = 0,
-                 meta: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 extra_fn: Callable[[TrainState], dict[str, Any]], *, every: int, last_step: int, keep_last: int,
+                 keep_every: int = 0, meta: dict[str, Any] | None = None, async_save: bool = True,
+                 fault: SaveFault | None = None) -> None:  # fmt: skip
         self.backend, self.root, self.model, self.optimizer = backend, root, model, optimizer
         self.extra_fn, self.every, self.last_step, self.keep_last = extra_fn, every, last_step, keep_last
-        self.keep_every, self.meta = keep_every, meta
+        self.keep_every, self.meta, self.async_save, self.fault = keep_every, meta or {}, async_save, fault
         self.last_saved: Path | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hlat-ckpt")
+        for stale in root.glob("step_*.tmp"):
+            log.warning("removing the partial checkpoint %s left by an interrupted save", stale)
+            shutil.rmtree(stale, ignore_errors=True)
 
     def __call__(self, state: TrainState, out: StepOutput) -> None:
         if state.step == self.last_step or (self.every and state.step % self.every == 0):
-            self.last_saved = save(self.backend, self.root, self.model, self.optimizer, self.extra_fn(state),
-                                   state.step, self.keep_last, self.keep_every, self.meta)  # fmt: skip
+            self.save(state)
+
+    def save(self, state: TrainState) -> None:
+        """Start the checkpoint of ``state.step`` (and wait for it unless asynchronous)."""
+        self.wait()  # one save in flight: also raises the previous one's error before more state is at risk
+        step = state.step
+        extra = self.extra_fn(state)
+        tmp = step_dir(self.root, step).with_name(step_dir(self.root, step).name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+            written = self.backend.save(tmp, self.model, self.optimizer, extra, async_save=self.async_save)
+        except OSError as e:
+            raise self._failed(e, tmp, step) from e
+        if self.async_save:
+            self._pending = self._executor.submit(self._finish, tmp, step, written)
+        else:
+            self._finish(tmp, step, written)
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is complete; re-raise its error. Returns the newest save."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+        return self.last_saved
+
+    def close(self) -> None:
+        """Finish the save in flight, then stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def _finish(self, tmp: Path, step: int, written: concurrent.futures.Future | None) -> None:
+        try:
+            if written is not None:
+                written.result()
+            if self.fault is not None:
+                self.fault("written", step, tmp)
+            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
+                     for p in sorted(tmp.rglob("*")) if p.is_file()}  # fmt: skip
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump({"step": step, "files": files, **self.meta}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            final = step_dir(self.root, step)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except Exception as e:
+            raise self._failed(e, tmp, step) from e
+        self.last_saved = final
+        self._retain()
+        if self.fault is not None:
+            self.fault("complete", step, final)
+
+    def _failed(self, e: BaseException, tmp: Path, step: int) -> Exception:
+        """Remove the partial checkpoint; a CheckpointError that says what happened and what is intact."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        intact = sorted(p.name for p in self.root.glob("step_*") if not p.name.endswith(".tmp"))
+        kept = f"the earlier checkpoints are intact ({', '.join(intact)})" if intact else "there is no earlier one"
+        if _disk_full(e):
+            return CheckpointError(
+                f"no space left on the device writing checkpoint {step_dir(self.root, step).name} to {self.root}; "
+                f"the partial checkpoint was removed and {kept}. Free space there (or set train.checkpoint_dir to a "
+                "larger volume), then rerun the same command: train.resume=auto continues from the newest one"
+            )
+        if isinstance(e, CheckpointError):
+            return e
+        return CheckpointError(f"writing checkpoint {step_dir(self.root, step).name} failed ({e!r}); {kept}")
+
+    def _retain(self) -> None:
+        if self.keep_last <= 0:
+            return
+        done = [p for p in sorted(self.root.glob("step_*")) if not p.name.endswith(".tmp")]
+        for old in done[: -self.keep_last]:
+            if self.keep_every and int(old.name.removeprefix("step_")) % self.keep_every == 0:
+                continue  # a permanent checkpoint
+            (old / MANIFEST).unlink(missing_ok=True)  # invalidate first: a half-deleted dir is never loaded
+            shutil.rmtree(old, ignore_errors=True)

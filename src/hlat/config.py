@@ -277,6 +277,10 @@ class ClusterConfig(_Frozen):
     """Devices (GPUs, NeuronCores, CPU sockets counted as one) per node, for the cost per node-hour."""
     price_per_hour: float | None = None
     """Price of one node per hour (USD) for the cost per 4M tokens (CPT); null: no cost metric."""
+    max_restarts: int = 0
+    """Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic, which restarts it up to
+    this many times after a failure (a killed process, a hardware or communication error); each restart resumes
+    from the newest valid checkpoint. 0: no supervision, the trainer runs in the launching process."""
 
     def __post_init__(self) -> None:
         _check_choice("cluster.backend", self.backend, ("torch", "neuron"))
@@ -292,6 +296,7 @@ class ClusterConfig(_Frozen):
             self.price_per_hour is None or self.price_per_hour >= 0,
             f"cluster.price_per_hour={self.price_per_hour} must be >= 0 or null",
         )
+        _check(self.max_restarts >= 0, f"cluster.max_restarts={self.max_restarts} must be >= 0 (0: no supervision)")
         self._freeze()
 
 
@@ -357,6 +362,46 @@ class TrackerConfig(_Frozen):
 
 
 @dataclass
+class FaultConfig(_Frozen):
+    """Fault injection for tests and demos (``conf/fault/``); ``none`` injects nothing.
+
+    Each fault fires once per job: a marker under ``<checkpoint dir>/faults/`` records it, so the restarted process
+    runs past the step that killed its predecessor.
+    """
+
+    name: str = "none"
+    """Preset name."""
+    kill_at: list[int] = field(default_factory=list)
+    """SIGKILL the trainer right after these optimizer steps."""
+    kill_random: int = 0
+    """Also SIGKILL it after this many distinct steps drawn at random (by ``seed``) from [1, train.steps)."""
+    seed: int = 0
+    """Seed of the random kill steps."""
+    crash_in_save_at: int | None = None
+    """SIGKILL the trainer while it writes the checkpoint of this step (its files written, the manifest not)."""
+    corrupt_at: int | None = None
+    """Once the checkpoint of this step is complete, flip one byte in its largest file, then SIGKILL the trainer."""
+    disk_full_at: int | None = None
+    """Writing the checkpoint of this step fails with ENOSPC (no space left on device) halfway through."""
+    nonfinite_at: list[int] = field(default_factory=list)
+    """Poison the gradients of these steps with NaN (exercises ``train.on_nonfinite``)."""
+
+    def __post_init__(self) -> None:
+        steps = [*self.kill_at, *self.nonfinite_at]
+        steps += [s for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at) if s is not None]
+        _check(all(s >= 1 for s in steps), f"fault: steps must be >= 1, got {sorted(steps)}")
+        _check(self.kill_random >= 0, f"fault.kill_random={self.kill_random} must be >= 0")
+        self._freeze()
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is injected."""
+        return bool(self.kill_at or self.kill_random or self.nonfinite_at) or any(
+            s is not None for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at)
+        )
+
+
+@dataclass
 class TrainConfig(_Frozen):
     """Run-level settings (the body of ``conf/config.yaml``)."""
 
@@ -380,8 +425,18 @@ class TrainConfig(_Frozen):
     """Keep only the newest N checkpoints (0 keeps all)."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this permanently (0: none)."""
-    resume: str | None = None
-    """Resume from this checkpoint directory, or from the latest complete one under this checkpoints root."""
+    async_checkpoint: bool = True
+    """Write checkpoints in a background thread (torch.distributed.checkpoint ``async_save``): the step waits only
+    for the copy of the state to host memory, not for the disk. false: every save blocks until it is on disk."""
+    resume: str = "auto"
+    """auto: continue from the newest valid checkpoint in the checkpoint directory (skipping incomplete or corrupt
+    ones), or start fresh if there is none; never: start fresh, and refuse a checkpoint directory that already
+    holds checkpoints; otherwise a checkpoint directory, or a checkpoints root whose newest valid one is used."""
+    on_nonfinite: str = "halt"
+    """What a non-finite loss or gradient norm does. halt: stop with an error before anything non-finite is
+    checkpointed (checked at every log interval and before every save); rollback: reload the last checkpoint and
+    skip the batch of the offending step; skip_step: drop that step's update (reads one flag per step on the
+    host). Skipped steps are counted in ``train/skipped_steps``, rollbacks in ``fault/rollbacks``."""
     dry_run: bool = False
     """Validate, build on the meta device, print the summary and the memory estimate, then exit."""
 
@@ -390,6 +445,8 @@ class TrainConfig(_Frozen):
             _check(getattr(self, key) > 0, f"train.{key}={getattr(self, key)} must be positive")
         for key in ("checkpoint_every", "keep_last", "keep_every"):
             _check(getattr(self, key) >= 0, f"train.{key}={getattr(self, key)} must be >= 0")
+        _check(bool(self.resume), "train.resume must be auto, never or a checkpoint path")
+        _check_choice("train.on_nonfinite", self.on_nonfinite, ("halt", "rollback", "skip_step"))
         self._freeze()
 
 
@@ -405,6 +462,7 @@ class RunConfig(_Frozen):
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         t, m, o = self.train, self.model, self.optimizer

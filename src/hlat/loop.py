@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,6 +20,25 @@ class TrainState:
     """Optimizer steps completed."""
     tokens_seen: int = 0
     """Training tokens consumed over all data-parallel ranks."""
+    skipped_updates: int = 0
+    """Steps whose update was dropped because the gradient norm was not finite (``on_nonfinite=skip_step``)."""
+    discarded_batches: list[int] = field(default_factory=list)
+    """Steps whose first global batch is thrown away before training (``on_nonfinite=rollback``: the batch that
+    went non-finite). Kept in checkpoints, so a resumed run replays the same data."""
+    rollbacks: int = 0
+    """Times the run went back to its last checkpoint after a non-finite step."""
+
+
+class HaltedError(RuntimeError):
+    """Training stopped on purpose (a non-finite step under ``on_nonfinite=halt``); restarting would not help."""
+
+
+class NonFiniteError(Exception):
+    """The loss or gradient norm of ``step`` was not finite (raised by the hook that noticed it)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step}: the loss or the gradient norm is not finite")
+        self.step = step
 
 
 @dataclass
@@ -53,6 +72,7 @@ def fit(
     lr_fn: Callable[[int], float],
     hooks: Sequence[Hook] = (),
     grad_hooks: Sequence[Callable[[int, nn.Module], None]] = (),
+    skip_nonfinite: bool = False,
 ) -> TrainState:
     """Train from ``state.step`` to ``steps``; returns the final state.
 
@@ -60,9 +80,17 @@ def fit(
     the gradient is the global-batch mean), clip, step, then call every hook. Nothing here reads a
     tensor on the host: hooks decide when to fetch. ``grad_hooks`` see ``(step, model)`` while the step's
     gradients exist (after the last backward, before clipping).
+
+    Before a step listed in ``state.discarded_batches`` its global batch is drawn and thrown away. With
+    ``skip_nonfinite`` a step whose gradient norm is not finite makes no update (``state.skipped_updates``); that
+    test reads one flag on the host per step, the only per-step synchronisation in the loop.
     """
     model.train()
+    discard = set(state.discarded_batches)
     while state.step < steps:
+        if state.step + 1 in discard:
+            for _ in range(grad_accum):
+                next(data)
         lr = lr_fn(state.step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -78,7 +106,10 @@ def fit(
         for grad_hook in grad_hooks:
             grad_hook(state.step + 1, model)
         grad_norm = backend.clip_grad_norm(model, clip_grad_norm)
-        optimizer.step()
+        if skip_nonfinite and not bool(torch.isfinite(grad_norm)):
+            state.skipped_updates += 1
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         backend.step_end()
         state.step += 1

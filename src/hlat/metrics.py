@@ -221,9 +221,11 @@ class MetricsLogger:
     interval also carries ``train/param_norm``, the interval's throughput (``perf/tokens_per_s``,
     ``perf/sequences_per_s``, ``perf/step_time_s``, ``perf/data_wait_s`` per step), MFU and cost
     (``Throughput``), peak host memory (``sys/peak_rss_gib``, and ``sys/cuda_max_allocated_gib`` on CUDA),
-    ``train/tokens_seen``, the job's ``uptime/*`` (``Uptime``), the spike summary every ``spike_summary_every``
-    steps and at the end, plus whatever host values ``extra`` returns (the data loader's ``data/*`` statistics).
-    All of it is computed on the host from the fetched values: telemetry adds no device synchronisation.
+    ``train/tokens_seen``, the job's ``uptime/*`` (``Uptime``), the ``fault/*`` counters of the train state
+    (skipped updates, discarded batches, rollbacks), the spike summary every ``spike_summary_every`` steps and at the
+    end, plus whatever host values ``extra`` returns (the data loader's ``data/*`` statistics). All of it is computed
+    on the host from the fetched values: telemetry adds no device synchronisation. ``first_nonfinite`` is the
+    first step whose fetched loss or gradient norm was not finite (None so far).
     """
 
     def __init__(
@@ -254,6 +256,7 @@ class MetricsLogger:
         self._lr: list[float] = []
         self._wait = 0.0
         self._t0 = time.perf_counter()
+        self.first_nonfinite: int | None = None
 
     def __call__(self, state: TrainState, out: StepOutput) -> None:
         self._steps.append(state.step)
@@ -301,6 +304,8 @@ class MetricsLogger:
             tensors.update({f"{step}|{name}": value for name, value in norms.items()})
         # Captured by value: on lazy devices ``emit`` runs after later steps have started.
         steps, lrs, wait, tokens_seen = self._steps, self._lr, self._wait, state.tokens_seen
+        faults = {"fault/skipped_updates": float(state.skipped_updates), "fault/rollbacks": float(state.rollbacks),
+                  "fault/discarded_batches": float(len(state.discarded_batches))}  # fmt: skip
         host = self.extra() if self.extra is not None else {}
 
         def emit(values: dict[str, list[float]]) -> None:
@@ -310,6 +315,8 @@ class MetricsLogger:
             rows: Rows = []
             for s, loss, gn, lr in zip(steps, values["loss"], values["grad_norm"], lrs, strict=True):
                 row = {"train/loss": loss, "train/grad_norm": gn, "train/lr": lr}
+                if self.first_nonfinite is None and not (math.isfinite(loss) and math.isfinite(gn)):
+                    self.first_nonfinite = s
                 if self.spikes is not None:
                     row.update(self.spikes.update(gn))
                 rows.append((s, row))
@@ -320,6 +327,7 @@ class MetricsLogger:
                     by_step[int(step)][name] = value[0]
             last = rows[-1][1]
             last.update({"train/param_norm": values["param_norm"][0], "train/tokens_seen": float(tokens_seen)})
+            last.update(faults)
             last.update(self._interval_metrics(len(steps), elapsed, wait))
             last.update(host)
             every = self.spike_summary_every
@@ -329,5 +337,15 @@ class MetricsLogger:
             self.sink(rows)
 
         self.backend.fetch(tensors, emit)
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget the steps buffered since the last flush."""
         self._steps, self._loss, self._grad_norm, self._lr = [], [], [], []
         self._wait, self._layer_norms = 0.0, {}
+
+    def rewind(self) -> None:
+        """After a rollback: forget buffered steps and the non-finite one (they are replayed), restart the clock."""
+        self.discard()
+        self.first_nonfinite = None
+        self._t0 = time.perf_counter()

@@ -7,6 +7,7 @@ import functools
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ from hlat import checkpoint
 from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
-from hlat.loop import TrainState, fit
+from hlat.faults import FaultInjector
+from hlat.loop import HaltedError, NonFiniteError, TrainState, fit
 from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, Uptime, flops_per_token, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
@@ -109,6 +111,12 @@ def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: 
     return tracker, mlflow_tracker
 
 
+def checkpoint_root(cfg: RunConfig, run_dir: Path) -> Path:
+    """Where the run's checkpoints go: ``train.checkpoint_dir``, or ``<run dir>/checkpoints``."""
+    d = cfg.train.checkpoint_dir
+    return Path(d).expanduser() if d else run_dir / "checkpoints"
+
+
 def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     """Train as ``hydra_cfg`` says; ``run_dir`` defaults to Hydra's output directory."""
     launched = time.time()  # the job's start, unless a checkpoint says it started earlier
@@ -125,9 +133,13 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         return RunResult(cfg, None, history, None)
     log.info("%s", text)
     check_fits(est, env.memory_budget_bytes, cfg)  # before any allocation
-    resume_from = checkpoint.resolve(t.resume) if t.resume else None
+    run_dir = run_dir or hydra_output_dir()
+    root = checkpoint_root(cfg, run_dir)
+    config = dataclasses.asdict(cfg)
+    resume_from = checkpoint.find_resume(t.resume, root)
     if resume_from is not None:
-        checkpoint.check_compatible(resume_from, dataclasses.asdict(cfg.model))  # before anything is built
+        checkpoint.check_compatible(resume_from, config)  # before anything is built
+    checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or est.params + est.optimizer)
 
     data = build_loader(
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
@@ -137,14 +149,10 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
     spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
     state, job = _restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else (TrainState(), {})
-    uptime = Uptime.resumed(job["uptime"]) if "uptime" in job else Uptime(launched)
+    uptime, job_run_id = _job(job, checkpoint.read_job(root) if t.resume != "never" else {}, launched)
 
-    if run_dir is None:
-        from hydra.core.hydra_config import HydraConfig
-
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
     progress = ProgressBar(total=t.steps, initial=state.step) if env.rank == 0 else None
-    tags = {"backend": backend.name, "run_dir": str(run_dir)}
+    tags = {"backend": backend.name, "run_dir": str(run_dir), "checkpoint_dir": str(root)}
     if resume_from is not None:
         tags["resumed_from"] = str(resume_from)
     recorder = SeriesRecorder(PLOTTED)
@@ -155,8 +163,10 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
                "perf.flops_per_token_causal": throughput.flops_per_token_causal,
                "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None}  # fmt: skip
     tracker, mlflow_tracker = _start_tracking(cfg, hydra_cfg, run_dir, tags, env.rank, extra_trackers, derived,
-                                              job.get("mlflow_run_id"))  # fmt: skip
-    run_id = mlflow_tracker.run_id if mlflow_tracker else job.get("mlflow_run_id")
+                                              job_run_id)  # fmt: skip
+    run_id = mlflow_tracker.run_id if mlflow_tracker else job_run_id
+    if env.rank == 0:
+        checkpoint.write_job(root, {"mlflow_run_id": run_id, "uptime": uptime.state_dict()})
     if throughput.peak_flops is None:
         log.info("no MFU metric: %s", peak_source)
 
@@ -167,26 +177,47 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         throughput=throughput, uptime=uptime, layer_norms_every=cfg.tracker.layer_grad_norms_every,
     )  # fmt: skip
 
+    def guard(s: TrainState, out: Any = None) -> None:
+        """halt/rollback: act on a non-finite step the logger has fetched (every log interval, before every save)."""
+        if t.on_nonfinite != "skip_step" and logger.first_nonfinite is not None:
+            raise NonFiniteError(logger.first_nonfinite)
+
     def checkpoint_extra(s: TrainState) -> dict:
         logger.flush(s)  # the spike statistics and productive time in the checkpoint then cover every step up to it
+        guard(s)  # never checkpoint a non-finite state
         record = {"mlflow_run_id": run_id, "uptime": uptime.state_dict()}  # a restart continues this MLflow run
         return {"train_state": dataclasses.asdict(s), "data": data.state_dict(), "rng": torch.get_rng_state(),
                 "spikes": spikes.state_dict(), "job": record}  # fmt: skip
 
-    saver = checkpoint.CheckpointHook(
-        backend, Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else run_dir / "checkpoints",
-        model, optimizer, checkpoint_extra, every=t.checkpoint_every, last_step=t.steps, keep_last=t.keep_last,
-        keep_every=t.keep_every, meta={"model": dataclasses.asdict(cfg.model)},
+    faults = FaultInjector(cfg.fault, t.steps, root / "faults", env.rank) if cfg.fault.active else None
+    saver = checkpoint.Checkpointer(
+        backend, root, model, optimizer, checkpoint_extra, every=t.checkpoint_every, last_step=t.steps,
+        keep_last=t.keep_last, keep_every=t.keep_every,
+        meta={"config": config, "config_hash": checkpoint.config_hash(config)},
+        async_save=t.async_checkpoint, fault=faults.on_save if faults else None,
+    )  # fmt: skip
+    train = functools.partial(
+        fit, model=model, optimizer=optimizer, data=iter(data), backend=backend,
+        steps=t.steps, grad_accum=dims.grad_accum(t), clip_grad_norm=cfg.optimizer.clip_grad_norm,
+        tokens_per_step=tokens_per_step, lr_fn=functools.partial(lr_at, cfg=cfg.optimizer, total_steps=t.steps),
+        hooks=[h for h in (progress, logger, guard, saver, faults) if h is not None],
+        grad_hooks=([logger.capture_grads] if cfg.tracker.layer_grad_norms_every else [])
+        + ([faults.poison_grads] if faults else []),
+        skip_nonfinite=t.on_nonfinite == "skip_step",
     )  # fmt: skip
     status = "FAILED"
     try:
-        state = fit(
-            state, model, optimizer, iter(data), backend,
-            steps=t.steps, grad_accum=dims.grad_accum(t), clip_grad_norm=cfg.optimizer.clip_grad_norm,
-            tokens_per_step=tokens_per_step, lr_fn=functools.partial(lr_at, cfg=cfg.optimizer, total_steps=t.steps),
-            hooks=[h for h in (progress, logger, saver) if h is not None],
-            grad_hooks=[logger.capture_grads] if cfg.tracker.layer_grad_norms_every else [],
-        )  # fmt: skip
+        while True:
+            try:
+                state = train(state)
+                break
+            except NonFiniteError as e:
+                state = _rollback(e, state, t.on_nonfinite, saver, root, logger, uptime,
+                                  functools.partial(_restore, backend, model=model, optimizer=optimizer, data=data,
+                                                    spikes=spikes))  # fmt: skip
+                if progress is not None:
+                    progress.bar.reset(total=t.steps)
+        saver.close()
         status = "FINISHED"
         if env.rank == 0 and cfg.tracker.plots:
             _plot(recorder, spikes, run_dir / "plots", tracker)
@@ -194,6 +225,11 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         status = "KILLED"
         raise
     finally:
+        if status != "FINISHED":
+            try:  # let a save in flight complete: it is the state a restart resumes from
+                saver.close()
+            except Exception:
+                log.exception("the checkpoint in flight failed as well")
         data.close()
         tracker.finish(status)
 
@@ -206,6 +242,59 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         if mlflow_tracker is not None:
             print(mlflow_tracker.ui_hint())
     return RunResult(cfg, state, history, mlflow_tracker.run_id if mlflow_tracker else None)
+
+
+def _job(saved: dict, latest: dict, launched: float) -> tuple[Uptime, str | None]:
+    """The job's uptime accounting and MLflow run id, from the resumed checkpoint and the job record.
+
+    ``saved`` (the checkpoint's copy) holds the productive time up to that checkpoint; ``latest`` (``job.json``,
+    rewritten at every start) knows restarts that died before a newer checkpoint, and a job killed before its first
+    checkpoint. Both empty: a new job started at ``launched``.
+    """
+    base = saved.get("uptime") or latest.get("uptime")
+    uptime = Uptime.resumed(base) if base else Uptime(launched)
+    if "uptime" in latest:
+        uptime.start = min(uptime.start, latest["uptime"]["start"])
+        uptime.restarts = max(uptime.restarts, latest["uptime"]["restarts"] + 1)
+    return uptime, saved.get("mlflow_run_id") or latest.get("mlflow_run_id")
+
+
+MAX_DISCARDS_PER_STEP = 3
+"""Rollbacks that may discard a batch at the same step before the run halts (the instability is not one batch)."""
+
+
+def _rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoint.Checkpointer, root: Path,
+              logger: MetricsLogger, uptime: Uptime,
+              restore: Callable[..., tuple[TrainState, dict]]) -> TrainState:  # fmt: skip
+    """on_nonfinite=rollback: reload the newest valid checkpoint and discard the offending step's batch.
+
+    Raises:
+        HaltedError: The policy is halt, there is no checkpoint to go back to, or the same step went non-finite
+            ``MAX_DISCARDS_PER_STEP`` times.
+    """
+    saver.wait()
+    ckpt = checkpoint.latest(root)
+    where = f"the newest valid checkpoint is {ckpt}" if ckpt else f"there is no checkpoint in {root}"
+    why = None
+    if policy == "halt":
+        why = "train.on_nonfinite=halt"
+    elif ckpt is None:
+        why = "train.on_nonfinite=rollback has no checkpoint to go back to"
+    elif state.discarded_batches.count(e.step) >= MAX_DISCARDS_PER_STEP:
+        why = f"{MAX_DISCARDS_PER_STEP} batches in a row went non-finite at this step: the run is unstable"
+    if why is not None:
+        raise HaltedError(f"{e} ({why}); nothing non-finite was checkpointed and {where}. Lower optimizer.lr or raise "
+                     "optimizer.warmup_steps, or set train.on_nonfinite=rollback / skip_step, then rerun the same "
+                     "command to continue from that checkpoint") from None  # fmt: skip
+    restored, job = restore(ckpt)
+    restored.discarded_batches = [*state.discarded_batches, e.step]
+    restored.rollbacks = state.rollbacks + 1
+    if "uptime" in job:  # the work since the checkpoint is lost: productive time goes back to its value there
+        uptime.productive_s = job["uptime"]["productive_s"]
+    logger.rewind()
+    log.warning("%s: rolled back to %s (rollback %d); the batch of step %d will be discarded",
+                e, ckpt, restored.rollbacks, e.step)  # fmt: skip
+    return restored
 
 
 def _throughput(cfg: RunConfig, n_params: int, world_size: int) -> tuple[Throughput, str]:
@@ -235,10 +324,30 @@ def _plot(recorder: SeriesRecorder, spikes: SpikeDetector, out_dir: Path, tracke
         log.exception("could not write the end-of-run plots to %s", out_dir)
 
 
+def hydra_output_dir() -> Path:
+    """This Hydra job's output directory (``hydra.run.dir``, or the sweep job's directory)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
 def entry(hydra_cfg: DictConfig) -> None:
-    """Command-line entry: like ``main``, but a configuration error prints one clean message and exits 2."""
+    """Command-line entry: train, under torch elastic when ``cluster.max_restarts > 0``.
+
+    A configuration error prints one clean message and exits 2; a failure a rerun can continue from (a halt, a
+    full disk, restarts exhausted) prints what happened and how to continue, and exits 1.
+    """
+    from hlat.launch import JobFailedError, supervise, under_elastic
+
     try:
-        main(hydra_cfg)
+        cfg = to_run_config(hydra_cfg)
+        if cfg.cluster.max_restarts > 0 and not cfg.train.dry_run and not under_elastic():
+            supervise(hydra_cfg, cfg, hydra_output_dir())
+        else:
+            main(hydra_cfg)
     except ConfigError as e:
         print(f"hlat: configuration error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (HaltedError, checkpoint.CheckpointError, JobFailedError) as e:
+        print(f"hlat: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

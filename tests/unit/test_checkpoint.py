@@ -1,7 +1,8 @@
-"""Atomic checkpoint directories, retention, and finding the latest complete one."""
+"""Atomic (a)synchronous checkpoint directories, retention, finding the latest valid one, compatibility."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,11 @@ import torch
 
 from hlat import checkpoint
 from hlat.backends.torch import TorchBackend
+from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError
+from hlat.loop import TrainState
+
+WEIGHTS = "__0_0.distcp"  # torch.distributed.checkpoint's data file of rank 0
 
 
 def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -21,14 +26,29 @@ def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def test_round_trip_and_retention(tmp_path: Path) -> None:
+def save(root: Path, model, opt, step: int, extra: dict | None = None, **kw) -> Path | None:
+    """One checkpoint through the Checkpointer (synchronous unless async_save=True is passed)."""
+    kw = {"keep_last": 0, "async_save": False, **kw}
+    saver = checkpoint.Checkpointer(TorchBackend(), root, model, opt, lambda s: extra or {}, every=0,
+                                    last_step=step, **kw)  # fmt: skip
+    try:
+        saver.save(TrainState(step=step))
+    finally:
+        saver.close()
+    return saver.last_saved
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_round_trip_and_retention(tmp_path: Path, async_save: bool) -> None:
     backend, (model, opt) = TorchBackend(), model_and_opt()
     for step in (10, 20, 30):
-        checkpoint.save(backend, tmp_path, model, opt, {"train_state": {"step": step}}, step, keep_last=2)
+        save(tmp_path, model, opt, step, {"train_state": {"step": step}}, keep_last=2, async_save=async_save)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000020", "step_00000030"]
     assert checkpoint.latest(tmp_path) == tmp_path / "step_00000030"
+    meta = checkpoint.manifest(tmp_path / "step_00000030")
+    assert meta["step"] == 30 and set(meta["files"]) == {WEIGHTS, ".metadata", "extra.pt"}
 
-    fresh, fresh_opt = torch.nn.Linear(4, 3), torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=0.1)
+    fresh = torch.nn.Linear(4, 3)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     extra = backend.load(checkpoint.resolve(str(tmp_path)), fresh, fresh_opt)
     assert extra == {"train_state": {"step": 30}}
@@ -36,14 +56,32 @@ def test_round_trip_and_retention(tmp_path: Path) -> None:
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
-def test_incomplete_checkpoints_are_never_chosen(tmp_path: Path) -> None:
-    backend, (model, opt) = TorchBackend(), model_and_opt()
-    good = checkpoint.save(backend, tmp_path, model, opt, {}, 5, keep_last=0)
+def test_an_async_save_holds_the_state_of_its_step(tmp_path: Path) -> None:
+    """The training tensors change right after save() returns: the checkpoint must still hold the old values."""
+    model, opt = model_and_opt()
+    before = model.weight.detach().clone()
+    saver = checkpoint.Checkpointer(TorchBackend(), tmp_path, model, opt, lambda s: {}, every=0, last_step=1,
+                                    keep_last=0, async_save=True)  # fmt: skip
+    saver.save(TrainState(step=1))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    saver.close()
+    fresh = torch.nn.Linear(4, 3)
+    TorchBackend().load(tmp_path / "step_00000001", fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    assert torch.equal(fresh.weight, before)
+
+
+def test_incomplete_checkpoints_are_never_chosen(tmp_path: Path, caplog) -> None:
+    model, opt = model_and_opt()
+    good = save(tmp_path, model, opt, 5)
+    torn = save(tmp_path, model, opt, 8)
     (tmp_path / "step_00000009.tmp").mkdir()  # a save that died before its rename
-    torn = checkpoint.save(backend, tmp_path, model, opt, {}, 8, keep_last=0)
-    with open(torn / "state.pt", "r+b") as f:  # a file truncated after the manifest was written
+    with open(torn / WEIGHTS, "r+b") as f:  # a file truncated after the manifest was written
         f.truncate(10)
-    assert checkpoint.latest(tmp_path) == good
+    with caplog.at_level("WARNING", logger="hlat.checkpoint"):
+        assert checkpoint.latest(tmp_path) == good
+    assert "step_00000009.tmp: no readable manifest.json" in caplog.text
+    assert f"step_00000008: {WEIGHTS} has 10 bytes" in caplog.text
 
 
 def test_resume_from_nothing_is_a_clear_error(tmp_path: Path) -> None:
@@ -51,40 +89,99 @@ def test_resume_from_nothing_is_a_clear_error(tmp_path: Path) -> None:
         checkpoint.resolve(str(tmp_path / "nope"))
 
 
+def test_resume_auto_never_and_path(tmp_path: Path) -> None:
+    assert checkpoint.find_resume("auto", tmp_path / "empty") is None
+    assert checkpoint.find_resume("never", tmp_path / "empty") is None
+    model, opt = model_and_opt()
+    first = save(tmp_path / "a", model, opt, 3)
+    assert checkpoint.find_resume("auto", tmp_path / "a") == first
+    assert checkpoint.find_resume(str(first), tmp_path / "elsewhere") == first
+    with pytest.raises(ConfigError, match=r"train\.resume=never, but .* already holds step_00000003"):
+        checkpoint.find_resume("never", tmp_path / "a")
+
+
 def test_a_corrupt_newest_checkpoint_is_skipped_by_checksum(tmp_path: Path, caplog) -> None:
-    backend, (model, opt) = TorchBackend(), model_and_opt()
-    good = checkpoint.save(backend, tmp_path, model, opt, {}, 5, keep_last=0)
-    bad = checkpoint.save(backend, tmp_path, model, opt, {}, 8, keep_last=0)
-    data = bytearray((bad / "state.pt").read_bytes())
+    model, opt = model_and_opt()
+    good = save(tmp_path, model, opt, 5)
+    bad = save(tmp_path, model, opt, 8)
+    data = bytearray((bad / WEIGHTS).read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one flipped byte: only the checksum can tell
-    (bad / "state.pt").write_bytes(bytes(data))
+    (bad / WEIGHTS).write_bytes(bytes(data))
     assert checkpoint.problems(bad) == []  # sizes still match: only the checksum can tell
     with caplog.at_level("WARNING", logger="hlat.checkpoint"):
         assert checkpoint.latest(tmp_path) == good
     assert "step_00000008" in caplog.text and "sha256" in caplog.text
     assert checkpoint.resolve(str(tmp_path)) == good
-    with pytest.raises(ConfigError, match=r"damaged .*state\.pt does not match its sha256"):
+    with pytest.raises(ConfigError, match=rf"damaged .*{WEIGHTS} does not match its sha256"):
         checkpoint.resolve(str(bad))  # named explicitly: refused, not silently replaced
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_is_a_clear_error_and_loses_no_checkpoint(tmp_path: Path, async_save: bool) -> None:
+    model, opt = model_and_opt()
+    for step in (1, 2):
+        save(tmp_path, model, opt, step, keep_last=2)
+
+    def disk_full(stage: str, step: int, path: Path) -> None:
+        if stage == "written":
+            (path / WEIGHTS).write_bytes(b"short")
+            raise OSError(errno.ENOSPC, "No space left on device", str(path / WEIGHTS))
+
+    with pytest.raises(CheckpointError, match=r"no space left .* step_00000003 .* earlier checkpoints are intact "
+                                              r"\(step_00000001, step_00000002\)"):  # fmt: skip
+        save(tmp_path, model, opt, 3, keep_last=2, async_save=async_save, fault=disk_full)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]  # no partial left
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_00000002"  # and retention deleted nothing
+
+
+def test_a_stale_partial_checkpoint_is_removed_when_saving_starts(tmp_path: Path, caplog) -> None:
+    model, opt = model_and_opt()
+    (tmp_path / "step_00000004.tmp").mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="hlat.checkpoint"):
+        save(tmp_path, model, opt, 5)
+    assert "removing the partial checkpoint" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
+
+
 def test_keep_every_checkpoints_survive_retention(tmp_path: Path) -> None:
-    backend, (model, opt) = TorchBackend(), model_and_opt()
+    model, opt = model_and_opt()
     for step in range(10, 70, 10):
-        checkpoint.save(backend, tmp_path, model, opt, {}, step, keep_last=2, keep_every=25)
+        save(tmp_path, model, opt, step, keep_last=2, keep_every=25)
     # keep_every=25 matches no multiple of 10 below 50; 50 is kept for good, plus the newest two.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000050", "step_00000060"]
     for step in range(70, 130, 10):
-        checkpoint.save(backend, tmp_path, model, opt, {}, step, keep_last=2, keep_every=50)
+        save(tmp_path, model, opt, step, keep_last=2, keep_every=50)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000050", "step_00000100", "step_00000110",
                                                          "step_00000120"]  # fmt: skip
 
 
-def test_resuming_another_model_shape_is_refused_naming_the_fields(tmp_path: Path, caplog) -> None:
-    backend, (model, opt) = TorchBackend(), model_and_opt()
-    shape = {"name": "tiny", "dim": 256, "n_layers": 6, "init_std": 0.02}
-    path = checkpoint.save(backend, tmp_path, model, opt, {}, 1, keep_last=0, meta={"model": shape})
-    with pytest.raises(ConfigError, match=r"model\.dim=256 in the checkpoint but 128 now"):
-        checkpoint.check_compatible(path, {**shape, "dim": 128})
-    with caplog.at_level("INFO", logger="hlat.checkpoint"):
-        checkpoint.check_compatible(path, {**shape, "name": "other", "init_std": 0.01})  # not a shape: allowed
+def test_an_incompatible_config_is_refused_naming_every_key(tmp_path: Path, caplog) -> None:
+    model, opt = model_and_opt()
+    config = {"model": {"name": "tiny", "dim": 256, "init_std": 0.02}, "parallelism": {"tp": 1},
+              "precision": {"param_dtype": "float32"}, "train": {"steps": 10}}  # fmt: skip
+    path = save(tmp_path, model, opt, 1, meta={"config": config, "config_hash": checkpoint.config_hash(config)})
+    assert checkpoint.manifest(path)["config_hash"] == checkpoint.config_hash(config)
+    changed = {**config, "model": {**config["model"], "dim": 128}, "precision": {"param_dtype": "bfloat16"}}
+    with pytest.raises(ConfigError) as e:
+        checkpoint.check_compatible(path, changed)
+    assert "model.dim=256 in the checkpoint but 128 now" in str(e.value)
+    assert "precision.param_dtype='float32' in the checkpoint but 'bfloat16' now (the weights" in str(e.value)
+    with pytest.raises(ConfigError, match=r"parallelism\.tp=1 in the checkpoint but 2 now \(.*sharded"):
+        checkpoint.check_compatible(path, {**config, "parallelism": {"tp": 2}})
+    with caplog.at_level("INFO", logger="hlat.checkpoint"):  # not a shape or layout: allowed, and logged
+        checkpoint.check_compatible(path, {**config, "model": {**config["model"], "name": "x", "init_std": 0.01},
+                                           "train": {"steps": 20}})  # fmt: skip
     assert "model.init_std=0.02 in the checkpoint but 0.01 now" in caplog.text
+    assert "train.steps=10 in the checkpoint but 20 now" in caplog.text
+
+
+def test_disk_space_is_checked_before_work(tmp_path: Path) -> None:
+    checkpoint.check_disk_space(tmp_path / "not" / "yet", 1)
+    with pytest.raises(ConfigError, match=r"train\.checkpoint_dir=.*GiB free, but one checkpoint needs"):
+        checkpoint.check_disk_space(tmp_path, 1 << 60)
+
+
+def test_job_record_round_trip(tmp_path: Path) -> None:
+    assert checkpoint.read_job(tmp_path / "nothing") == {}
+    checkpoint.write_job(tmp_path / "ck", {"mlflow_run_id": "abc", "uptime": {"start": 1.0}})
+    assert checkpoint.read_job(tmp_path / "ck") == {"mlflow_run_id": "abc", "uptime": {"start": 1.0}}

@@ -98,3 +98,13 @@ def test_apply_env_sets_variables_and_refuses_after_torch_xla_import(monkeypatch
 def test_importing_the_neuron_module_needs_no_neuron_package() -> None:
     code = "import sys, hlat.backends.neuron; assert not {'torch_xla', 'neuronx_distributed'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_checkpoint_calls_map_onto_nxd_save_and_load(tmp_path) -> None:
+    from hlat.backends.neuron import checkpoint_calls
+
+    extra = {"train_state": {"step": 7}}
+    save, load = checkpoint_calls(tmp_path / "step_00000007.tmp", extra, async_save=True, zero1=True)
+    assert save == {"checkpoint_dir_str": str(tmp_path), "tag": "step_00000007.tmp", "user_content": extra,
+                    "use_xser": True, "async_save": True, "num_kept_ckpts": None, "zero1_optimizer": True}  # fmt: skip
+    assert load == {"path": str(tmp_path), "tag": "step_00000007.tmp"}

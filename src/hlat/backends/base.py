@@ -7,6 +7,7 @@ A new platform difference becomes a method here, never an ``if backend == ...`` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -65,8 +66,13 @@ class Backend(Protocol):
         """
         ...
 
-    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
-        """Write model and optimizer state plus ``extra`` (plain python values) into the directory ``path``."""
+    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
+             async_save: bool) -> Future | None:  # fmt: skip
+        """Write model and optimizer state plus ``extra`` (plain python values) into the directory ``path``.
+
+        With ``async_save``, return once the state is copied off the training tensors, with a future that completes
+        when every file is on disk (or raises the write error); otherwise write it all and return None.
+        """
         ...
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 The only module allowed to import ``torch_xla`` / ``neuronx_distributed``, and only inside functions: those wheels
 come from the Neuron repository in the Docker image and cannot be installed elsewhere. What is here so far is the
-pure mapping of hlat's precision config onto the Neuron switches; the Backend class itself (NxD model and
-optimizer, checkpoints) arrives with the Trainium issue. None of this has run on a trn1 host yet.
+pure mapping of hlat's precision config onto the Neuron switches, and of a checkpoint onto ``nxd.save_checkpoint`` /
+``load_checkpoint`` arguments; the Backend class itself (NxD model and optimizer) arrives with the Trainium issue.
+None of this has run on a trn1 host yet.
 
 Precision on Neuron (reference §1.2, §1.8, §2.1, §3):
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from hlat.config import ConfigError, ParallelismConfig, PrecisionConfig
 
@@ -126,3 +129,18 @@ def apply_env(env: dict[str, str]) -> None:
             "is imported (it reads XLA_USE_BF16 / XLA_DOWNCAST_BF16 once); set them at process start"
         )
     os.environ.update(env)
+
+
+def checkpoint_calls(path: Path, extra: dict[str, Any], *, async_save: bool, zero1: bool) -> tuple[dict, dict]:
+    """Keyword arguments of ``nxd.save_checkpoint`` and ``nxd.load_checkpoint`` for one hlat checkpoint directory.
+
+    ``hlat.checkpoint`` keeps owning atomicity and retention (the ``.tmp`` directory, manifest with checksums,
+    keep_last / keep_every), so NxD writes into ``path`` as one tag and prunes nothing (``num_kept_ckpts=None``).
+    xser serialization writes one tensor at a time (no host OOM at 70B; reference §1.4); loader position, train
+    state and RNG travel in ``user_content``. ``async_save`` uses NxD's own thread pool, which
+    ``nxd.finalize_checkpoint()`` waits for. Not run on trn1 yet.
+    """
+    save = {"checkpoint_dir_str": str(path.parent), "tag": path.name, "user_content": extra, "use_xser": True,
+            "async_save": async_save, "num_kept_ckpts": None, "zero1_optimizer": zero1}  # fmt: skip
+    load = {"path": str(path.parent), "tag": path.name}
+    return save, load

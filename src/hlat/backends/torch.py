@@ -9,14 +9,19 @@ with bf16 compute use autocast; ``fp32_grad_accum`` accumulates bf16 gradients i
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hlat.backends.base import Env
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, PrecisionConfig
@@ -109,14 +114,39 @@ class TorchBackend:
             i += t.numel()
         fn(out)
 
-    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
-        torch.save(
-            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "extra": extra}, path / "state.pt"
-        )
+    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
+             async_save: bool) -> Future | None:  # fmt: skip
+        # extra (train state, loader position, RNG) is small: written now. Weights and optimizer state go through
+        # torch.distributed.checkpoint, which shards them by rank and, asynchronously, stages a host copy first.
+        torch.save(extra, path / EXTRA)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        _quiet_single_process_dcp()
+        if async_save:
+            return dcp.async_save(state, checkpoint_id=path, no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=path, no_dist=not _distributed())
+        return None
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # the layout to load into (fills empty AdamW state)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        _quiet_single_process_dcp()
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
-        state = torch.load(path / "state.pt", map_location=self.device, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        return state["extra"]
+        return torch.load(path / EXTRA, map_location="cpu", weights_only=True)
+
+
+EXTRA = "extra.pt"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _quiet_single_process_dcp() -> None:
+    """DCP warns on every save and load that it assumes a single process when there is no process group: we know.
+
+    A filter, not a ``catch_warnings`` block: the asynchronous writer thread warns too, out of such a block's reach.
+    """
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable", category=UserWarning)

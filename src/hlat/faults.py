@@ -1,0 +1,108 @@
+"""Fault injection (``conf/fault/``): the failures HLAT's automatic recovery had to survive, on demand.
+
+A killed process (SIGKILL after a step), a crash in the middle of a checkpoint write, a corrupted newest
+checkpoint, a full disk (ENOSPC) while saving, and non-finite gradients. Each fault fires once per job: before
+firing, a marker file is written under ``<checkpoint dir>/faults/``, so the restarted process (which replays the
+steps since the last checkpoint) runs past it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import signal
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hlat.config import FaultConfig
+from hlat.loop import StepOutput, TrainState
+
+log = logging.getLogger(__name__)
+
+
+def kill_steps(cfg: FaultConfig, steps: int) -> list[int]:
+    """The steps after which the trainer is killed: ``kill_at`` plus ``kill_random`` distinct seeded draws."""
+    out = set(cfg.kill_at)
+    pool = [s for s in range(1, steps) if s not in out]
+    out.update(random.Random(cfg.seed).sample(pool, min(cfg.kill_random, len(pool))))
+    return sorted(out)
+
+
+def _largest_file(path: Path) -> Path:
+    files = [p for p in path.rglob("*") if p.is_file() and p.name != "manifest.json"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+class FaultInjector:
+    """Fires the faults of ``cfg``: a loop hook (kills), a grad hook (NaN) and a checkpoint callback (save faults).
+
+    Args:
+        cfg: What to inject.
+        steps: The run's ``train.steps`` (range of the random kills).
+        markers: Directory of the once-per-job markers (``<checkpoint dir>/faults``).
+        rank: Only rank 0 injects save faults; every rank may be killed.
+    """
+
+    def __init__(self, cfg: FaultConfig, steps: int, markers: Path, rank: int = 0) -> None:
+        self.cfg, self.markers, self.rank = cfg, markers, rank
+        self.kills = set(kill_steps(cfg, steps))
+        if cfg.active:
+            log.warning("fault injection (fault=%s): kill after steps %s, crash in save %s, corrupt %s, disk full "
+                        "%s, NaN gradients at %s", cfg.name, sorted(self.kills), cfg.crash_in_save_at,
+                        cfg.corrupt_at, cfg.disk_full_at, cfg.nonfinite_at)  # fmt: skip
+
+    def _once(self, name: str) -> bool:
+        """True the first time ``name`` is asked for in this job (a marker file makes it durable)."""
+        marker = self.markers / f"{name}.rank{self.rank}"
+        if marker.exists():
+            return False
+        self.markers.mkdir(parents=True, exist_ok=True)
+        with open(marker, "w") as f:
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _kill(self, why: str) -> None:
+        log.warning("fault injection: SIGKILL %s", why)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __call__(self, state: TrainState, out: StepOutput) -> None:
+        """Loop hook (the last one, after the checkpoint hook): kill after the chosen steps."""
+        if state.step in self.kills and self._once(f"kill-{state.step}"):
+            self._kill(f"after step {state.step}")
+
+    def poison_grads(self, step: int, model: nn.Module) -> None:
+        """Grad hook: NaN into the first gradient at the steps of ``nonfinite_at``."""
+        if step in self.cfg.nonfinite_at and self._once(f"nonfinite-{step}"):
+            log.warning("fault injection: NaN gradients at step %d", step)
+            p = next(p for p in model.parameters() if p.grad is not None)
+            with torch.no_grad():
+                p.grad.fill_(float("nan"))
+
+    def on_save(self, stage: str, step: int, path: Path) -> None:
+        """Checkpoint callback (``hlat.checkpoint.SaveFault``)."""
+        if self.rank != 0:
+            return
+        cfg = self.cfg
+        if stage == "written" and step == cfg.crash_in_save_at and self._once(f"crash_in_save-{step}"):
+            self._kill(f"while writing the checkpoint of step {step} (files written, no manifest)")
+        if stage == "written" and step == cfg.disk_full_at and self._once(f"disk_full-{step}"):
+            victim = _largest_file(path)
+            with open(victim, "r+b") as f:  # what a full disk leaves behind: a short file
+                f.truncate(victim.stat().st_size // 2)
+            log.warning("fault injection: ENOSPC writing %s", victim)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(victim))
+        if stage == "complete" and step == cfg.corrupt_at and self._once(f"corrupt-{step}"):
+            victim = _largest_file(path)
+            with open(victim, "r+b") as f:  # one flipped byte, same size: only the checksum can tell
+                f.seek(victim.stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            self._kill(f"after corrupting {victim}")

@@ -1,0 +1,104 @@
+"""Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic when asked to.
+
+With ``cluster.max_restarts > 0`` the launching process becomes a torch elastic agent (the engine behind
+``torchrun --max-restarts``, through its ``elastic_launch`` API): it starts the trainer in a worker process and,
+when the worker dies (SIGKILL, a hardware or communication error, any exception), restarts it, up to
+``max_restarts`` times. Every restart reuses the run directory, so ``train.resume=auto`` continues from the
+newest valid checkpoint and the same MLflow run. Errors that a restart cannot fix (a configuration error, a halt on
+a non-finite step, a full disk) end the job at once instead. Under an external ``torchrun`` (or Slurm / Kubeflow
+launching one) the trainer simply runs: that launcher already supervises it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hlat.checkpoint import CheckpointError
+from hlat.config import ConfigError, RunConfig
+from hlat.loop import HaltedError
+
+log = logging.getLogger(__name__)
+
+FINAL_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError, HaltedError)
+"""Failures a restart would only repeat: the worker reports them instead of dying, so the agent stops."""
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default job_logging format
+
+
+class JobFailedError(RuntimeError):
+    """The supervised job ended without finishing; the message says why and how to continue."""
+
+
+def under_elastic() -> bool:
+    """Whether this process is already a worker of torchrun / torch elastic."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
+    """Run the trainer in a torch elastic worker restarted up to ``cluster.max_restarts`` times.
+
+    Raises:
+        ConfigError, CheckpointError, HaltedError: As raised by the trainer (never retried).
+        JobFailedError: The trainer failed ``max_restarts + 1`` times.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    restarts = cfg.cluster.max_restarts
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=1, run_id=f"hlat-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # torchrun --standalone
+        max_restarts=restarts, monitor_interval=0.5, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
+    )  # fmt: skip
+    log.info("supervising the trainer with torch elastic: up to %d restarts from the newest checkpoint", restarts)
+    container = OmegaConf.to_container(hydra_cfg, resolve=True)
+    try:
+        results = elastic_launch(config, _worker)(container, str(run_dir), _log_file(run_dir))
+    except ChildFailedError as e:
+        first = e.get_first_failure()[1]
+        raise JobFailedError(
+            f"the trainer failed {restarts + 1} times (cluster.max_restarts={restarts}); last failure: exit code "
+            f"{first.exitcode}{', ' + first.message if first.message else ''} (details in {run_dir / 'elastic'}). "
+            f"Rerun the same command with hydra.run.dir={run_dir} to continue from the newest checkpoint"
+        ) from None
+    outcome = results[0]
+    if outcome is not None:
+        kind, message = outcome
+        raise next(t for t in FINAL_ERRORS if t.__name__ == kind)(message)
+
+
+def _log_file(run_dir: Path) -> str:
+    """The file Hydra logs this job to (its FileHandler), so the workers append to the same one."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler):
+            return h.baseFilename
+    return str(run_dir / "train.log")
+
+
+def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str, str] | None:
+    """One (re)started trainer: rebuild the config, log like Hydra does, train. Returns a final error, or None."""
+    from hlat.run import checkpoint_root, main, to_run_config
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True,
+                        handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log_file)])  # fmt: skip
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        log.warning("restart %d of the trainer: resuming from the newest valid checkpoint", restart)
+    hydra_cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
+    root = checkpoint_root(to_run_config(hydra_cfg), Path(run_dir))
+    if restart and (hydra_cfg.train.resume == "never" or any(root.glob("step_*/manifest.json"))):
+        hydra_cfg.train.resume = "auto"  # continue this job's own progress, not the checkpoint it started from
+    try:
+        main(hydra_cfg, Path(run_dir))
+    except FINAL_ERRORS as e:
+        log.error("%s: %s", type(e).__name__, e)
+        return type(e).__name__, str(e)
+    return None

@@ -1,0 +1,51 @@
+"""Fault injection: seeded kill steps, once-per-job markers, the save faults, NaN gradients."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+
+from hlat.config import ConfigError, FaultConfig
+from hlat.faults import FaultInjector, kill_steps
+
+
+def test_kill_steps_are_seeded_distinct_and_inside_the_run() -> None:
+    cfg = FaultConfig(kill_at=[5], kill_random=3, seed=7)
+    steps = kill_steps(cfg, 40)
+    assert steps == kill_steps(cfg, 40) and len(steps) == 4 and 5 in steps
+    assert all(1 <= s < 40 for s in steps)
+    assert kill_steps(FaultConfig(kill_random=3, seed=8), 40) != kill_steps(FaultConfig(kill_random=3, seed=7), 40)
+    assert kill_steps(FaultConfig(kill_random=10), 4) == [1, 2, 3]  # no more kills than steps
+
+
+def test_bad_fault_steps_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"fault: steps must be >= 1"):
+        FaultConfig(kill_at=[0])
+    assert not FaultConfig().active and FaultConfig(corrupt_at=3).active
+
+
+def test_disk_full_fires_once_and_leaves_a_short_file(tmp_path: Path) -> None:
+    inj = FaultInjector(FaultConfig(disk_full_at=4), steps=10, markers=tmp_path / "faults")
+    d = tmp_path / "step_00000004.tmp"
+    d.mkdir()
+    (d / "weights").write_bytes(b"x" * 100)
+    inj.on_save("written", 3, d)  # another step: nothing
+    with pytest.raises(OSError) as e:
+        inj.on_save("written", 4, d)
+    assert e.value.errno == errno.ENOSPC and (d / "weights").stat().st_size == 50
+    inj.on_save("written", 4, d)  # the restarted job saves step 4 again: the fault does not repeat
+    again = FaultInjector(FaultConfig(disk_full_at=4), steps=10, markers=tmp_path / "faults")
+    again.on_save("written", 4, d)  # nor in a new process of the same job
+
+
+def test_nan_gradients_at_the_chosen_step(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    inj = FaultInjector(FaultConfig(nonfinite_at=[2]), steps=10, markers=tmp_path)
+    inj.poison_grads(1, model)
+    assert torch.isfinite(model.weight.grad).all()
+    inj.poison_grads(2, model)
+    assert torch.isnan(model.weight.grad).all()
