@@ -1,50 +1,10 @@
-"""Typed configuration schemas: one dataclass per config group, one docstring per field.
-
-Hydra composes ``conf/`` against these schemas, so an unknown key or a wrong type fails at composition.
-``run.main`` converts the composed config once with ``OmegaConf.to_object``; that call runs every
-``__post_init__`` (the cross-field checks) and returns instances that are frozen from then on.
-Nothing below ``run.py`` ever sees a ``DictConfig``.
-"""
+"""Schemas of what is trained and how: model, optimizer, precision, data, parallelism, and the run's ``train`` body."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16")
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration error; the message names the key(s) and the fix."""
-
-
-class _Frozen:
-    """Mixin: instances become immutable once ``__post_init__`` has validated them.
-
-    ``dataclass(frozen=True)`` would make OmegaConf mark the schema read-only, which breaks Hydra's
-    command-line overrides, so immutability is switched on after construction instead.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_frozen", False):
-            raise dataclasses.FrozenInstanceError(
-                f"cannot assign {type(self).__name__}.{name}: configs are frozen after validation; "
-                "use dataclasses.replace() to derive a new one"
-            )
-        object.__setattr__(self, name, value)
-
-    def _freeze(self) -> None:
-        object.__setattr__(self, "_frozen", True)
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(value in choices, f"{key}={value!r} is not one of {list(choices)}; set {key} to one of them")
+from hlat.config.base import DTYPES, _check, _check_choice, _Frozen
 
 
 @dataclass
@@ -256,51 +216,6 @@ class DataConfig(_Frozen):
 
 
 @dataclass
-class ClusterConfig(_Frozen):
-    """Where the run executes (``conf/cluster/``): the ONLY place that chooses the backend."""
-
-    name: str = "cpu"
-    """Preset name."""
-    backend: str = "torch"
-    """Trainer backend: torch (CPU/CUDA) or neuron (trn1, neuronx-distributed)."""
-    device: str = "cpu"
-    """Device type for the torch backend: cpu or cuda."""
-    num_threads: int | None = None
-    """torch intra-op threads on CPU; null keeps torch's default (one per core)."""
-    memory_fraction: float = 0.9
-    """Share of the device's free memory a run may plan to use; the pre-flight check refuses more."""
-    peak_tflops: float | None = None
-    """Peak dense TFLOP/s of ONE device at the compute dtype, the MFU denominator. null: a published figure found
-    by the device's name (H100, A100, ...) on CUDA, or on CPU this host's measured matmul peak
-    (``hlat bench peak``, cached)."""
-    devices_per_node: int = 1
-    """Devices (GPUs, NeuronCores, CPU sockets counted as one) per node, for the cost per node-hour."""
-    price_per_hour: float | None = None
-    """Price of one node per hour (USD) for the cost per 4M tokens (CPT); null: no cost metric."""
-    max_restarts: int = 0
-    """Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic, which restarts it up to
-    this many times after a failure (a killed process, a hardware or communication error); each restart resumes
-    from the newest valid checkpoint. 0: no supervision, the trainer runs in the launching process."""
-
-    def __post_init__(self) -> None:
-        _check_choice("cluster.backend", self.backend, ("torch", "neuron"))
-        _check_choice("cluster.device", self.device, ("cpu", "cuda"))
-        _check(
-            self.num_threads is None or self.num_threads > 0,
-            f"cluster.num_threads={self.num_threads} must be positive or null",
-        )
-        _check(0 < self.memory_fraction <= 1, f"cluster.memory_fraction={self.memory_fraction} must lie in (0, 1]")
-        _check(self.peak_tflops is None or self.peak_tflops > 0, f"cluster.peak_tflops={self.peak_tflops} must be > 0")
-        _check(self.devices_per_node >= 1, f"cluster.devices_per_node={self.devices_per_node} must be >= 1")
-        _check(
-            self.price_per_hour is None or self.price_per_hour >= 0,
-            f"cluster.price_per_hour={self.price_per_hour} must be >= 0 or null",
-        )
-        _check(self.max_restarts >= 0, f"cluster.max_restarts={self.max_restarts} must be >= 0 (0: no supervision)")
-        self._freeze()
-
-
-@dataclass
 class ParallelismConfig(_Frozen):
     """Parallel degrees (``conf/parallelism/``); data parallelism fills what tp*pp leaves of the world."""
 
@@ -318,87 +233,6 @@ class ParallelismConfig(_Frozen):
     def __post_init__(self) -> None:
         _check(self.tp >= 1 and self.pp >= 1, f"parallelism.tp={self.tp} and parallelism.pp={self.pp} must be >= 1")
         self._freeze()
-
-
-@dataclass
-class TrackerConfig(_Frozen):
-    """Experiment tracking (``conf/tracker/``)."""
-
-    name: str = "mlflow"
-    """Preset name."""
-    kind: str = "mlflow"
-    """mlflow (plus the console progress bar) or console only."""
-    uri: str | None = None
-    """MLflow tracking URI; null means a sqlite store ``mlflow.db`` in the working directory."""
-    experiment: str = "hlat"
-    """MLflow experiment name."""
-    run_name: str | None = None
-    """MLflow run name; null derives one from the model and precision presets."""
-    flush_every_s: float = 5.0
-    """Metrics are buffered and sent in one batch at most this often (and at the end)."""
-    spike_window: int = 20
-    """Gradient spikes (PAPER.md, "Monitoring"): steps in the running mean r of the gradient norm."""
-    spike_threshold: float = 0.1
-    """A spike starts when the gradient norm exceeds r + spike_threshold and lasts while it stays above."""
-    spike_summary_every: int = 1000
-    """Log the spike summary (count, single-step fraction, longest, mean duration) every this many steps
-    (0: only at the end)."""
-    plots: bool = True
-    """At the end of a run, plot loss, grad norm with spikes, param norm, LR and the spike-duration histogram
-    into ``<run dir>/plots/`` and log them as artifacts."""
-    layer_grad_norms_every: int = 0
-    """Every this many steps, log the gradient norm of each layer (``grad_norm/layers.<i>``, ...); 0: off, no cost."""
-    system_metrics: bool = True
-    """MLflow's own system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s, in MLflow's thread."""
-
-    def __post_init__(self) -> None:
-        _check_choice("tracker.kind", self.kind, ("mlflow", "console"))
-        _check(self.flush_every_s >= 0, f"tracker.flush_every_s={self.flush_every_s} must be >= 0")
-        _check(self.spike_window >= 1, f"tracker.spike_window={self.spike_window} must be >= 1")
-        _check(self.spike_threshold >= 0, f"tracker.spike_threshold={self.spike_threshold} must be >= 0")
-        _check(self.layer_grad_norms_every >= 0, "tracker.layer_grad_norms_every must be >= 0 (0 turns it off)")
-        _check(self.spike_summary_every >= 0, f"tracker.spike_summary_every={self.spike_summary_every} must be >= 0")
-        self._freeze()
-
-
-@dataclass
-class FaultConfig(_Frozen):
-    """Fault injection for tests and demos (``conf/fault/``); ``none`` injects nothing.
-
-    Each fault fires once per job: a marker under ``<checkpoint dir>/faults/`` records it, so the restarted process
-    runs past the step that killed its predecessor.
-    """
-
-    name: str = "none"
-    """Preset name."""
-    kill_at: list[int] = field(default_factory=list)
-    """SIGKILL the trainer right after these optimizer steps."""
-    kill_random: int = 0
-    """Also SIGKILL it after this many distinct steps drawn at random (by ``seed``) from [1, train.steps)."""
-    seed: int = 0
-    """Seed of the random kill steps."""
-    crash_in_save_at: int | None = None
-    """SIGKILL the trainer while it writes the checkpoint of this step (its files written, the manifest not)."""
-    corrupt_at: int | None = None
-    """Once the checkpoint of this step is complete, flip one byte in its largest file, then SIGKILL the trainer."""
-    disk_full_at: int | None = None
-    """Writing the checkpoint of this step fails with ENOSPC (no space left on device) halfway through."""
-    nonfinite_at: list[int] = field(default_factory=list)
-    """Poison the gradients of these steps with NaN (exercises ``train.on_nonfinite``)."""
-
-    def __post_init__(self) -> None:
-        steps = [*self.kill_at, *self.nonfinite_at]
-        steps += [s for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at) if s is not None]
-        _check(all(s >= 1 for s in steps), f"fault: steps must be >= 1, got {sorted(steps)}")
-        _check(self.kill_random >= 0, f"fault.kill_random={self.kill_random} must be >= 0")
-        self._freeze()
-
-    @property
-    def active(self) -> bool:
-        """Whether anything is injected."""
-        return bool(self.kill_at or self.kill_random or self.nonfinite_at) or any(
-            s is not None for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at)
-        )
 
 
 @dataclass
@@ -448,45 +282,3 @@ class TrainConfig(_Frozen):
         _check(bool(self.resume), "train.resume must be auto, never or a checkpoint path")
         _check_choice("train.on_nonfinite", self.on_nonfinite, ("halt", "rollback", "skip_step"))
         self._freeze()
-
-
-@dataclass
-class RunConfig(_Frozen):
-    """The whole composed configuration."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
-    tracker: TrackerConfig = field(default_factory=TrackerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
-
-    def __post_init__(self) -> None:
-        t, m, o = self.train, self.model, self.optimizer
-        _check(
-            t.seq_len <= m.max_seq_len,
-            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
-            "lower train.seq_len or raise model.max_seq_len",
-        )
-        _check(
-            t.global_batch_size % t.micro_batch_size == 0,
-            f"train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"train.micro_batch_size={t.micro_batch_size}; make the global batch a multiple of the micro batch",
-        )
-        _check(
-            o.warmup_steps < t.steps or t.dry_run,
-            f"optimizer.warmup_steps={o.warmup_steps} is not below train.steps={t.steps}: the run would end "
-            "before reaching the peak learning rate; lower optimizer.warmup_steps or raise train.steps",
-        )
-        self._freeze()
-
-
-def register_configs() -> None:
-    """Register the schema with Hydra's ConfigStore as ``base_config`` (the first entry of conf/config.yaml)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=RunConfig)

@@ -1,0 +1,69 @@
+"""Typed configuration schemas: one dataclass per config group, one docstring per field.
+
+Hydra composes ``conf/`` against these schemas, so an unknown key or a wrong type fails at composition.
+``run.main`` converts the composed config once with ``OmegaConf.to_object``; that call runs every
+``__post_init__`` (the cross-field checks) and returns instances that are frozen from then on.
+Nothing below ``run.py`` ever sees a ``DictConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hlat.config.base import DTYPES, ConfigError, _check, _Frozen
+from hlat.config.ops import ClusterConfig, FaultConfig, TrackerConfig
+from hlat.config.train import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "FaultConfig", "ModelConfig", "OptimizerConfig",
+    "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig", "TrainConfig", "register_configs",
+]  # fmt: skip
+
+
+@dataclass
+class RunConfig(_Frozen):
+    """The whole composed configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        t, m, o = self.train, self.model, self.optimizer
+        _check(
+            t.seq_len <= m.max_seq_len,
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+            "lower train.seq_len or raise model.max_seq_len",
+        )
+        _check(
+            t.global_batch_size % t.micro_batch_size == 0,
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size}; make the global batch a multiple of the micro batch",
+        )
+        _check(
+            o.warmup_steps < t.steps or t.dry_run,
+            f"optimizer.warmup_steps={o.warmup_steps} is not below train.steps={t.steps}: the run would end "
+            "before reaching the peak learning rate; lower optimizer.warmup_steps or raise train.steps",
+        )
+        self._freeze()
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore as ``base_config`` (the first entry of conf/config.yaml)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
