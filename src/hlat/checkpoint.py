@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,8 @@ class Checkpointer:
         self.extra_fn, self.every, self.last_step, self.keep_last = extra_fn, every, last_step, keep_last
         self.keep_every, self.meta, self.async_save, self.fault = keep_every, meta or {}, async_save, fault
         self.last_saved: Path | None = None
+        self.last_save_s: float | None = None
+        """Seconds from ``save`` to the newest checkpoint being complete on disk."""
         self._pending: concurrent.futures.Future | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hlat-ckpt")
         for stale in root.glob("step_*.tmp"):
@@ -267,7 +270,7 @@ class Checkpointer:
     def save(self, state: TrainState) -> None:
         """Start the checkpoint of ``state.step`` (and wait for it unless asynchronous)."""
         self.wait()  # one save in flight: also raises the previous one's error before more state is at risk
-        step = state.step
+        step, started = state.step, time.perf_counter()
         extra = self.extra_fn(state)
         tmp = step_dir(self.root, step).with_name(step_dir(self.root, step).name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -277,9 +280,9 @@ class Checkpointer:
         except OSError as e:
             raise self._failed(e, tmp, step) from e
         if self.async_save:
-            self._pending = self._executor.submit(self._finish, tmp, step, written)
+            self._pending = self._executor.submit(self._finish, tmp, step, written, started)
         else:
-            self._finish(tmp, step, written)
+            self._finish(tmp, step, written, started)
 
     def wait(self) -> Path | None:
         """Block until the save in flight (if any) is complete; re-raise its error. Returns the newest save."""
@@ -295,7 +298,7 @@ class Checkpointer:
         finally:
             self._executor.shutdown(wait=True)
 
-    def _finish(self, tmp: Path, step: int, written: concurrent.futures.Future | None) -> None:
+    def _finish(self, tmp: Path, step: int, written: concurrent.futures.Future | None, started: float) -> None:
         try:
             if written is not None:
                 written.result()
@@ -312,7 +315,9 @@ class Checkpointer:
             os.replace(tmp, final)
         except Exception as e:
             raise self._failed(e, tmp, step) from e
-        self.last_saved = final
+        self.last_saved, self.last_save_s = final, time.perf_counter() - started
+        log.info("checkpoint %s complete in %.2f s (%.1f MB)", final, self.last_save_s,
+                 sum(f["size"] for f in files.values()) / 1e6)  # fmt: skip
         self._retain()
         if self.fault is not None:
             self.fault("complete", step, final)
