@@ -331,7 +331,7 @@ class Checkpointer:
             return CheckpointError(
                 f"no space left on the device writing checkpoint {step_dir(self.root, step).name} to {self.root}; "
                 f"the partial checkpoint was removed and {kept}. Free space there (or set train.checkpoint_dir to a "
-                "larger volume), then rerun the same command: train.resume=auto continues from the newest one"
+                "larger volume), then rerun in the same run directory: train.resume=auto continues from the newest one"
             )
         if isinstance(e, CheckpointError):
             return e

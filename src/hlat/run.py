@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -284,8 +285,8 @@ def _rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoi
         why = f"{MAX_DISCARDS_PER_STEP} batches in a row went non-finite at this step: the run is unstable"
     if why is not None:
         raise HaltedError(f"{e} ({why}); nothing non-finite was checkpointed and {where}. Lower optimizer.lr or raise "
-                     "optimizer.warmup_steps, or set train.on_nonfinite=rollback / skip_step, then rerun the same "
-                     "command to continue from that checkpoint") from None  # fmt: skip
+                     "optimizer.warmup_steps, or set train.on_nonfinite=rollback / skip_step, then continue from "
+                     "that checkpoint in the same run directory (train.resume=auto)") from None  # fmt: skip
     restored, job = restore(ckpt)
     restored.discarded_batches = [*state.discarded_batches, e.step]
     restored.rollbacks = state.rollbacks + 1
@@ -331,6 +332,19 @@ def hydra_output_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def _print_continue_hint(cfg: RunConfig) -> None:
+    """After an unsupervised run died: the command that continues it from its newest checkpoint (if it has one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = hydra_output_dir()
+    saved = sorted(checkpoint_root(cfg, run_dir).glob("step_*/manifest.json"))
+    if saved:
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
+        command = shlex.join(["python", "train.py", *overrides, f"hydra.run.dir={run_dir}"])
+        print(f"hlat: the run stopped; to continue it from {saved[-1].parent.name}: {command} "
+              "(or set cluster.max_restarts to recover automatically)", file=sys.stderr)  # fmt: skip
+
+
 def entry(hydra_cfg: DictConfig) -> None:
     """Command-line entry: train, under torch elastic when ``cluster.max_restarts > 0``.
 
@@ -344,10 +358,20 @@ def entry(hydra_cfg: DictConfig) -> None:
         if cfg.cluster.max_restarts > 0 and not cfg.train.dry_run and not under_elastic():
             supervise(hydra_cfg, cfg, hydra_output_dir())
         else:
-            main(hydra_cfg)
+            try:
+                main(hydra_cfg)
+            except (ConfigError, HaltedError, checkpoint.CheckpointError):
+                raise
+            except BaseException:  # a crash or Ctrl-C: say how to pick the run up again
+                _print_continue_hint(cfg)
+                raise
     except ConfigError as e:
         print(f"hlat: configuration error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (HaltedError, checkpoint.CheckpointError, JobFailedError) as e:
+    except JobFailedError as e:
         print(f"hlat: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except (HaltedError, checkpoint.CheckpointError) as e:
+        print(f"hlat: {e}", file=sys.stderr)
+        _print_continue_hint(cfg)
         raise SystemExit(1) from None

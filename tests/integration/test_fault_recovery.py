@@ -155,3 +155,14 @@ def test_errors_a_restart_cannot_fix_are_not_retried(tmp_path: Path, cache_dir: 
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"hlat: configuration error: train.resume={tmp_path / 'nowhere'}: no complete checkpoint" in r.stderr
     assert "restart 1 of the trainer" not in r.stdout + r.stderr
+
+
+def test_an_unsupervised_halt_says_how_to_continue(tmp_path: Path, cache_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = cli(*common(cache_dir, tmp_path / "mlflow.db"), "fault=nonfinite", "fault.nonfinite_at=[6]", "train.steps=12",
+            f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=200)  # fmt: skip
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "hlat: step 6: the loss or the gradient norm is not finite (train.on_nonfinite=halt)" in r.stderr
+    hint = next(line for line in r.stderr.splitlines() if line.startswith("hlat: the run stopped"))
+    assert "to continue it from step_00000004: python train.py" in hint and f"hydra.run.dir={run_dir}" in hint
+    assert "'fault.nonfinite_at=[6]'" in hint  # quoted for the shell
