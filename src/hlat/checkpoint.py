@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat.backends.base import Backend
 from hlat.config import ConfigError
@@ -218,18 +219,25 @@ def write_job(root: Path, record: dict[str, Any]) -> None:
 
 
 def _disk_full(e: BaseException) -> bool:
-    """Whether ``e`` (possibly wrapped by torch.distributed.checkpoint) is a disk-full error."""
+    """Whether ``e`` is a disk-full error, or wraps or follows one.
+
+    torch.distributed.checkpoint wraps a writer's error per rank, as ``(exception, traceback)`` pairs in
+    ``CheckpointException.failures``.
+    """
     seen: list[BaseException] = []
     todo: list[Any] = [e]
     while todo:
         x = todo.pop()
+        if isinstance(x, tuple):
+            todo += x
+            continue
         if not isinstance(x, BaseException) or any(x is s for s in seen):
             continue
         seen.append(x)
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        todo += [x.__cause__, x.__context__, getattr(x, "exception", None), *getattr(x, "failures", {}).values()]
-    return "No space left on device" in str(e)
+        todo += [x.__cause__, x.__context__, *getattr(x, "failures", {}).values()]
+    return False
 
 
 SaveFault = Callable[[str, int, Path], None]
@@ -277,7 +285,7 @@ class Checkpointer:
         try:
             tmp.mkdir(parents=True)
             written = self.backend.save(tmp, self.model, self.optimizer, extra, async_save=self.async_save)
-        except OSError as e:
+        except (OSError, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise self._failed(e, tmp, step) from e
         if self.async_save:
             self._pending = self._executor.submit(self._finish, tmp, step, written, started)
@@ -313,7 +321,7 @@ class Checkpointer:
             final = step_dir(self.root, step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             raise self._failed(e, tmp, step) from e
         self.last_saved, self.last_save_s = final, time.perf_counter() - started
         log.info("checkpoint %s complete in %.2f s (%.1f MB)", final, self.last_save_s,

@@ -335,12 +335,16 @@ def hydra_output_dir() -> Path:
 def _print_continue_hint(cfg: RunConfig) -> None:
     """After an unsupervised run died: the command that continues it from its newest checkpoint (if it has one)."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    run_dir = hydra_output_dir()
-    saved = sorted(checkpoint_root(cfg, run_dir).glob("step_*/manifest.json"))
+    hc, run_dir = HydraConfig.get(), hydra_output_dir()
+    root = checkpoint_root(cfg, run_dir)
+    saved = sorted(root.glob("step_*/manifest.json"))
     if saved:
-        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
-        command = shlex.join(["python", "train.py", *overrides, f"hydra.run.dir={run_dir}"])
+        # A single run continues in its own directory; a sweep job (its directory is Hydra's) by train.resume.
+        keep = f"hydra.run.dir={run_dir}" if hc.mode != RunMode.MULTIRUN else f"train.resume={root}"
+        overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.run.dir=", "train.resume="))]
+        command = shlex.join(["python", "train.py", *overrides, keep])
         print(f"hlat: the run stopped; to continue it from {saved[-1].parent.name}: {command} "
               "(or set cluster.max_restarts to recover automatically)", file=sys.stderr)  # fmt: skip
 

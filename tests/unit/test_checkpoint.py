@@ -185,3 +185,32 @@ def test_job_record_round_trip(tmp_path: Path) -> None:
     assert checkpoint.read_job(tmp_path / "nothing") == {}
     checkpoint.write_job(tmp_path / "ck", {"mlflow_run_id": "abc", "uptime": {"start": 1.0}})
     assert checkpoint.read_job(tmp_path / "ck") == {"mlflow_run_id": "abc", "uptime": {"start": 1.0}}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_inside_the_dcp_writer_is_recognised(tmp_path: Path, monkeypatch, async_save: bool) -> None:
+    """DCP wraps the writer's OSError in its CheckpointException (a BaseException): still a clear disk-full error."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    model, opt = model_and_opt()
+    save(tmp_path, model, opt, 1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fs, "_write_item", full)
+    with pytest.raises(CheckpointError, match=r"no space left on the device writing checkpoint step_00000002"):
+        save(tmp_path, model, opt, 2, async_save=async_save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    assert checkpoint.problems(tmp_path / "step_00000001", checksums=True) == []
+
+
+def test_other_write_failures_name_the_cause_and_what_is_intact(tmp_path: Path, monkeypatch) -> None:
+    import torch.distributed.checkpoint.filesystem as fs
+
+    model, opt = model_and_opt()
+    save(tmp_path, model, opt, 1)
+    monkeypatch.setattr(fs, "_write_item", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    with pytest.raises(CheckpointError, match=r"writing checkpoint step_00000002 failed .*denied.*earlier "
+                                              r"checkpoints are intact \(step_00000001\)"):  # fmt: skip
+        save(tmp_path, model, opt, 2)
