@@ -217,21 +217,39 @@ class DataConfig(_Frozen):
 
 @dataclass
 class ParallelismConfig(_Frozen):
-    """Parallel degrees (``conf/parallelism/``); data parallelism fills what tp*pp leaves of the world."""
+    """Parallel degrees and memory savers (``conf/parallelism/``).
+
+    Data parallelism fills what tp*pp leaves of the world: ``hlat.parallel.ParallelDims`` derives it and checks
+    every rule against the model and batch.
+    """
 
     name: str = "single"
     """Preset name."""
     tp: int = 1
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree: attention heads (whole kv groups) and the MLP's inner dimension split over tp ranks."""
     pp: int = 1
-    """Pipeline-parallel degree."""
+    """Pipeline-parallel degree: layers split into pp stages."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (Korthikanti et al.): norms and residual activations split along the sequence over the
+    tensor-parallel ranks. Needs tp > 1 and train.seq_len divisible by tp."""
     zero1: bool = False
     """ZeRO-1: shard the optimizer states (and fp32 master weights) over the data-parallel ranks. Required on the
     neuron backend by precision.master_weights and precision.fp32_grad_accum with bf16 parameters (NxD keeps both
     inside its ZeRO-1 optimizer)."""
+    activation_checkpointing: str = "none"
+    """none: keep every activation for the backward pass; full: keep only each block's input and recompute the
+    block; selective: recompute only the attention core (softmax(QK^T)V), the paper's choice: a little more memory
+    than full, less recomputation."""
 
     def __post_init__(self) -> None:
         _check(self.tp >= 1 and self.pp >= 1, f"parallelism.tp={self.tp} and parallelism.pp={self.pp} must be >= 1")
+        _check_choice("parallelism.activation_checkpointing", self.activation_checkpointing,
+                      ("none", "full", "selective"))  # fmt: skip
+        _check(
+            not self.sequence_parallel or self.tp > 1,
+            "parallelism.sequence_parallel=true needs parallelism.tp > 1 (it splits along the sequence over the "
+            "tensor-parallel ranks); set tp or turn sequence_parallel off",
+        )
         self._freeze()
 
 
