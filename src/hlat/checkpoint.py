@@ -248,6 +248,7 @@ or ``complete`` (renamed into place)."""
 class Checkpointer:
     """Loop hook: saves every ``every`` steps (0: never mid-run) and after the last step, at most one save in flight.
 
+    Every rank calls it (the backend's save is collective); rank 0 alone writes the manifest, renames and prunes.
     ``extra_fn`` supplies the framework-neutral state (train state, data-loader position, RNG, job record). With
     ``async_save`` the backend copies the state to host memory and the disk writes, checksums, manifest, rename
     and retention run in a background thread; an error there (e.g. a full disk) is raised by the next ``save`` or
@@ -258,16 +259,17 @@ class Checkpointer:
     def __init__(self, backend: Backend, root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  extra_fn: Callable[[TrainState], dict[str, Any]], *, every: int, last_step: int, keep_last: int,
                  keep_every: int = 0, meta: dict[str, Any] | None = None, async_save: bool = True,
-                 fault: SaveFault | None = None) -> None:  # fmt: skip
+                 fault: SaveFault | None = None, rank: int = 0) -> None:  # fmt: skip
         self.backend, self.root, self.model, self.optimizer = backend, root, model, optimizer
         self.extra_fn, self.every, self.last_step, self.keep_last = extra_fn, every, last_step, keep_last
         self.keep_every, self.meta, self.async_save, self.fault = keep_every, meta or {}, async_save, fault
+        self.rank = rank  # every rank writes its shard; rank 0 alone checksums, renames and prunes
         self.last_saved: Path | None = None
         self.last_save_s: float | None = None
         """Seconds from ``save`` to the newest checkpoint being complete on disk."""
         self._pending: concurrent.futures.Future | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hlat-ckpt")
-        for stale in root.glob("step_*.tmp"):
+        for stale in root.glob("step_*.tmp") if rank == 0 else ():
             log.warning("removing the partial checkpoint %s left by an interrupted save", stale)
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -281,9 +283,10 @@ class Checkpointer:
         step, started = state.step, time.perf_counter()
         extra = self.extra_fn(state)
         tmp = step_dir(self.root, step).with_name(step_dir(self.root, step).name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         try:
-            tmp.mkdir(parents=True)
+            tmp.mkdir(parents=True, exist_ok=True)
             written = self.backend.save(tmp, self.model, self.optimizer, extra, async_save=self.async_save)
         except (OSError, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise self._failed(e, tmp, step) from e
@@ -309,7 +312,9 @@ class Checkpointer:
     def _finish(self, tmp: Path, step: int, written: concurrent.futures.Future | None, started: float) -> None:
         try:
             if written is not None:
-                written.result()
+                written.result()  # on rank 0 that is after every rank's files are written (DCP's last collective)
+            if self.rank != 0:
+                return
             if self.fault is not None:
                 self.fault("written", step, tmp)
             files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}

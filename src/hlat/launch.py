@@ -1,12 +1,12 @@
-"""Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic when asked to.
+"""Local processes and automatic fault recovery: ``python train.py`` runs the trainer under torch elastic.
 
-With ``cluster.max_restarts > 0`` the launching process becomes a torch elastic agent (the engine behind
-``torchrun --max-restarts``, through its ``elastic_launch`` API): it starts the trainer in a worker process and,
-when the worker dies (SIGKILL, a hardware or communication error, any exception), restarts it, up to
-``max_restarts`` times. Every restart reuses the run directory, so ``train.resume=auto`` continues from the
-newest valid checkpoint and the same MLflow run. Errors that a restart cannot fix (a configuration error, a halt on
-a non-finite step, a full disk) end the job at once instead. Under an external ``torchrun`` (or Slurm / Kubeflow
-launching one) the trainer simply runs: that launcher already supervises it.
+With ``cluster.nproc_per_node > 1`` or ``cluster.max_restarts > 0`` the launching process becomes a torch elastic
+agent (the engine behind ``torchrun``, through its ``elastic_launch`` API): it starts ``nproc_per_node`` trainer
+processes (the ranks) and, when one dies (SIGKILL, a hardware or communication error, any exception), restarts
+the whole group, up to ``max_restarts`` times. Every restart reuses the run directory, so ``train.resume=auto``
+continues from the newest valid checkpoint and the same MLflow run. Errors that a restart cannot fix (a
+configuration error, a halt on a non-finite step, a full disk) end the job at once instead. Under an external
+``torchrun`` (or Slurm / Kubeflow launching one) the trainer simply runs: that launcher already supervises it.
 """
 
 from __future__ import annotations
@@ -40,8 +40,14 @@ def under_elastic() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def wants_launcher(cfg: RunConfig) -> bool:
+    """Whether ``python train.py`` should start the trainer processes itself (and not just train in-process)."""
+    c = cfg.cluster
+    return (c.nproc_per_node > 1 or c.max_restarts > 0) and not cfg.train.dry_run and not under_elastic()
+
+
 def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
-    """Run the trainer in a torch elastic worker restarted up to ``cluster.max_restarts`` times.
+    """Run ``cluster.nproc_per_node`` trainer processes under torch elastic, restarted up to ``max_restarts`` times.
 
     Raises:
         ConfigError, CheckpointError, HaltedError: As raised by the trainer (never retried).
@@ -51,14 +57,15 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    restarts = cfg.cluster.max_restarts
+    restarts, nproc = cfg.cluster.max_restarts, cfg.cluster.nproc_per_node
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=1, run_id=f"hlat-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"hlat-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # torchrun --standalone
         max_restarts=restarts, monitor_interval=0.5, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
     )  # fmt: skip
-    log.info("supervising the trainer with torch elastic: up to %d restarts from the newest checkpoint", restarts)
+    log.info("starting %d trainer process(es) with torch elastic; up to %d restarts from the newest checkpoint",
+             nproc, restarts)  # fmt: skip
     container = OmegaConf.to_container(hydra_cfg, resolve=True)
     try:
         results = elastic_launch(config, _worker)(container, str(run_dir), _log_file(run_dir))
@@ -69,10 +76,10 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
             f"{first.exitcode}{', ' + first.message if first.message else ''} (details in {run_dir / 'elastic'}). "
             f"Rerun the same command with hydra.run.dir={run_dir} to continue from the newest checkpoint"
         ) from None
-    outcome = results[0]
-    if outcome is not None:
-        kind, message = outcome
-        raise next(t for t in FINAL_ERRORS if t.__name__ == kind)(message)
+    for rank in sorted(results):  # every rank ends the same way; rank 0's words come first
+        if results[rank] is not None:
+            kind, message = results[rank]
+            raise next(t for t in FINAL_ERRORS if t.__name__ == kind)(message)
 
 
 def _log_file(run_dir: Path) -> str:
@@ -90,6 +97,8 @@ def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True,
                         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log_file)])  # fmt: skip
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # one rank narrates; the others speak up on problems
     if restart:
         log.warning("restart %d of the trainer: resuming from the newest valid checkpoint", restart)
     hydra_cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), container)

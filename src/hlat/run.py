@@ -146,7 +146,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
         seed=t.seed, dp_rank=env.rank // (dims.tp * dims.pp), dp_size=dims.dp,
     )  # fmt: skip
-    model = backend.build_model(functools.partial(Transformer, cfg.model), dims)
+    model = backend.build_model(functools.partial(Transformer, cfg.model), dims, cfg.parallelism)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
     spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
     state, job = _restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else (TrainState(), {})
@@ -195,7 +195,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         backend, root, model, optimizer, checkpoint_extra, every=t.checkpoint_every, last_step=t.steps,
         keep_last=t.keep_last, keep_every=t.keep_every,
         meta={"config": config, "config_hash": checkpoint.config_hash(config)},
-        async_save=t.async_checkpoint, fault=faults.on_save if faults else None,
+        async_save=t.async_checkpoint, fault=faults.on_save if faults else None, rank=env.rank,
     )  # fmt: skip
     train = functools.partial(
         fit, model=model, optimizer=optimizer, data=iter(data), backend=backend,
@@ -355,11 +355,11 @@ def entry(hydra_cfg: DictConfig) -> None:
     A configuration error prints one clean message and exits 2; a failure a rerun can continue from (a halt, a
     full disk, restarts exhausted) prints what happened and how to continue, and exits 1.
     """
-    from hlat.launch import JobFailedError, supervise, under_elastic
+    from hlat.launch import JobFailedError, supervise, wants_launcher
 
     try:
         cfg = to_run_config(hydra_cfg)
-        if cfg.cluster.max_restarts > 0 and not cfg.train.dry_run and not under_elastic():
+        if wants_launcher(cfg):
             supervise(hydra_cfg, cfg, hydra_output_dir())
         else:
             try:

@@ -32,7 +32,7 @@ def state_of(ckpt: Path, tmp: Path) -> dict:
     """Everything a checkpoint holds, as plain tensors: weights, AdamW state, and the extra state."""
     out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
     dcp_to_torch_save(ckpt, out)
-    return {"dcp": torch.load(out, weights_only=True), "extra": torch.load(ckpt / "extra.pt", weights_only=True)}
+    return {"dcp": torch.load(out, weights_only=True), "extra": torch.load(ckpt / "extra.rank0.pt", weights_only=True)}
 
 
 def assert_same(a, b, path: str = "") -> None:

@@ -46,7 +46,7 @@ def test_round_trip_and_retention(tmp_path: Path, async_save: bool) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000020", "step_00000030"]
     assert checkpoint.latest(tmp_path) == tmp_path / "step_00000030"
     meta = checkpoint.manifest(tmp_path / "step_00000030")
-    assert meta["step"] == 30 and set(meta["files"]) == {WEIGHTS, ".metadata", "extra.pt"}
+    assert meta["step"] == 30 and set(meta["files"]) == {WEIGHTS, ".metadata", "extra.rank0.pt"}
 
     fresh = torch.nn.Linear(4, 3)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)

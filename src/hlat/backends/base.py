@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from hlat.config import ClusterConfig, OptimizerConfig, PrecisionConfig
+from hlat.config import ClusterConfig, OptimizerConfig, ParallelismConfig, PrecisionConfig
 from hlat.parallel import ParallelDims
 
 
@@ -39,8 +39,13 @@ class Backend(Protocol):
         """Initialize the process (distributed group, device, seeds, threads); refuse what it cannot honour."""
         ...
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims) -> nn.Module:
-        """Build with ``model_fn`` on the meta device, parallelize, materialize on the device, ``init_weights()``."""
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
+                    par: ParallelismConfig | None = None) -> nn.Module:  # fmt: skip
+        """Build with ``model_fn`` on the meta device, parallelize, materialize on the device, ``init_weights()``.
+
+        ``dims`` and ``par`` say how: data/tensor parallelism, activation checkpointing, ZeRO-1 (for
+        ``build_optimizer``).
+        """
         ...
 
     def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -24,7 +24,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hlat.backends.base import Env
-from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, PrecisionConfig
+from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group, mean_over_ranks
+from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig
 from hlat.parallel import ParallelDims
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of
 
@@ -38,29 +39,35 @@ class TorchBackend:
         self.device = torch.device("cpu")
         self.precision = PrecisionConfig()
         self.seed = 0
+        self.ranks = Ranks(0, 1, 0, 1)
+        self.ckpt_group: dist.ProcessGroup | None = None
+        self.zero1 = False
 
     def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size != 1:
-            raise ConfigError(
-                f"WORLD_SIZE={world_size}: the torch backend runs a single process in this version; "
-                "launch `python train.py` without torchrun"
-            )
+        ranks = Ranks.from_env()
         if cluster.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("cluster.device=cuda but torch sees no CUDA device; use cluster=cpu")
-        self.device = torch.device(cluster.device)
-        self.precision = precision
-        self.seed = seed
-        if cluster.num_threads is not None:
-            torch.set_num_threads(cluster.num_threads)
-        torch.manual_seed(seed)
+        self.device = torch.device("cuda", ranks.local_rank) if cluster.device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.precision, self.seed, self.ranks = precision, seed, ranks
+        threads = cluster.num_threads
+        if threads is None and self.device.type == "cpu" and ranks.local_world_size > 1:
+            threads = max(1, (os.cpu_count() or 1) // ranks.local_world_size)  # processes share the cores
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.ckpt_group = init_process_group(ranks, self.device)
+        torch.manual_seed(seed)  # the same on every rank: replicas start from the same weights
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            free = psutil.virtual_memory().available
-        return Env(rank=0, world_size=1, device=self.device, memory_budget_bytes=int(free * cluster.memory_fraction))
+        else:  # the ranks on this host share its memory
+            free = psutil.virtual_memory().available // ranks.local_world_size
+        return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
+                   memory_budget_bytes=int(free * cluster.memory_fraction))  # fmt: skip
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims) -> nn.Module:
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
+                    par: ParallelismConfig | None = None) -> nn.Module:  # fmt: skip
+        par = par or ParallelismConfig()
         if dims.tp != 1 or dims.pp != 1:
             raise ConfigError(
                 f"parallelism.tp={dims.tp}, parallelism.pp={dims.pp}: the torch backend has no tensor or pipeline "
@@ -75,11 +82,30 @@ class TorchBackend:
             model.to(DTYPE[p.param_dtype])
             model.init_rope()  # .to() cast the rotary tables too; they stay fp32
             if p.fp32_grad_accum:
+                if dims.dp > 1:
+                    raise ConfigError(
+                        "precision.fp32_grad_accum=true with data parallelism is not built on the torch backend yet "
+                        f"(precision={p.name}, dp={dims.dp}): use precision=bf16_sr or fp32, or one process"
+                    )
                 attach_fp32_grad_accum(model)
+        self.zero1 = par.zero1 and dims.dp > 1
+        if dims.dp > 1:
+            data_parallel(model, self.device, fp32_reduce=p.fp32_reduce)
         return model
 
     def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        return build_optimizer(groups, cfg, self.precision, self.seed)
+        if not self.zero1:
+            return build_optimizer(groups, cfg, self.precision, self.seed)
+        # ZeRO-1: each data-parallel rank keeps the AdamW state of its share of the parameters only.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        inner = type(build_optimizer(groups, cfg, self.precision, self.seed))
+        kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+        if inner is not torch.optim.AdamW:
+            kwargs |= {"master_weights": self.precision.master_weights, "seed": self.seed,
+                       "state_dtype": DTYPE[self.precision.optimizer_dtype],
+                       "stochastic_rounding": self.precision.stochastic_rounding}  # fmt: skip
+        return ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=inner, **kwargs)
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
@@ -105,9 +131,10 @@ class TorchBackend:
 
     def fetch(self, tensors: dict[str, torch.Tensor], fn: Callable[[dict[str, list[float]]], None]) -> None:
         # One device->host copy for everything: flatten and concatenate, a single .tolist() sync, split back.
+        # Averaged over the ranks (the loss over data-parallel ranks; norms are the same on every replica).
         names = list(tensors)
         flat = [tensors[k].detach().float().reshape(-1) for k in names]
-        values = torch.cat(flat).tolist() if flat else []
+        values = mean_over_ranks(torch.cat(flat)).tolist() if flat else []
         out, i = {}, 0
         for name, t in zip(names, flat, strict=True):
             out[name] = values[i : i + t.numel()]
@@ -116,32 +143,41 @@ class TorchBackend:
 
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
              async_save: bool) -> Future | None:  # fmt: skip
-        # extra (train state, loader position, RNG) is small: written now. Weights and optimizer state go through
-        # torch.distributed.checkpoint, which shards them by rank and, asynchronously, stages a host copy first.
-        torch.save(extra, path / EXTRA)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        if self.ckpt_group is not None:
+            dist.barrier(group=self.ckpt_group)  # rank 0 has (re)created the directory: now every rank writes into it
+        # extra (train state, this rank's loader position, RNG) is small: written now, one file per rank. Weights and
+        # optimizer state go through torch.distributed.checkpoint, which writes each replicated tensor once and,
+        # asynchronously, stages a host copy first.
+        torch.save(extra, path / EXTRA.format(rank=self.ranks.rank))
+        state = {"model": model.state_dict(), "optimizer": self._optim_state(model, optimizer)}
         _quiet_single_process_dcp()
+        kw = {"checkpoint_id": path, "process_group": self.ckpt_group, "no_dist": self.ckpt_group is None}
         if async_save:
-            return dcp.async_save(state, checkpoint_id=path, no_dist=not _distributed())
-        dcp.save(state, checkpoint_id=path, no_dist=not _distributed())
+            return dcp.async_save(state, **kw)
+        dcp.save(state, **kw)
         return None
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # the layout to load into (fills empty AdamW state)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        # The layout to load into; for AdamW, get_state_dict fills the still-empty state with a zero-lr step.
+        state = {"model": model.state_dict(), "optimizer": self._optim_state(model, optimizer)}
         _quiet_single_process_dcp()
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        dcp.load(state, checkpoint_id=path, process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
+        set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
-        return torch.load(path / EXTRA, map_location="cpu", weights_only=True)
+        return torch.load(path / EXTRA.format(rank=self.ranks.rank), map_location="cpu", weights_only=True)
+
+    @staticmethod
+    def _optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """AdamW state keyed by parameter name; under ZeRO-1 only this rank's share, under names no other rank has."""
+        return get_state_dict(model, _inner(optimizer))[1]
 
 
-EXTRA = "extra.pt"
+EXTRA = "extra.rank{rank}.pt"
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds state: ZeRO-1's local AdamW over this rank's parameters, or the optimizer itself."""
+    return getattr(optimizer, "optim", optimizer)
 
 
 def _quiet_single_process_dcp() -> None:

@@ -29,6 +29,10 @@ class ClusterConfig(_Frozen):
     """Devices (GPUs, NeuronCores, CPU sockets counted as one) per node, for the cost per node-hour."""
     price_per_hour: float | None = None
     """Price of one node per hour (USD) for the cost per 4M tokens (CPT); null: no cost metric."""
+    nproc_per_node: int = 1
+    """Trainer processes on this node (the ranks of data/tensor parallelism): ``python train.py`` starts them
+    itself through torch elastic, CPU processes talking over gloo or one per GPU over NCCL. Under an external
+    ``torchrun`` its ``--nproc-per-node`` decides instead."""
     max_restarts: int = 0
     """Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic, which restarts it up to
     this many times after a failure (a killed process, a hardware or communication error); each restart resumes
@@ -48,6 +52,7 @@ class ClusterConfig(_Frozen):
             self.price_per_hour is None or self.price_per_hour >= 0,
             f"cluster.price_per_hour={self.price_per_hour} must be >= 0 or null",
         )
+        _check(self.nproc_per_node >= 1, f"cluster.nproc_per_node={self.nproc_per_node} must be >= 1")
         _check(self.max_restarts >= 0, f"cluster.max_restarts={self.max_restarts} must be >= 0 (0: no supervision)")
         self._freeze()
 
