@@ -29,17 +29,26 @@ class ParallelDims:
         tp, pp = par.tp, par.pp
         if world_size % (tp * pp):
             raise ConfigError(
-                f"world size {world_size} is not divisible by parallelism.tp={tp} x parallelism.pp={pp}; "
-                "choose degrees whose product divides the number of ranks"
+                f"world size {world_size} is not divisible by parallelism.tp={tp} x parallelism.pp={pp}: start a "
+                f"multiple of {tp * pp} ranks (cluster.nproc_per_node, or torchrun --nproc-per-node) or choose "
+                f"degrees that divide {world_size} (tp in {valid_tp(model, world_size)})"
             )
-        if model.n_heads % tp or model.kv_heads % tp:
+        kv = model.kv_heads
+        if model.n_heads % tp or (kv % tp and tp % kv):
             raise ConfigError(
-                f"parallelism.tp={tp} must divide model.n_heads={model.n_heads} and the kv heads ({model.kv_heads}); "
-                "lower parallelism.tp"
+                f"parallelism.tp={tp} does not fit model.n_heads={model.n_heads} with {kv} kv heads: tp must divide "
+                "the query heads and either divide the kv heads (each rank gets whole kv groups) or be a multiple of "
+                f"them (kv heads replicated, as NxD's kv_size_multiplier); valid: {valid_tp(model, world_size)}"
+            )
+        if par.sequence_parallel and train.seq_len % tp:
+            raise ConfigError(
+                f"parallelism.sequence_parallel splits the sequence over tp={tp} ranks, but train.seq_len="
+                f"{train.seq_len} is not divisible by {tp}; use a multiple of {tp}"
             )
         if model.n_layers % pp:
             raise ConfigError(
-                f"parallelism.pp={pp} must divide model.n_layers={model.n_layers}; choose another pipeline degree"
+                f"parallelism.pp={pp} must divide model.n_layers={model.n_layers}; valid: "
+                f"{[d for d in range(1, model.n_layers + 1) if model.n_layers % d == 0]}"
             )
         dp = world_size // (tp * pp)
         per_step = train.micro_batch_size * dp
@@ -51,6 +60,17 @@ class ParallelDims:
             )
         return cls(world_size=world_size, tp=tp, pp=pp, dp=dp)
 
+    def kv_replicas(self, model: ModelConfig) -> int:
+        """How many tensor-parallel ranks hold a copy of each kv head (1 unless tp exceeds the kv heads)."""
+        return max(1, self.tp // model.kv_heads)
+
     def grad_accum(self, train: TrainConfig) -> int:
         """Micro-batches each data-parallel rank accumulates per optimizer step."""
         return train.global_batch_size // (train.micro_batch_size * self.dp)
+
+
+def valid_tp(model: ModelConfig, world_size: int) -> list[int]:
+    """Tensor-parallel degrees that fit ``model`` (heads and kv heads) and divide ``world_size``."""
+    kv = model.kv_heads
+    return [t for t in range(1, world_size + 1)
+            if world_size % t == 0 and model.n_heads % t == 0 and (kv % t == 0 or t % kv == 0)]  # fmt: skip
