@@ -74,3 +74,17 @@ def valid_tp(model: ModelConfig, world_size: int) -> list[int]:
     kv = model.kv_heads
     return [t for t in range(1, world_size + 1)
             if world_size % t == 0 and model.n_heads % t == 0 and (kv % t == 0 or t % kv == 0)]  # fmt: skip
+
+
+TP_PLAN: dict[str, str] = {
+    "layers.*.attn.qkv": "colwise",
+    "layers.*.attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_up": "colwise",
+    "layers.*.mlp.down": "rowwise",
+    "embed": "rowwise",
+    "lm_head": "colwise",
+}
+"""How tensor parallelism splits each weight, as data for both backends: colwise splits the output features (the
+fused qkv keeps whole kv groups per rank; gate_up is reordered so each rank gets matching gate and up halves),
+rowwise the input features (for the embedding: the vocabulary) with a sum over the ranks. Norms are replicated,
+or split along the sequence with ``parallelism.sequence_parallel``."""

@@ -64,8 +64,17 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over all ``tensors`` as a 0-d fp32 device tensor, accumulated in fp32 also for bf16 inputs."""
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]))
+    """L2 norm over all ``tensors`` as a 0-d fp32 device tensor, accumulated in fp32 also for bf16 inputs.
+
+    Tensor-parallel (DTensor) inputs count whole: a sharded tensor's norm is reduced over its ranks.
+    """
+    return torch.linalg.vector_norm(torch.stack([_whole(torch.linalg.vector_norm(t, dtype=torch.float32))
+                                                 for t in tensors]))  # fmt: skip
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a DTensor (e.g. the partial norm of a sharded weight) gathered to its full value."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def attach_fp32_grad_accum(model: nn.Module) -> None:

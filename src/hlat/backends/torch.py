@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hlat.backends.base import Env
-from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group, mean_over_ranks
+from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group, mean_over_ranks, tensor_parallel
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig
 from hlat.parallel import ParallelDims
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of
@@ -68,13 +68,9 @@ class TorchBackend:
     def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
                     par: ParallelismConfig | None = None) -> nn.Module:  # fmt: skip
         par = par or ParallelismConfig()
-        if dims.tp != 1 or dims.pp != 1:
-            raise ConfigError(
-                f"parallelism.tp={dims.tp}, parallelism.pp={dims.pp}: the torch backend has no tensor or pipeline "
-                "parallelism in this version; use parallelism=single"
-            )
         with torch.device("meta"):
             model = model_fn()
+        _check_supported(dims, par, self.precision, model.cfg.kv_heads)
         model.to_empty(device=self.device)
         model.init_weights()  # in fp32, so every precision mode starts from the same weights (rounded for bf16)
         p = self.precision
@@ -89,6 +85,8 @@ class TorchBackend:
                     )
                 attach_fp32_grad_accum(model)
         self.zero1 = par.zero1 and dims.dp > 1
+        if dims.tp > 1:
+            tensor_parallel(model, dims.tp, par.sequence_parallel)
         if dims.dp > 1:
             data_parallel(model, self.device, fp32_reduce=p.fp32_reduce)
         return model
@@ -173,6 +171,26 @@ class TorchBackend:
 
 
 EXTRA = "extra.rank{rank}.pt"
+
+
+def _check_supported(dims: ParallelDims, par: ParallelismConfig, p: PrecisionConfig, kv_heads: int) -> None:
+    """Refuse, before anything is materialized, the layouts the torch backend does not implement yet."""
+    todo = []
+    if dims.tp > kv_heads:
+        todo.append(f"kv-head replication (parallelism.tp={dims.tp} > {kv_heads} kv heads)")
+    if dims.pp > 1:
+        todo.append(f"pipeline parallelism (parallelism.pp={dims.pp})")
+    if dims.tp > 1 and dims.dp > 1:
+        todo.append(f"tensor and data parallelism together (tp={dims.tp} x dp={dims.dp}; a 2-D device mesh)")
+    if dims.tp > 1 and p.param_dtype != "float32":
+        todo.append(f"tensor parallelism with precision.param_dtype={p.param_dtype} (use precision=fp32 or autocast)")
+    if dims.tp > 1 and par.zero1:
+        todo.append("ZeRO-1 with tensor parallelism")
+    if todo:
+        raise ConfigError(
+            f"the torch backend does not implement {'; '.join(todo)} yet (the neuron backend is "
+            "the target for these layouts); lower the degrees or use parallelism=single, dp or tp2"
+        )
 
 
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -83,3 +83,54 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t)
     return t.div_(dist.get_world_size())
+
+
+def _interleave_gate_up(weight: torch.Tensor, tp: int) -> None:
+    """Reorder the fused [gate; up] rows to [gate_0; up_0; gate_1; up_1; ...].
+
+    A contiguous split over ``tp`` ranks then hands each one matching gate and up rows, so the model's
+    ``chunk(2)`` works per rank.
+    """
+    gate, up = weight.chunk(2)
+    with torch.no_grad():
+        weight.copy_(torch.cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair]))
+
+
+def tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) -> nn.Module:
+    """Shard ``model`` over ``tp`` ranks with DTensor (``parallelize_module``) as ``hlat.parallel.TP_PLAN`` says.
+
+    The model must be materialized with the same weights on every rank (same seed); each rank keeps its shard.
+    With ``sequence_parallel`` the norms and the residual stream are split along the sequence (Shard(1)), the
+    inputs of attention and MLP are all-gathered, and their outputs reduce-scattered (torchtitan's layout).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from hlat.parallel import TP_PLAN
+
+    mesh = init_device_mesh(next(model.parameters()).device.type, (tp,), mesh_dim_names=("tp",))
+    seq = Shard(1) if sequence_parallel else Replicate()
+    styles = {  # the plan's kinds, with where activations live around each layer
+        "layers.*.attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "layers.*.mlp.down": RowwiseParallel(output_layouts=seq),
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    plan = {name: styles.get(name, ColwiseParallel() if kind == "colwise" else RowwiseParallel())
+            for name, kind in TP_PLAN.items()}  # fmt: skip
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan |= {"norm": SequenceParallel(), "layers.*.attn_norm": SequenceParallel(),
+                 "layers.*.mlp_norm": SequenceParallel(), "layers.*.mlp": gather,
+                 "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                     desired_input_layouts=(Replicate(), None, None))}  # fmt: skip
+    for block in model.layers:
+        _interleave_gate_up(block.mlp.gate_up.weight, tp)
+    return parallelize_module(model, mesh, plan)
