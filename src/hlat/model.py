@@ -62,6 +62,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
+class AttentionCore(nn.Module):
+    """Causal attention without projections, ``softmax(QK^T / sqrt(D)) V``; no parameters.
+
+    A module of its own so that ``hlat.recompute`` can recompute just this part in the backward pass (selective
+    activation checkpointing, Korthikanti et al. 2022): a kernel that materializes the (B, H, T, T) softmax keeps
+    the only activations that grow with T^2 here, for a small share of the FLOPs.
+    """
+
+    def __init__(self, gqa: bool) -> None:
+        super().__init__()
+        self.gqa = gqa
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` (B, H, T, D), ``k`` and ``v`` (B, G, T, D) with G dividing H -> (B, H, T, D)."""
+        # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
+        # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with a fused, group-interleaved qkv projection."""
 
@@ -70,6 +89,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per kv head
         self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
+        self.core = AttentionCore(gqa=self.n_rep > 1)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,9 +100,7 @@ class Attention(nn.Module):
         k, v = qkv[:, :, :, self.n_rep], qkv[:, :, :, self.n_rep + 1]  # (B, T, G, D) each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
-        # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        y = self.core(q, k, v)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

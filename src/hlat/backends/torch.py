@@ -28,6 +28,7 @@ from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group, m
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig
 from hlat.parallel import ParallelDims
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of
+from hlat.recompute import apply_activation_checkpointing
 
 
 class TorchBackend:
@@ -85,6 +86,7 @@ class TorchBackend:
                     )
                 attach_fp32_grad_accum(model)
         self.zero1 = par.zero1 and dims.dp > 1
+        apply_activation_checkpointing(model, par.activation_checkpointing)  # names unchanged: before TP and DP
         if dims.tp > 1:
             tensor_parallel(model, dims.tp, par.sequence_parallel)
         if dims.dp > 1:
