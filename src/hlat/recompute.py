@@ -4,17 +4,20 @@
 
 - ``none``: everything autograd saves;
 - ``full``: only each ``Block``'s inputs; the whole block runs again when its gradient is needed;
-- ``selective``: everything but what the attention core (``AttentionCore``, softmax(QK^T)V) saves; only the core
-  runs again (Korthikanti et al. 2022; the HLAT paper's choice: a little more memory than ``full``, less
-  recomputation).
+- ``selective``: the attention core's (``AttentionCore``, softmax(QK^T)V) inputs instead of what it saves; only the
+  core runs again (Korthikanti et al. 2022; the HLAT paper's choice: a little more memory than ``full``, less
+  recomputation). It pays off only with an attention kernel that materializes the (B, H, T, T) softmax; a flash
+  kernel keeps little more than those inputs, so there it costs time for no memory
+  (``experiments/activation_checkpointing/``).
 
 The recomputation is PyTorch's own non-reentrant ``torch.utils.checkpoint.checkpoint``, the one torch recommends and
 the one that composes with hooks, autocast and FSDP2. It is applied by swapping the class of each chosen module for a
 subclass whose ``forward`` runs the original under ``checkpoint``, as FSDP2's ``fully_shard`` does, rather than
-wrapping it in another module (``checkpoint_wrapper``): a wrapper adds ``_checkpoint_wrapped_module.`` to every
-parameter name in ``named_parameters()``, and checkpoints, optimizer groups and per-layer metrics key on those names.
-Here no name, parameter or buffer changes. As with FSDP2, the subclasses are made at run time, so a whole model
-cannot be pickled (its state dict can, and checkpoints hold only that). Example::
+wrapping it in another module (``checkpoint_wrapper``): a wrapper inserts ``_checkpoint_wrapped_module.`` into every
+parameter name that ``named_parameters()`` yields, and per-layer metrics, checkpoints and tests key on those names.
+Here no name, parameter or buffer changes. The recomputation replays autocast and the RNG state but no other context:
+a context such as ``sdpa_kernel`` must be held over the backward pass too. As with FSDP2, the subclasses are made
+at run time, so a whole model cannot be pickled (its state dict can, and checkpoints hold only that). Example::
 
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpointing)
 """
