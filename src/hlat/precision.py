@@ -233,19 +233,27 @@ class PrecisionAdamW(torch.optim.Optimizer):
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
 
+def optimizer_spec(cfg: OptimizerConfig, precision: PrecisionConfig, seed: int) -> tuple[type, dict]:
+    """The AdamW class and keyword arguments of a precision mode.
+
+    ``torch.optim.AdamW`` (foreach kernels) for fp32 parameters, ``PrecisionAdamW`` for bf16 ones. ZeRO-1 builds
+    one per rank from the same spec.
+    """
+    common = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    if precision.param_dtype == "float32":
+        return torch.optim.AdamW, common | {"foreach": True}
+    return PrecisionAdamW, common | {
+        "master_weights": precision.master_weights, "state_dtype": DTYPE[precision.optimizer_dtype],
+        "stochastic_rounding": precision.stochastic_rounding, "seed": seed,
+    }  # fmt: skip
+
+
 def build_optimizer(
     groups: list[dict], cfg: OptimizerConfig, precision: PrecisionConfig, seed: int
 ) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` for fp32 parameters (foreach kernels), ``PrecisionAdamW`` for bf16 ones."""
-    if precision.param_dtype == "float32":
-        return torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True
-        )
-    return PrecisionAdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        master_weights=precision.master_weights, state_dtype=DTYPE[precision.optimizer_dtype],
-        stochastic_rounding=precision.stochastic_rounding, seed=seed,
-    )  # fmt: skip
+    """The precision mode's AdamW (``optimizer_spec``) over ``groups``."""
+    cls, kwargs = optimizer_spec(cfg, precision, seed)
+    return cls(groups, **kwargs)
 
 
 @dataclass(frozen=True)

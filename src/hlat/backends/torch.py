@@ -27,7 +27,7 @@ from hlat.backends.base import Env
 from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group, mean_over_ranks, tensor_parallel
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig
 from hlat.parallel import ParallelDims
-from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of
+from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
 from hlat.recompute import apply_activation_checkpointing
 
 
@@ -99,13 +99,8 @@ class TorchBackend:
         # ZeRO-1: each data-parallel rank keeps the AdamW state of its share of the parameters only.
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        inner = type(build_optimizer(groups, cfg, self.precision, self.seed))
-        kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
-        if inner is not torch.optim.AdamW:
-            kwargs |= {"master_weights": self.precision.master_weights, "seed": self.seed,
-                       "state_dtype": DTYPE[self.precision.optimizer_dtype],
-                       "stochastic_rounding": self.precision.stochastic_rounding}  # fmt: skip
-        return ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=inner, **kwargs)
+        inner, kwargs = optimizer_spec(cfg, self.precision, self.seed)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=inner, **kwargs)
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
