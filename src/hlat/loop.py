@@ -76,10 +76,10 @@ def fit(
 ) -> TrainState:
     """Train from ``state.step`` to ``steps``; returns the final state.
 
-    Each step: set the learning rate, run ``grad_accum`` micro-batches (loss scaled by 1/grad_accum so
-    the gradient is the global-batch mean), clip, step, then call every hook. Nothing here reads a
-    tensor on the host: hooks decide when to fetch. ``grad_hooks`` see ``(step, model)`` while the step's
-    gradients exist (after the last backward, before clipping).
+    Each step: set the learning rate, run ``grad_accum`` micro-batches (``backend.forward_backward``: loss
+    scaled by 1/grad_accum so the gradient is the global-batch mean), clip and step (``backend.update``), then
+    call every hook. Nothing here reads a tensor on the host: hooks decide when to fetch. ``grad_hooks`` see
+    ``(step, model)`` while the step's gradients exist (after the last backward, before clipping).
 
     Before a step listed in ``state.discarded_batches`` its global batch is drawn and thrown away. With
     ``skip_nonfinite`` a step whose gradient norm is not finite makes no update (``state.skipped_updates``); that
@@ -94,27 +94,28 @@ def fit(
         lr = lr_fn(state.step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum: torch.Tensor | None = None
-        wait = 0.0
-        for _ in range(grad_accum):
-            t0 = time.perf_counter()
-            inputs, targets = next(data)
-            wait += time.perf_counter() - t0
-            loss = backend.loss(model, inputs, targets) / grad_accum
-            loss.backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        waits: list[float] = []
+        loss = backend.forward_backward(model, _draw(data, grad_accum, waits), grad_accum)
         for grad_hook in grad_hooks:
             grad_hook(state.step + 1, model)
-        grad_norm = backend.clip_grad_norm(model, clip_grad_norm)
-        if skip_nonfinite and not bool(torch.isfinite(grad_norm)):
+        grad_norm, applied = backend.update(model, optimizer, clip_grad_norm, skip_nonfinite=skip_nonfinite)
+        if not applied:
             state.skipped_updates += 1
-        else:
-            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         backend.step_end()
         state.step += 1
         state.tokens_seen += tokens_per_step
-        out = StepOutput(loss=loss_sum, grad_norm=grad_norm, lr=lr, data_wait_s=wait)
+        out = StepOutput(loss=loss, grad_norm=grad_norm, lr=lr, data_wait_s=sum(waits))
         for hook in hooks:
             hook(state, out)
     return state
+
+
+def _draw(data: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int,
+          waits: list[float]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Yield ``n`` batches from ``data`` as they are asked for, appending to ``waits`` the seconds each took."""
+    for _ in range(n):
+        t0 = time.perf_counter()
+        batch = next(data)
+        waits.append(time.perf_counter() - t0)
+        yield batch

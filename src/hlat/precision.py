@@ -53,7 +53,12 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
 
 
 def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None) -> None:
-    """Write fp32 ``src`` into bf16 ``dst``: stochastically if ``generator`` is given, else round-to-nearest-even."""
+    """Write fp32 ``src`` into bf16 ``dst``: stochastically if ``generator`` is given, else round-to-nearest-even.
+
+    Tensor-parallel (DTensor) arguments are rounded shard by shard: both have the parameter's placement, and the
+    rounding is elementwise. Replicated ones draw the same bits on every rank (one generator seed), so they stay equal.
+    """
+    dst, src = _local(dst), _local(src)
     dst.copy_(stochastic_round_bf16(src, generator) if generator is not None else src)
 
 
@@ -70,6 +75,11 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     return torch.linalg.vector_norm(torch.stack([_whole(torch.linalg.vector_norm(t, dtype=torch.float32))
                                                  for t in tensors]))  # fmt: skip
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ A new platform difference becomes a method here, never an ``if backend == ...`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,12 @@ class Env:
 
 
 class Backend(Protocol):
-    """Platform-specific operations used by ``run.main`` and ``loop.fit``."""
+    """Platform-specific operations used by ``run.main`` and ``loop.fit``.
+
+    ``get_backend(name, cfg)`` builds one; ``run.main`` calls ``setup``, ``build_model``, ``build_optimizer``;
+    each step of ``loop.fit`` calls ``forward_backward``, ``update`` and ``step_end``; hooks call ``fetch``,
+    ``save`` and ``load``.
+    """
 
     name: str
 
@@ -56,8 +61,24 @@ class Backend(Protocol):
         """Forward under the precision policy; mean token cross-entropy as a 0-d fp32 tensor."""
         ...
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Global gradient L2 norm before clipping (a device tensor); clips in place when ``max_norm > 0``."""
+    def forward_backward(self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                         n: int) -> torch.Tensor:  # fmt: skip
+        """Forward and backward over the ``n`` micro-batches of one optimizer step, drawn from ``batches``.
+
+        The gradients of the step's mean loss accumulate in the parameters (each micro-batch's loss scaled by 1/n).
+        Returns that mean loss on this rank (0-d, on the device). Eager backends run ``loss`` and ``backward`` per
+        micro-batch as they are drawn; a pipeline-parallel one hands all of them to its schedule at once.
+        """
+        ...
+
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, *,
+               skip_nonfinite: bool) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        """Clip the gradients to ``max_norm`` (0: no clipping) and apply ``optimizer``'s step.
+
+        Returns the global gradient L2 norm before clipping (a device tensor) and whether the update was applied:
+        with ``skip_nonfinite`` it is not when that norm is not finite (one flag read on the host). Where the
+        optimizer clips inside its own step (NxD), the norm is read after it.
+        """
         ...
 
     def step_end(self) -> None:

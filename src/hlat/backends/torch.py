@@ -24,7 +24,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hlat.backends.base import Env
-from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group, mean_over_ranks, tensor_parallel
+from hlat.backends.torch_dist import (
+    Ranks,
+    data_parallel,
+    device_mesh,
+    fully_shard_dp,
+    init_process_group,
+    mean_over_ranks,
+    tensor_parallel,
+)
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig
 from hlat.parallel import ParallelDims
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
@@ -71,26 +79,30 @@ class TorchBackend:
         par = par or ParallelismConfig()
         with torch.device("meta"):
             model = model_fn()
-        _check_supported(dims, par, self.precision, model.cfg.kv_heads)
+        _check_supported(dims, model.cfg.kv_heads)
         model.to_empty(device=self.device)
         model.init_weights()  # in fp32, so every precision mode starts from the same weights (rounded for bf16)
         p = self.precision
         if p.param_dtype != "float32":
             model.to(DTYPE[p.param_dtype])
             model.init_rope()  # .to() cast the rotary tables too; they stay fp32
-            if p.fp32_grad_accum:
-                if dims.dp > 1:
-                    raise ConfigError(
-                        "precision.fp32_grad_accum=true with data parallelism is not built on the torch backend yet "
-                        f"(precision={p.name}, dp={dims.dp}): use precision=bf16_sr or fp32, or one process"
-                    )
-                attach_fp32_grad_accum(model)
-        self.zero1 = par.zero1 and dims.dp > 1
+        fp32_accum = p.param_dtype != "float32" and p.fp32_grad_accum
+        if fp32_accum and dims.dp > 1:
+            raise ConfigError(
+                "precision.fp32_grad_accum=true with data parallelism is not built on the torch backend yet "
+                f"(precision={p.name}, dp={dims.dp}): use precision=bf16_sr or fp32, or one process"
+            )
+        self.zero1 = par.zero1 and dims.dp > 1 and dims.tp == 1  # with TP, FSDP2 shards the AdamW state anyway
         apply_activation_checkpointing(model, par.activation_checkpointing)  # names unchanged: before TP and DP
         if dims.tp > 1:
-            tensor_parallel(model, dims.tp, par.sequence_parallel)
-        if dims.dp > 1:
+            mesh = device_mesh(self.device, dims.dp, dims.tp)
+            tensor_parallel(model, mesh["tp"], par.sequence_parallel, fp32_reduce=p.fp32_reduce)
+            if dims.dp > 1:  # DDP takes no DTensor parameters: FSDP2 over dp (torchtitan's 2-D layout)
+                fully_shard_dp(model, mesh["dp"], fp32_reduce=p.fp32_reduce)
+        elif dims.dp > 1:
             data_parallel(model, self.device, fp32_reduce=p.fp32_reduce)
+        if fp32_accum:  # after TP, which replaces the parameters (and would drop their hooks) with DTensor ones
+            attach_fp32_grad_accum(model)
         return model
 
     def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -166,23 +178,34 @@ class TorchBackend:
         """AdamW state keyed by parameter name; under ZeRO-1 only this rank's share, under names no other rank has."""
         return get_state_dict(model, _inner(optimizer))[1]
 
+    def forward_backward(self, model: nn.Module, batches: Any, n: int) -> torch.Tensor:
+        total: torch.Tensor | None = None
+        for inputs, targets in batches:  # (inputs, targets) pairs, drawn one micro-batch at a time
+            loss = self.loss(model, inputs, targets) / n
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None, "a step has at least one micro-batch"
+        return total
+
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, *,
+               skip_nonfinite: bool) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        norm = self.clip_grad_norm(model, max_norm)
+        if skip_nonfinite and not bool(torch.isfinite(norm)):  # the loop's only per-step host read
+            return norm, False
+        optimizer.step()
+        return norm, True
+
 
 EXTRA = "extra.rank{rank}.pt"
 
 
-def _check_supported(dims: ParallelDims, par: ParallelismConfig, p: PrecisionConfig, kv_heads: int) -> None:
+def _check_supported(dims: ParallelDims, kv_heads: int) -> None:
     """Refuse, before anything is materialized, the layouts the torch backend does not implement yet."""
     todo = []
     if dims.tp > kv_heads:
         todo.append(f"kv-head replication (parallelism.tp={dims.tp} > {kv_heads} kv heads)")
     if dims.pp > 1:
         todo.append(f"pipeline parallelism (parallelism.pp={dims.pp})")
-    if dims.tp > 1 and dims.dp > 1:
-        todo.append(f"tensor and data parallelism together (tp={dims.tp} x dp={dims.dp}; a 2-D device mesh)")
-    if dims.tp > 1 and p.param_dtype != "float32":
-        todo.append(f"tensor parallelism with precision.param_dtype={p.param_dtype} (use precision=fp32 or autocast)")
-    if dims.tp > 1 and par.zero1:
-        todo.append("ZeRO-1 with tensor parallelism")
     if todo:
         raise ConfigError(
             f"the torch backend does not implement {'; '.join(todo)} yet (the neuron backend is "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,31 @@ def data_parallel(model: nn.Module, device: torch.device, *, fp32_reduce: bool) 
     return model
 
 
+def device_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
+    """The (dp, tp) mesh of the job, tensor parallelism innermost: rank = dp_rank * tp + tp_rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def fully_shard_dp(model: nn.Module, mesh: DeviceMesh, *, fp32_reduce: bool) -> nn.Module:
+    """Data parallelism over the 1-D ``mesh`` for a tensor-parallel model: FSDP2 (``fully_shard``).
+
+    DDP does not take DTensor parameters of a 2-D mesh; FSDP2 does (torchtitan's TP + FSDP layout). Each block is
+    its own unit, parameters stay gathered from forward to backward (``reshard_after_forward=False``, ZeRO-2:
+    gradients and AdamW state sharded over dp, no second all-gather), and gradients are reduce-scattered in fp32
+    when ``fp32_reduce`` and the weights are bf16.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    low = any(p.dtype != torch.float32 for p in model.parameters())
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if fp32_reduce and low else None)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return model
+
+
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """``t`` averaged over all ranks (SUM then divide: gloo has no AVG); ``t`` itself outside a process group."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -112,14 +138,34 @@ def _interleave_gate_up(weight: torch.Tensor, tp: int) -> None:
         weight.copy_(torch.cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair]))
 
 
-def tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) -> nn.Module:
-    """Shard ``model`` over ``tp`` ranks with DTensor (``parallelize_module``) as ``hlat.parallel.TP_PLAN`` says.
+def _fp32_rowwise(**kwargs):
+    """``RowwiseParallel`` whose partial sums are all-reduced (or reduce-scattered) in fp32, then cast back.
+
+    A class made on first use: ``torch.distributed.tensor.parallel`` is imported lazily in this module.
+    """
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class Fp32ReduceRowwise(RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            dtype = outputs.dtype
+            if outputs.placements != output_layouts:  # a cast is linear: the fp32 copy is still a Partial sum
+                outputs = outputs.to(torch.float32).redistribute(placements=output_layouts).to(dtype)
+            return outputs.to_local() if use_local_output else outputs
+
+    return Fp32ReduceRowwise(**kwargs)
+
+
+def tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, *,
+                    fp32_reduce: bool = False) -> nn.Module:  # fmt: skip
+    """Shard ``model`` over the 1-D ``mesh`` with DTensor (``parallelize_module``) as ``hlat.parallel.TP_PLAN`` says.
 
     The model must be materialized with the same weights on every rank (same seed); each rank keeps its shard.
     With ``sequence_parallel`` the norms and the residual stream are split along the sequence (Shard(1)), the
     inputs of attention and MLP are all-gathered, and their outputs reduce-scattered (torchtitan's layout).
+    With ``fp32_reduce`` and low-precision weights the rowwise layers' partial sums are reduced in fp32
+    (``precision.fp32_reduce``; as the ``reduce_dtype`` of NxD's parallel layers).
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -131,15 +177,17 @@ def tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) -> nn.Mo
 
     from hlat.parallel import TP_PLAN
 
-    mesh = init_device_mesh(next(model.parameters()).device.type, (tp,), mesh_dim_names=("tp",))
+    tp = mesh.size()
     seq = Shard(1) if sequence_parallel else Replicate()
+    low = any(p.dtype != torch.float32 for p in model.parameters())
+    rowwise = _fp32_rowwise if fp32_reduce and low else RowwiseParallel
     styles = {  # the plan's kinds, with where activations live around each layer
-        "layers.*.attn.o_proj": RowwiseParallel(output_layouts=seq),
-        "layers.*.mlp.down": RowwiseParallel(output_layouts=seq),
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "layers.*.attn.o_proj": rowwise(output_layouts=seq),
+        "layers.*.mlp.down": rowwise(output_layouts=seq),
+        "embed": rowwise(input_layouts=Replicate(), output_layouts=seq),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
     }
-    plan = {name: styles.get(name, ColwiseParallel() if kind == "colwise" else RowwiseParallel())
+    plan = {name: styles.get(name, ColwiseParallel() if kind == "colwise" else rowwise())
             for name, kind in TP_PLAN.items()}  # fmt: skip
     if sequence_parallel:
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
