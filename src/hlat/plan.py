@@ -28,29 +28,51 @@ class MemoryEstimate:
 
 
 def estimate_memory(cfg: RunConfig, dims: ParallelDims) -> tuple[int, MemoryEstimate]:
-    """Parameter count and a per-rank memory estimate for training ``cfg`` without activation checkpointing.
+    """Parameter count and a per-rank memory estimate for training ``cfg``.
 
     Bytes per parameter come from the precision mode (``hlat.precision.bytes_per_param``). Weights and gradients
-    are sharded by tp*pp; AdamW's moments and the master copy by tp*pp, and also by dp with ZeRO-1. Activations
-    follow Korthikanti et al. (2022) for one micro-batch, s*b*h*(34 + 5*a*s/h) bytes per layer at 16-bit, doubled
-    for fp32, plus the fp32 logits and their gradient (the cross-entropy keeps both).
+    are sharded by tp*pp; AdamW's moments and the master copy by tp*pp, and also by dp with ZeRO-1. Activations:
+    ``activation_bytes``, plus the fp32 logits and their gradient (the cross-entropy keeps both), split over tp.
     """
     m, t = cfg.model, cfg.train
     n = count_params(m)
     shard = dims.tp * dims.pp
     bpp = bytes_per_param(cfg.precision)
     opt_shard = shard * (dims.dp if cfg.parallelism.zero1 else 1)
-    a_scale = BYTES[cfg.precision.compute_dtype] / 2
-    s, b, h, a = t.seq_len, t.micro_batch_size, m.dim, m.n_heads
-    per_layer = s * b * h * (34 + 5 * a * s / h) * a_scale
-    logits = 2 * 4 * s * b * m.vocab_size
+    logits = 2 * 4 * t.seq_len * t.micro_batch_size * m.vocab_size
+    act = activation_bytes(cfg, dims) * BYTES[cfg.precision.compute_dtype] / 2
     est = MemoryEstimate(
         params=n * bpp.params // shard,
         grads=n * bpp.grads // shard,
         optimizer=n * (bpp.optimizer + bpp.master) // opt_shard,
-        activations=int(per_layer * m.n_layers / (dims.tp * dims.pp) + logits / dims.tp),
+        activations=int(act + logits / dims.tp),
     )
     return n, est
+
+
+def activation_bytes(cfg: RunConfig, dims: ParallelDims) -> float:
+    """Bytes of activations one rank keeps for backward, at 16-bit, after Korthikanti et al. (2022), Table 2.
+
+    Per layer and micro-batch of s tokens x b sequences, width h, a heads, tensor-parallel degree t:
+    s*b*h*(34 + 5*a*s/h)/t with sequence parallelism (or t=1), s*b*h*(10 + (24 + 5*a*s/h)/t) without it. The
+    5*a*s/h term is the attention core's (scores, softmax, dropout mask): selective checkpointing recomputes it, so
+    it is dropped; full checkpointing keeps only each layer's input (2*s*b*h, split by SP) plus one layer's working
+    set during its recomputation. With pipeline parallelism each stage holds L/pp layers, and 1F1B keeps up to pp
+    micro-batches in flight on the first stage, so pp does not divide the total (Korthikanti §4.2.3).
+
+    The attention term assumes the scores are materialized (XLA on Neuron without NKI flash attention); PyTorch's
+    fused SDPA kernels keep only log-sum-exp statistics, so on the torch backend ``none`` over-counts.
+    """
+    m, t, par = cfg.model, cfg.train, cfg.parallelism
+    s, b, h, a, tp = t.seq_len, t.micro_batch_size, m.dim, m.n_heads, dims.tp
+    attn = 5 * a * s / h if par.activation_checkpointing == "none" else 0.0
+    sp = par.sequence_parallel or tp == 1
+    layer = s * b * h * (34 + attn) / tp if sp else s * b * h * (10 + (24 + attn) / tp)
+    in_flight = min(dims.pp, dims.grad_accum(t)) if dims.pp > 1 else 1
+    layers_held = m.n_layers / dims.pp * in_flight
+    if par.activation_checkpointing == "full":
+        return layers_held * 2 * s * b * h / (tp if sp else 1) + layer
+    return layers_held * layer
 
 
 def check_fits(est: MemoryEstimate, budget_bytes: int, cfg: RunConfig) -> None:

@@ -282,3 +282,24 @@ def test_zero1_shards_optimizer_and_master_in_the_estimate() -> None:
     cfg = OmegaConf.to_object(compose_cfg("model=70b", "precision=master_weights", "parallelism.zero1=true"))
     _, est = estimate_memory(cfg, ParallelDims(world_size=1024, tp=32, pp=8, dp=4))
     assert est.optimizer == n * 12 // (256 * 4)
+
+
+def test_activation_estimate_follows_korthikanti_with_sp_checkpointing_and_pp() -> None:
+    """Table 2 of Korthikanti et al. for 7B shapes (s=4096, b=1, h=4096, a=32, L=32), at 16-bit."""
+    from omegaconf import OmegaConf
+
+    from hlat.plan import activation_bytes
+
+    def act(tp: int, pp: int, *overrides: str) -> float:
+        batch = ("train.seq_len=4096", "train.micro_batch_size=1", "train.global_batch_size=1024")
+        cfg = OmegaConf.to_object(compose_cfg("model=7b", *batch, *overrides, f"parallelism.tp={tp}"))
+        return activation_bytes(cfg, ParallelDims(world_size=tp * pp * 4, tp=tp, pp=pp, dp=4))
+
+    sbh, L = 4096 * 4096, 32
+    assert act(1, 1) == L * sbh * (34 + 5 * 32)
+    assert act(8, 1) == L * sbh * (10 + (24 + 160) / 8)  # TP without SP: layer norms and dropouts replicated
+    assert act(8, 1, "parallelism.sequence_parallel=true") == L * sbh * 194 / 8
+    assert act(8, 1, "parallelism=hlat_7b") == L * sbh * 34 / 8  # + selective: the attention core is recomputed
+    full = act(8, 1, "parallelism=hlat_7b", "parallelism.activation_checkpointing=full")
+    assert full == L * 2 * sbh / 8 + sbh * 34 / 8  # layer inputs, plus one layer while it is recomputed
+    assert act(1, 4) == act(1, 1)  # 1F1B: L/pp layers x pp micro-batches in flight on the first stage
