@@ -68,6 +68,15 @@ class ParallelDims:
         """Micro-batches each data-parallel rank accumulates per optimizer step."""
         return train.global_batch_size // (train.micro_batch_size * self.dp)
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel replica of global ``rank`` (which data stream it reads).
+
+        Ranks are laid out ``[pp, dp, tp]`` row-major, NxD's order (reference neuron-nxd.md §1.6): tensor parallelism
+        innermost, so it stays within a node; every tensor- and pipeline-parallel rank of a replica reads the same
+        stream.
+        """
+        return (rank // self.tp) % self.dp
+
 
 def valid_tp(model: ModelConfig, world_size: int) -> list[int]:
     """Tensor-parallel degrees that fit ``model`` (heads and kv heads) and divide ``world_size``."""

@@ -32,6 +32,19 @@ def test_neuron_imports_only_in_the_neuron_backend() -> None:
         assert not bad, f"{path.relative_to(SRC)} imports {bad}"
 
 
+def test_neuron_backend_imports_them_lazily() -> None:
+    # torch_xla reads XLA_USE_BF16 & co. once, at import: the backend's setup sets them first, so no import of
+    # torch_xla / neuronx_distributed may run when hlat.backends.neuron is imported (only inside functions).
+    tree = ast.parse((SRC / "backends" / "neuron.py").read_text())
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) for n in ast.walk(f)}
+    top = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in inside]
+    names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in names if m.split(".")[0] in NEURON}
+    lazy = {m for m in imports(SRC / "backends" / "neuron.py") if m.split(".")[0] in NEURON}
+    assert {"torch_xla.core.xla_model", "neuronx_distributed"} <= lazy  # the test sees the real imports
+
+
 def test_hydra_only_in_run_config_and_cli() -> None:
     allowed = {"run.py", "cli.py", "launch.py"}  # launch.py starts the processes that call run.main
     for path in modules():

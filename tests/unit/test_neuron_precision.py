@@ -46,7 +46,7 @@ def test_master_weights_is_downcast_sr_off_and_nxd_mixed_precision() -> None:
     assert p.env == {"XLA_DOWNCAST_BF16": "1", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"}
     assert "XLA_USE_BF16" not in p.env
     assert p.mixed_precision_config == {
-        "use_master_weights": True, "use_fp32_grad_acc": True, "use_master_weights_in_ckpt": False,
+        "use_master_weights": True, "use_fp32_grad_acc": True, "use_master_weights_in_ckpt": True,
     }  # fmt: skip
     assert p.upcast_dtype == "float64"  # doubles are the fp32 of XLA_DOWNCAST_BF16
     assert p.reduce_dtype == "float32"

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hlat.backends.base import Backend, Env
 from hlat.config import ConfigError
+
+if TYPE_CHECKING:
+    from hlat.config import RunConfig
 
 __all__ = ["Backend", "Env", "get_backend"]
 
 
-def get_backend(name: str) -> Backend:
-    """Return the backend named by ``cluster.backend`` (imported lazily: neuron needs torch-neuronx)."""
+def get_backend(name: str, cfg: RunConfig | None = None) -> Backend:
+    """Return the backend named by ``cluster.backend``, imported lazily.
+
+    Args:
+        name: ``torch`` (CPU/CUDA) or ``neuron`` (trn1; torch_xla and NxD are imported by its ``setup``).
+        cfg: The run config; the neuron backend needs it (its environment and NxD config depend on several groups).
+    """
     if name == "torch":
         from hlat.backends.torch import TorchBackend
 
         return TorchBackend()
-    raise ConfigError(
-        f"cluster.backend={name!r} is not available in this version; use cluster=cpu (backend: torch). "
-        "The neuron backend for trn1 arrives with the Trainium issue."
-    )
+    if name == "neuron":
+        from hlat.backends.neuron import build_backend
+
+        return build_backend(cfg)
+    raise ConfigError(f"cluster.backend={name!r} is not one of torch, neuron")

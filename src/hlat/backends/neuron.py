@@ -1,146 +1,275 @@
-"""The Trainium backend (torch-neuronx + neuronx-distributed, Neuron SDK 2.28; shared/reference/neuron-nxd.md).
+"""The Trainium backend: torch-neuronx + neuronx-distributed (NxD 0.17, Neuron SDK 2.28; reference neuron-nxd.md).
 
-The only module allowed to import ``torch_xla`` / ``neuronx_distributed``, and only inside functions: those wheels
-come from the Neuron repository in the Docker image and cannot be installed elsewhere. What is here so far is the
-pure mapping of hlat's precision config onto the Neuron switches, and of a checkpoint onto ``nxd.save_checkpoint`` /
-``load_checkpoint`` arguments; the Backend class itself (NxD model and optimizer) arrives with the Trainium issue.
-None of this has run on a trn1 host yet.
+The only module that imports ``torch_xla`` / ``neuronx_distributed``, and only inside ``_import_api`` (called by
+``setup``): those wheels come from the Neuron repository in the Docker image, and importing them reads the
+``XLA_*`` variables once. The pure mapping of the config (environment, NxD config, precision, checkpoint calls)
+is in ``hlat.backends.neuron_plan`` and re-exported here; the decoder on NxD parallel layers is
+``hlat.backends.neuron_model``.
 
-Precision on Neuron (reference §1.2, §1.8, §2.1, §3):
+A run on trn1, in order (``run.main`` -> ``loop.fit``):
 
-- fp32: no XLA variable, SR 0, compiler ``--auto-cast=none``.
-- autocast: no XLA variable, SR 0, ``torch.autocast("xla", bf16)``.
-- bf16: ``XLA_USE_BF16=1``, SR 0.
-- bf16_sr: ``XLA_USE_BF16=1``, SR 1 (seeded by train.seed).
-- master_weights: ``XLA_DOWNCAST_BF16=1``, SR 0, ZeRO-1 required, NxD ``mixed_precision_config`` with
-  ``use_master_weights`` and ``use_fp32_grad_acc``.
+- ``setup``: validate (``ParallelDims``, ``check_supported``, ``precision_plan``), ``apply_env(neuron_env(cfg))``,
+  import torch_xla and NxD, ``dist.init_process_group("xla")``, ``neuronx_distributed_config(...)`` (which
+  initializes tensor/pipeline parallel state), ``model_parallel_xla_manual_seed(seed)``.
+- ``build_model``: ``initialize_parallel_model(nxd_config, closure)``; the zero-argument closure sidesteps the
+  ``include_buffers`` positional argument of NxD >= 0.10 (reference §1.3). NxD builds the ``Transformer`` on the meta
+  device, ``to_neuron`` swaps in the parallel layers, NxD wraps it in ``NxDPPModel`` with PP, materializes it with
+  ``ModuleInit`` and applies activation checkpointing.
+- ``build_optimizer``: ``initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, groups, ...)``; ZeRO-1 and
+  master weights come from the NxD config.
+- per step: ``forward_backward`` (micro-batch forward + backward with an ``xm.mark_step`` after each, or with PP
+  ``model.run_train`` over all micro-batches at once), ``update`` (``optimizer.step()``: NxD all-reduces sequence-
+  and data-parallel gradients, clips, steps; ``optimizer.grad_norm`` is the norm before clipping), ``step_end``
+  (``xm.mark_step``). Metrics leave the device in ``fetch`` through ``xm.add_step_closure``.
+- checkpoints: ``nxd.save_checkpoint`` / ``load_checkpoint`` (xser) into the directory ``hlat.checkpoint`` gives,
+  train state and loader position in ``user_content`` and in one small file per rank.
 
-Under ``XLA_USE_BF16`` every float *and double* tensor is bf16, so no operation can be kept in fp32: fp32
-softmax/cross-entropy and fp32 reductions are config errors there. Under ``XLA_DOWNCAST_BF16`` doubles become fp32,
-which is how NxD's model code keeps softmax and RMSNorm in fp32 (``.double()``): ``upcast_dtype`` says which to use.
+**Nothing in this module has run on a trn1 host.** It is written against the API of reference §1-§2 and exercised on
+CPU only, through the recording fake of the tests (``tests/fakes/neuron_api.py``), which checks the calls, their
+arguments and their order, not what NxD does with them. Known gaps: ``train/param_norm`` is the mean over ranks of
+each rank's local-shard norm (not the global norm) when tp or pp > 1; per-layer gradient norms (``grad_hooks``) are
+taken before NxD's data-parallel all-reduce; ``precision=autocast`` with pipeline parallelism relies on NxD
+picking up the ``xla`` autocast state.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hlat.config import ConfigError, ParallelismConfig, PrecisionConfig
+import torch
+import torch.distributed as dist
+from torch import nn
 
-XLA_MODULES = ("torch_xla", "torch_neuronx", "neuronx_distributed")
+from hlat.backends.base import Env
+from hlat.backends.neuron_model import ModuleInit, NxDLayers, to_neuron
+from hlat.backends.neuron_plan import (
+    XLA_MODULES,
+    NeuronPrecision,
+    apply_env,
+    check_supported,
+    checkpoint_calls,
+    model_options,
+    neuron_env,
+    nxd_config_kwargs,
+    precision_plan,
+)
+from hlat.backends.torch_dist import Ranks
+from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
+from hlat.parallel import ParallelDims
+
+__all__ = [
+    "XLA_MODULES", "NeuronBackend", "NeuronPrecision", "apply_env", "check_supported", "checkpoint_calls",
+    "model_options", "neuron_env", "nxd_config_kwargs", "precision_plan",
+]  # fmt: skip
+
+NEURONCORE_HBM_BYTES = 16 * 2**30
+"""Device memory of one NeuronCore-v2 (32 GiB per Trainium chip, 2 cores; reference §6)."""
+EXTRA = "extra.rank{rank}.pt"
+"""This rank's ``extra`` (its data-loader position): NxD writes ``user_content`` from global rank 0 only."""
 
 
 @dataclass(frozen=True)
-class NeuronPrecision:
-    """What a precision config becomes on Trainium."""
+class _Api:
+    """The torch_xla / NxD entry points the backend calls, imported once by ``setup``."""
 
-    env: dict[str, str]
-    """Variables to set before torch_xla is imported (``apply_env``)."""
-    cc_flags: tuple[str, ...]
-    """neuronx-cc flags to append to ``NEURON_CC_FLAGS`` (NxDT adds the same ones per precision type)."""
-    mixed_precision_config: dict[str, bool]
-    """``neuronx_distributed_config(mixed_precision_config=...)``."""
-    autocast: bool
-    """Wrap forward in ``torch.autocast("xla", dtype=torch.bfloat16)`` (fp32 parameters, bf16 matmuls)."""
-    upcast_dtype: str
-    """The dtype model code casts to for an fp32 operation: float64 under XLA_DOWNCAST_BF16 (mapped to fp32)."""
-    reduce_dtype: str
-    """``reduce_dtype`` of the ColumnParallelLinear / RowParallelLinear / GQAQKV layers (tensor-parallel sums)."""
-    notes: list[str] = field(default_factory=list)
-    """Human-readable lines for the run log."""
+    xm: Any
+    """``torch_xla.core.xla_model``."""
+    nxd: Any
+    """``neuronx_distributed`` (config, model, optimizer, checkpoints)."""
+    layers: NxDLayers
+    """The parallel layers and loss of ``neuron_model.to_neuron``."""
+    manual_seed: Callable[[int], None]
+    """``parallel_layers.model_parallel_xla_manual_seed``."""
 
 
-def precision_plan(p: PrecisionConfig, par: ParallelismConfig, seed: int) -> NeuronPrecision:
-    """Map ``precision`` (with ``parallelism.zero1``) onto Neuron env vars, compiler flags and NxD config.
-
-    Args:
-        p: The precision config.
-        par: The parallelism config (only ``zero1`` matters here).
-        seed: train.seed, which seeds the hardware's stochastic rounding.
-
-    Returns:
-        The Neuron settings.
+def _import_api() -> _Api:
+    """Import torch_xla and NxD (reference §1.1, §1.5, §1.6); the environment must be set before.
 
     Raises:
-        ConfigError: for a combination NxD or torch-xla cannot honour, naming the keys and the fix.
+        ConfigError: when the Neuron packages are not installed (they are not on PyPI: only the trn1 image has them).
     """
-    low = p.param_dtype == "bfloat16"
-    if p.master_weights and not par.zero1:
+    try:
+        import neuronx_distributed as nxd
+        import torch_xla.core.xla_model as xm
+    except ImportError as e:  # PyPI's torch-neuronx / neuronx-distributed are placeholders that raise ImportError
         raise ConfigError(
-            f"precision={p.name} (master_weights=true) on the neuron backend needs parallelism.zero1=true: NxD keeps "
-            "fp32 master weights inside its ZeRO-1 optimizer (without it neuronx_distributed raises 'Non Zero-1 "
-            "optimizer does not support use_master_weights'); add parallelism.zero1=true"
-        )
-    if low and p.fp32_grad_accum and not par.zero1:
-        raise ConfigError(
-            f"precision.fp32_grad_accum=true with bf16 parameters (precision={p.name}) on the neuron backend needs "
-            "parallelism.zero1=true (NxD's use_fp32_grad_acc lives in the ZeRO-1 optimizer); add "
-            "parallelism.zero1=true or set precision.fp32_grad_accum=false"
-        )
-    if low and not p.master_weights:
-        # XLA_USE_BF16: float and double both become bf16, so an "fp32" operation is impossible.
-        for key in ("fp32_softmax_ce", "fp32_reduce"):
-            if getattr(p, key):
-                raise ConfigError(
-                    f"precision.{key}=true cannot be honoured by precision={p.name} on the neuron backend: "
-                    "XLA_USE_BF16=1 turns every float and double tensor into bf16; set "
-                    f"precision.{key}=false or use precision=master_weights (XLA_DOWNCAST_BF16 keeps doubles in fp32)"
-                )
-    env = {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if p.stochastic_rounding else "0"}
-    if p.stochastic_rounding:
-        env["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] = str(seed)
-    if low:
-        env["XLA_DOWNCAST_BF16" if p.master_weights else "XLA_USE_BF16"] = "1"
-    autocast = not low and p.compute_dtype == "bfloat16"
-    if not low:
-        flags: tuple[str, ...] = ("--auto-cast=none",)  # torch decides the dtypes, not the compiler
-        if autocast:
-            flags += ("--enable-mixed-precision-accumulation",)
-    else:
-        flags = ("--enable-mixed-precision-accumulation",)
-    return NeuronPrecision(
-        env=env,
-        cc_flags=flags,
-        mixed_precision_config={
-            "use_master_weights": p.master_weights,
-            "use_fp32_grad_acc": low and p.fp32_grad_accum,
-            "use_master_weights_in_ckpt": False,
-        },
-        autocast=autocast,
-        upcast_dtype="float64" if (low and p.master_weights) else "float32",
-        reduce_dtype="float32" if p.fp32_reduce else "bfloat16",
-        notes=[f"precision={p.name}: " + " ".join(f"{k}={v}" for k, v in sorted(env.items()))],
+            f"cluster.backend=neuron needs torch-neuronx and neuronx-distributed of Neuron SDK 2.28 ({e}); they come "
+            "from the Neuron repository, not PyPI: run on a trn1 host inside hlat's image (docker build --target "
+            "trn1), or train elsewhere with cluster=cpu or gpu_1x. `train.dry_run=true` plans a trn1 run anywhere"
+        ) from None
+    import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" torch.distributed backend
+    from neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
+    from neuronx_distributed.parallel_layers import (
+        ColumnParallelLinear,
+        ParallelEmbedding,
+        RowParallelLinear,
+        model_parallel_xla_manual_seed,
+        parallel_cross_entropy,
     )
 
+    layers = NxDLayers(column=ColumnParallelLinear, row=RowParallelLinear, qkv=GQAQKVColumnParallelLinear,
+                       embedding=ParallelEmbedding, cross_entropy=parallel_cross_entropy)  # fmt: skip
+    return _Api(xm=xm, nxd=nxd, layers=layers, manual_seed=model_parallel_xla_manual_seed)
 
-def apply_env(env: dict[str, str]) -> None:
-    """Export ``env`` into this process; refuses once torch_xla is imported, because it reads them at import.
+
+class NeuronBackend:
+    """NxD on trn1: parallel layers, NxD optimizer (ZeRO-1), pipeline engine, xser checkpoints, step closures.
+
+    It takes the whole run config: the environment, the NxD config and the pipeline's micro-batch count depend on
+    parallelism, precision, optimizer and train settings together (``get_backend("neuron", cfg)``).
+    """
+
+    name = "neuron"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.plan = precision_plan(cfg.precision, cfg.parallelism, cfg.train.seed)
+        self.upcast = getattr(torch, self.plan.upcast_dtype)
+        self.ranks = Ranks(0, 1, 0, 1)
+        self.dims: ParallelDims | None = None
+        self.device = torch.device("cpu")
+        self.nxd_config: dict[str, Any] = {}
+        self._api: _Api | None = None
+
+    @property
+    def api(self) -> _Api:
+        """The imported torch_xla / NxD entry points (after ``setup``)."""
+        if self._api is None:
+            raise RuntimeError("NeuronBackend.setup() must run first: it sets the environment and imports torch_xla")
+        return self._api
+
+    def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
+        cfg = self.cfg
+        assert (cluster, precision, seed) == (cfg.cluster, cfg.precision, cfg.train.seed), "not this run's config"
+        ranks = Ranks.from_env()  # RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them
+        # Validate everything before the runtime starts or anything compiles.
+        self.dims = ParallelDims.build(cfg.parallelism, ranks.world_size, cfg.model, cfg.train)
+        apply_env(neuron_env(cfg))
+        self._api = api = _import_api()
+        if not dist.is_initialized():
+            dist.init_process_group("xla")
+        # Initializes NxD's tensor/pipeline/data-parallel groups (the process group exists: reference §1.2).
+        self.nxd_config = api.nxd.neuronx_distributed_config(
+            **nxd_config_kwargs(cfg, param_init_fn=ModuleInit(cfg.model), world_size=ranks.world_size)
+        )
+        api.manual_seed(seed)  # device RNG: after model-parallel init, per TP rank (reference §1.6)
+        self.ranks, self.device = ranks, api.xm.xla_device()
+        return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
+                   memory_budget_bytes=int(NEURONCORE_HBM_BYTES * cluster.memory_fraction))  # fmt: skip
+
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
+                    par: ParallelismConfig | None = None) -> nn.Module:  # fmt: skip
+        api = self.api
+        assert dims == self.dims and par in (None, self.cfg.parallelism), "not this run's layout"
+        opts, layers = model_options(self.cfg, dims.world_size), api.layers
+        # Parallel layers draw their full weight on the host, then keep their shard: every rank must draw the same
+        # numbers whatever ran since setup (the data loader), so re-seed the host generator alone (torch.manual_seed
+        # would also reseed the device RNG that model_parallel_xla_manual_seed set per rank).
+        torch.default_generator.manual_seed(self.cfg.train.seed)
+        return api.nxd.initialize_parallel_model(self.nxd_config, lambda: to_neuron(model_fn(), layers, opts))
+
+    def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        assert cfg == self.cfg.optimizer, "the NxD config was built from the run's optimizer config"
+        # torch's AdamW for every mode: with master weights NxD's ZeRO-1 keeps fp32 shards and runs it on them.
+        return self.api.nxd.initialize_parallel_optimizer(
+            self.nxd_config, torch.optim.AdamW, groups,
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        )  # fmt: skip
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 matmuls over fp32 parameters for precision=autocast; nothing otherwise."""
+        if not self.plan.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss in the upcast dtype (fp32 on the device; float64 stands for fp32 under downcast)."""
+        with self._autocast():
+            return model(inputs.to(self.device), targets.to(self.device))
+
+    def forward_backward(self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                         n: int) -> torch.Tensor:  # fmt: skip
+        assert self.dims is not None
+        if self.dims.pp > 1:
+            # The pipeline schedule takes the step's micro-batches at once, on the host, and splits them again.
+            inputs, targets = (torch.cat(t) for t in zip(*batches, strict=True))
+            with self._autocast():
+                return model.run_train(input_ids=inputs, labels=targets).detach()
+        total: torch.Tensor | None = None
+        for inputs, targets in batches:
+            loss = self.loss(model, inputs, targets) / n
+            loss.backward()
+            self.api.xm.mark_step()  # one graph per micro-batch, as NxD's MpDeviceLoader cuts them
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None, "a step has at least one micro-batch"
+        return total
+
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, *,
+               skip_nonfinite: bool) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        assert not skip_nonfinite, "train.on_nonfinite=skip_step is refused by check_supported"
+        assert max_norm == self.cfg.optimizer.clip_grad_norm, "NxD clips to the config's optimizer.clip_grad_norm"
+        optimizer.step()  # sequence- and data-parallel all-reduce, clip, AdamW; no all-reduce of our own
+        return optimizer.grad_norm, True
+
+    def step_end(self) -> None:
+        self.api.xm.mark_step()
+
+    def fetch(self, tensors: dict[str, torch.Tensor], fn: Callable[[dict[str, list[float]]], None]) -> None:
+        xm = self.api.xm
+        names = list(tensors)
+        flat = [tensors[k].detach().reshape(-1).to(self.upcast) for k in names]
+        values = torch.cat(flat) if flat else torch.zeros(0, dtype=self.upcast, device=self.device)
+        if self.ranks.world_size > 1:  # mean over ranks: the loss over data parallelism, norms are equal anyway
+            values = xm.all_reduce(xm.REDUCE_SUM, values / self.ranks.world_size)
+        sizes = [t.numel() for t in flat]
+        xm.add_step_closure(_emit, (values, names, sizes, fn))
+        # A small graph of its own (the step's graph has run at step_end): its closures run once values exist.
+        xm.mark_step()
+
+    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
+             async_save: bool) -> Future | None:  # fmt: skip
+        # Synchronous on purpose, whatever train.async_checkpoint says (the Checkpointer still checksums and renames
+        # in the background): NxD's async save finishes in CheckpointIOState.wait_save, which needs xm.rendezvous on
+        # the main thread and writes its "done" marker late, into a directory the Checkpointer has renamed by then.
+        # HLAT's own scripts saved synchronously with xser too (reference §7).
+        xm = self.api.xm
+        xm.rendezvous("hlat-checkpoint-dir")  # rank 0 has (re)created `path`: now every rank writes into it
+        torch.save(extra, path / EXTRA.format(rank=self.ranks.rank))
+        kwargs, _ = checkpoint_calls(path, extra, async_save=False, zero1=self.cfg.parallelism.zero1)
+        self.api.nxd.save_checkpoint(model=model, optimizer=optimizer, **kwargs)  # ends with a rendezvous
+        return None
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        _, kwargs = checkpoint_calls(path, {}, async_save=False, zero1=self.cfg.parallelism.zero1)
+        self.api.nxd.load_checkpoint(model=model, optimizer=optimizer, **kwargs)
+        # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
+        return torch.load(path / EXTRA.format(rank=self.ranks.rank), map_location="cpu", weights_only=True)
+
+
+def _emit(values: torch.Tensor, names: list[str], sizes: list[int], fn: Callable) -> None:
+    """Step closure of ``fetch``: one device-to-host copy, split back into named lists of floats."""
+    host = values.cpu().tolist()
+    out, i = {}, 0
+    for name, size in zip(names, sizes, strict=True):
+        out[name] = host[i : i + size]
+        i += size
+    fn(out)
+
+
+def build_backend(cfg: RunConfig | None) -> NeuronBackend:
+    """``get_backend("neuron", cfg)``: the backend needs the whole run config.
 
     Raises:
-        RuntimeError: if a Neuron/XLA module is already imported.
+        ConfigError: without one.
     """
-    loaded = [m for m in XLA_MODULES if m in sys.modules]
-    if loaded:
-        raise RuntimeError(
-            f"{', '.join(loaded)} already imported: precision variables {sorted(env)} must be set before torch_xla "
-            "is imported (it reads XLA_USE_BF16 / XLA_DOWNCAST_BF16 once); set them at process start"
+    if cfg is None:
+        raise ConfigError(
+            "cluster.backend=neuron needs the whole run config (get_backend(cfg.cluster.backend, cfg)): its "
+            "environment, NxD config and pipeline micro-batches depend on parallelism, precision, optimizer and train"
         )
-    os.environ.update(env)
-
-
-def checkpoint_calls(path: Path, extra: dict[str, Any], *, async_save: bool, zero1: bool) -> tuple[dict, dict]:
-    """Keyword arguments of ``nxd.save_checkpoint`` and ``nxd.load_checkpoint`` for one hlat checkpoint directory.
-
-    ``hlat.checkpoint`` keeps owning atomicity and retention (the ``.tmp`` directory, manifest with checksums,
-    keep_last / keep_every), so NxD writes into ``path`` as one tag and prunes nothing (``num_kept_ckpts=None``).
-    xser serialization writes one tensor at a time (no host OOM at 70B; reference §1.4); loader position, train
-    state and RNG travel in ``user_content``. ``async_save`` uses NxD's own thread pool, which
-    ``nxd.finalize_checkpoint()`` waits for. Not run on trn1 yet.
-    """
-    save = {"checkpoint_dir_str": str(path.parent), "tag": path.name, "user_content": extra, "use_xser": True,
-            "async_save": async_save, "num_kept_ckpts": None, "zero1_optimizer": zero1}  # fmt: skip
-    load = {"path": str(path.parent), "tag": path.name}
-    return save, load
+    return NeuronBackend(cfg)

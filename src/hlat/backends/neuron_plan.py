@@ -1,0 +1,292 @@
+"""What a run config becomes on Trainium, as pure functions: environment, NxD config, precision, checkpoint calls.
+
+No ``torch_xla`` / ``neuronx_distributed`` import here (those live in ``hlat.backends.neuron`` only), so the
+mapping is tested exactly on any machine and the launch renderer can export ``neuron_env`` into Slurm, EKS and
+torchrun scripts. Every NxD name and value comes from ``shared/reference/neuron-nxd.md`` (§ numbers below).
+None of this has run on a trn1 host.
+
+Precision on Neuron (reference §1.2, §1.8, §2.1, §3):
+
+- fp32: no XLA variable, SR 0, compiler ``--auto-cast=none``.
+- autocast: no XLA variable, SR 0, ``torch.autocast("xla", bf16)``.
+- bf16: ``XLA_USE_BF16=1``, SR 0.
+- bf16_sr: ``XLA_USE_BF16=1``, SR 1 (seeded by train.seed).
+- master_weights: ``XLA_DOWNCAST_BF16=1``, SR 0, ZeRO-1 required, NxD ``mixed_precision_config`` with
+  ``use_master_weights`` and ``use_fp32_grad_acc``.
+
+Under ``XLA_USE_BF16`` every float *and double* tensor is bf16, so no operation can be kept in fp32: fp32
+softmax/cross-entropy and fp32 reductions are config errors there. Under ``XLA_DOWNCAST_BF16`` doubles become fp32,
+which is how NxD's model code keeps softmax and RMSNorm in fp32 (``.double()``): ``upcast_dtype`` says which to use.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hlat.backends.neuron_model import NeuronAttentionCore, NeuronBlock, NeuronModelOptions, TokenLoss
+from hlat.config import ConfigError, ParallelismConfig, PrecisionConfig, RunConfig
+from hlat.model import RMSNorm
+from hlat.parallel import ParallelDims
+
+XLA_MODULES = ("torch_xla", "torch_neuronx", "neuronx_distributed")
+
+COMPILER_FLAGS = ("--model-type transformer", "--distribution-strategy=llm-training")
+"""HLAT's neuronx-cc flags (PAPER.md; reference §2.1, §7). NxDT drops ``llm-training`` with NKI flash attention;
+the neuron backend runs its own attention core (``NeuronAttentionCore``), never the NKI kernel, so it stays on."""
+INFLIGHT_REQUESTS = 3
+"""``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` without pipeline parallelism: HLAT-7B's value (PAPER.md)."""
+INFLIGHT_REQUESTS_PP = 31
+"""The same with pipeline parallelism: HLAT's own 70B script (reference §7). The pipeline schedule issues many small
+graphs per step (a forward, a backward, sends and receives per micro-batch), so a deep queue keeps the cores fed;
+NxD's 70B example uses 7 and NxDT 5, which cost less device memory if 31 ever runs short."""
+MALLOC_ARENAS, MALLOC_ARENAS_PP = 64, 128
+"""``MALLOC_ARENA_MAX`` for HLAT's 7B and 70B scripts (reference §2.1): fewer glibc arenas, no host OOM. glibc reads
+it at process start, so it only works exported by the launcher; setting it in-process changes nothing."""
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+"""libfabric over EFA for multi-node collectives (reference §2.1)."""
+SEQUENTIAL_MOVE_FACTOR = 11
+"""Ranks per host that materialize their model shard at once (NxD's default, "works for 20B"; reference §1.2)."""
+RECOMPUTED: dict[str, type[torch.nn.Module] | None] = {"none": None, "full": NeuronBlock,
+                                                      "selective": NeuronAttentionCore}  # fmt: skip
+"""``activation_checkpoint_config`` per ``parallelism.activation_checkpointing``. Full recompute is the block class,
+not the string ``"full"``: NxD resolves ``"full"`` only for Hugging Face and NxDT models, or with PP."""
+
+
+@dataclass(frozen=True)
+class NeuronPrecision:
+    """What a precision config becomes on Trainium."""
+
+    env: dict[str, str]
+    """Variables to set before torch_xla is imported (``apply_env``)."""
+    cc_flags: tuple[str, ...]
+    """neuronx-cc flags to append to ``NEURON_CC_FLAGS`` (NxDT adds the same ones per precision type)."""
+    mixed_precision_config: dict[str, bool]
+    """``neuronx_distributed_config(mixed_precision_config=...)``."""
+    autocast: bool
+    """Wrap forward in ``torch.autocast("xla", dtype=torch.bfloat16)`` (fp32 parameters, bf16 matmuls)."""
+    upcast_dtype: str
+    """The dtype model code casts to for an fp32 operation: float64 under XLA_DOWNCAST_BF16 (mapped to fp32)."""
+    reduce_dtype: str
+    """``reduce_dtype`` of the ColumnParallelLinear / RowParallelLinear / GQAQKV layers (tensor-parallel sums)."""
+    notes: list[str] = field(default_factory=list)
+    """Human-readable lines for the run log."""
+
+
+def precision_plan(p: PrecisionConfig, par: ParallelismConfig, seed: int) -> NeuronPrecision:
+    """Map ``precision`` (with ``parallelism.zero1``) onto Neuron env vars, compiler flags and NxD config.
+
+    Args:
+        p: The precision config.
+        par: The parallelism config (only ``zero1`` matters here).
+        seed: train.seed, which seeds the hardware's stochastic rounding.
+
+    Returns:
+        The Neuron settings.
+
+    Raises:
+        ConfigError: for a combination NxD or torch-xla cannot honour, naming the keys and the fix.
+    """
+    low = p.param_dtype == "bfloat16"
+    if p.master_weights and not par.zero1:
+        raise ConfigError(
+            f"precision={p.name} (master_weights=true) on the neuron backend needs parallelism.zero1=true: NxD keeps "
+            "fp32 master weights inside its ZeRO-1 optimizer (without it neuronx_distributed raises 'Non Zero-1 "
+            "optimizer does not support use_master_weights'); add parallelism.zero1=true"
+        )
+    if low and p.fp32_grad_accum and not par.zero1:
+        raise ConfigError(
+            f"precision.fp32_grad_accum=true with bf16 parameters (precision={p.name}) on the neuron backend needs "
+            "parallelism.zero1=true (NxD's use_fp32_grad_acc lives in the ZeRO-1 optimizer); add "
+            "parallelism.zero1=true or set precision.fp32_grad_accum=false"
+        )
+    if low and not p.master_weights:
+        # XLA_USE_BF16: float and double both become bf16, so an "fp32" operation is impossible.
+        for key in ("fp32_softmax_ce", "fp32_reduce"):
+            if getattr(p, key):
+                raise ConfigError(
+                    f"precision.{key}=true cannot be honoured by precision={p.name} on the neuron backend: "
+                    "XLA_USE_BF16=1 turns every float and double tensor into bf16; set "
+                    f"precision.{key}=false or use precision=master_weights (XLA_DOWNCAST_BF16 keeps doubles in fp32)"
+                )
+    env = {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if p.stochastic_rounding else "0"}
+    if p.stochastic_rounding:
+        env["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] = str(seed)
+    if low:
+        env["XLA_DOWNCAST_BF16" if p.master_weights else "XLA_USE_BF16"] = "1"
+    autocast = not low and p.compute_dtype == "bfloat16"
+    if not low:
+        flags: tuple[str, ...] = ("--auto-cast=none",)  # torch decides the dtypes, not the compiler
+        if autocast:
+            flags += ("--enable-mixed-precision-accumulation",)
+    else:
+        flags = ("--enable-mixed-precision-accumulation",)
+    return NeuronPrecision(
+        env=env,
+        cc_flags=flags,
+        mixed_precision_config={
+            "use_master_weights": p.master_weights,
+            "use_fp32_grad_acc": low and p.fp32_grad_accum,
+            # The fp32 masters go into checkpoints, so a resume (every automatic restart) continues from them
+            # instead of re-widening the rounded bf16 weights, as the torch backend's PrecisionAdamW state does.
+            "use_master_weights_in_ckpt": p.master_weights,
+        },
+        autocast=autocast,
+        upcast_dtype="float64" if (low and p.master_weights) else "float32",
+        reduce_dtype="float32" if p.fp32_reduce else "bfloat16",
+        notes=[f"precision={p.name}: " + " ".join(f"{k}={v}" for k, v in sorted(env.items()))],
+    )
+
+
+def check_supported(cfg: RunConfig) -> None:
+    """Refuse the settings the neuron backend cannot honour (before any compile or allocation).
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    if cfg.train.on_nonfinite == "skip_step":
+        raise ConfigError(
+            "train.on_nonfinite=skip_step cannot be honoured on the neuron backend: NxD's optimizer all-reduces, "
+            "clips and applies the update inside step(), before the gradient norm is known; use "
+            "train.on_nonfinite=rollback (reload the last checkpoint, skip the batch) or halt"
+        )
+
+
+def neuron_env(cfg: RunConfig) -> dict[str, str]:
+    """Every environment variable a trn1 trainer process of this run needs, as strings.
+
+    The launch renderer exports exactly this dict (Slurm, EKS, torchrun); ``NeuronBackend.setup`` applies it
+    in-process with ``apply_env`` before torch_xla is imported. Contents (reference §2.1, §7; PAPER.md):
+    ``NEURON_CC_FLAGS`` (``COMPILER_FLAGS``, the precision's flags, ``--cache_dir``), ``NEURON_COMPILE_CACHE_URL``
+    (``cluster.compile_cache``: local disk by default, not the shared FSx), ``NEURON_FUSE_SOFTMAX=1``,
+    ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` (3, or 31 with pipeline parallelism), ``MALLOC_ARENA_MAX``
+    (64, or 128 with pipeline parallelism), the precision variables of ``precision_plan``,
+    ``XLA_DISABLE_FUNCTIONALIZATION=0`` with ZeRO-1 (NxD's scripts: needed for ZeRO-1 convergence; also torch-xla's
+    default) and, on more than one node with EFA devices, ``EFA_ENV``.
+
+    Raises:
+        ConfigError: for a precision x parallelism combination or a setting the backend cannot honour.
+    """
+    check_supported(cfg)
+    c, par = cfg.cluster, cfg.parallelism
+    plan = precision_plan(cfg.precision, par, cfg.train.seed)
+    pp = par.pp > 1
+    env = {
+        "NEURON_CC_FLAGS": " ".join((*COMPILER_FLAGS, *plan.cc_flags, f"--cache_dir={c.compile_cache}")),
+        "NEURON_COMPILE_CACHE_URL": c.compile_cache,
+        "NEURON_FUSE_SOFTMAX": "1",
+        "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": str(INFLIGHT_REQUESTS_PP if pp else INFLIGHT_REQUESTS),
+        "MALLOC_ARENA_MAX": str(MALLOC_ARENAS_PP if pp else MALLOC_ARENAS),
+        **plan.env,
+    }
+    if par.zero1:
+        env["XLA_DISABLE_FUNCTIONALIZATION"] = "0"
+    if c.nodes > 1 and c.efa_devices > 0:
+        env.update(EFA_ENV)
+    return env
+
+
+def pipeline_config(par: ParallelismConfig, num_microbatches: int) -> dict[str, Any]:
+    """``NxDPPModel`` keyword arguments (reference §1.6) for the decoder of ``hlat.backends.neuron_model``.
+
+    The model is traced with torch.fx (``tracer_cls="torch"``: not a Hugging Face model) from its
+    ``forward(input_ids, labels)``, with blocks (NxD's default for ``transformer_layer_cls``), norms and the loss as
+    leaves, and cut evenly between blocks (``auto_partition``). The forward returns the loss alone
+    (``output_loss_value_spec=True``); NxD scales each micro-batch's loss by 1/num_microbatches, and
+    ``broadcast_and_average_loss`` (as HLAT's 70B script) hands every rank the loss averaged over data parallelism.
+    """
+    return {
+        "transformer_layer_cls": NeuronBlock,
+        "num_microbatches": num_microbatches,
+        "output_loss_value_spec": True,
+        "input_names": ["input_ids", "labels"],
+        "auto_partition": True,
+        "leaf_module_cls": [RMSNorm.__name__, TokenLoss.__name__],
+        "tracer_cls": "torch",
+        "use_zero1_optimizer": par.zero1,
+        "use_optimizer_wrapper": True,
+        "broadcast_and_average_loss": True,
+    }
+
+
+def nxd_config_kwargs(cfg: RunConfig, *, param_init_fn: Callable[..., None],
+                      world_size: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """Keyword arguments of ``neuronx_distributed.neuronx_distributed_config`` for this run (reference §1.2).
+
+    Tensor and pipeline degrees, sequence parallelism, the optimizer (ZeRO-1; clipping is always on because NxD
+    computes ``grad_norm`` only when it clips: ``optimizer.clip_grad_norm=0`` becomes an infinite limit), recompute
+    (``RECOMPUTED``), the precision's ``mixed_precision_config``, and meta-device init with ``param_init_fn``
+    (``neuron_model.ModuleInit``). With pipeline parallelism, ``pipeline_config`` with one micro-batch per
+    gradient-accumulation step.
+
+    Args:
+        cfg: The run config.
+        param_init_fn: NxD's ``param_init_fn(module, device)``.
+        world_size: Ranks in the job; defaults to ``cluster.nodes x cluster.nproc_per_node``.
+    """
+    par, clip = cfg.parallelism, cfg.optimizer.clip_grad_norm
+    dims = ParallelDims.build(par, world_size or cfg.cluster.world_size, cfg.model, cfg.train)
+    plan = precision_plan(cfg.precision, par, cfg.train.seed)
+    optimizer = {"zero_one_enabled": par.zero1, "grad_clipping": True, "max_grad_norm": clip if clip > 0 else math.inf}
+    init = {"sequential_move_factor": SEQUENTIAL_MOVE_FACTOR, "meta_device_init": True, "param_init_fn": param_init_fn}
+    return {
+        "tensor_parallel_size": par.tp,
+        "pipeline_parallel_size": par.pp,
+        "pipeline_config": pipeline_config(par, dims.grad_accum(cfg.train)) if par.pp > 1 else None,
+        "optimizer_config": optimizer,
+        "activation_checkpoint_config": RECOMPUTED[par.activation_checkpointing],
+        "sequence_parallel": par.sequence_parallel,
+        "model_init_config": init,
+        "mixed_precision_config": plan.mixed_precision_config,
+    }
+
+
+def model_options(cfg: RunConfig, world_size: int | None = None) -> NeuronModelOptions:
+    """The layout and dtypes of ``neuron_model.to_neuron`` for this run."""
+    par = cfg.parallelism
+    dims = ParallelDims.build(par, world_size or cfg.cluster.world_size, cfg.model, cfg.train)
+    plan = precision_plan(cfg.precision, par, cfg.train.seed)
+    return NeuronModelOptions(
+        sequence_parallel=par.sequence_parallel,
+        kv_size_multiplier=dims.kv_replicas(cfg.model),
+        reduce_dtype=getattr(torch, plan.reduce_dtype),
+        upcast_dtype=getattr(torch, plan.upcast_dtype),
+        fp32_softmax_ce=cfg.precision.fp32_softmax_ce,
+    )
+
+
+def apply_env(env: dict[str, str]) -> None:
+    """Export ``env`` into this process; refuses once torch_xla is imported, because it reads them at import.
+
+    Raises:
+        RuntimeError: if a Neuron/XLA module is already imported.
+    """
+    loaded = [m for m in XLA_MODULES if m in sys.modules]
+    if loaded:
+        raise RuntimeError(
+            f"{', '.join(loaded)} already imported: precision variables {sorted(env)} must be set before torch_xla "
+            "is imported (it reads XLA_USE_BF16 / XLA_DOWNCAST_BF16 once); set them at process start"
+        )
+    os.environ.update(env)
+
+
+def checkpoint_calls(path: Path, extra: dict[str, Any], *, async_save: bool, zero1: bool) -> tuple[dict, dict]:
+    """Keyword arguments of ``nxd.save_checkpoint`` and ``nxd.load_checkpoint`` for one hlat checkpoint directory.
+
+    ``hlat.checkpoint`` keeps owning atomicity and retention (the ``.tmp`` directory, manifest with checksums,
+    keep_last / keep_every), so NxD writes into ``path`` as one tag and prunes nothing (``num_kept_ckpts=None``).
+    xser serialization writes one tensor at a time (no host OOM at 70B; reference §1.4); loader position, train
+    state and RNG travel in ``user_content``. ``async_save`` uses NxD's own thread pool, which
+    ``nxd.finalize_checkpoint()`` waits for. Not run on trn1 yet.
+    """
+    save = {"checkpoint_dir_str": str(path.parent), "tag": path.name, "user_content": extra, "use_xser": True,
+            "async_save": async_save, "num_kept_ckpts": None, "zero1_optimizer": zero1}  # fmt: skip
+    load = {"path": str(path.parent), "tag": path.name}
+    return save, load
