@@ -58,6 +58,15 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     restarts, nproc = cfg.cluster.max_restarts, cfg.cluster.nproc_per_node
+    if cfg.cluster.nodes > 1:
+        raise ConfigError(
+            f"cluster={cfg.cluster.name} spans {cfg.cluster.nodes} nodes, but `python train.py` starts the processes "
+            "of this node only; start every node with the launch `hlat launch --target torchrun|slurm|eks <same "
+            "overrides>` renders, or use a one-node cluster (e.g. cluster=trn1_1node)"
+        )
+    from hlat.parallel import ParallelDims
+
+    ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)  # before starting anything
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"hlat-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # torchrun --standalone
@@ -92,7 +101,7 @@ def _log_file(run_dir: Path) -> str:
 
 def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str, str] | None:
     """One (re)started trainer: rebuild the config, log like Hydra does, train. Returns a final error, or None."""
-    from hlat.run import checkpoint_root, main, to_run_config
+    from hlat.run import main
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True,
                         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log_file)])  # fmt: skip
@@ -102,10 +111,7 @@ def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str
     if restart:
         log.warning("restart %d of the trainer: resuming from the newest valid checkpoint", restart)
     hydra_cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
-    root = checkpoint_root(to_run_config(hydra_cfg), Path(run_dir))
-    if restart and (hydra_cfg.train.resume == "never" or any(root.glob("step_*/manifest.json"))):
-        hydra_cfg.train.resume = "auto"  # continue this job's own progress, not the checkpoint it started from
-    try:
+    try:  # a restart resumes this job's own progress (run.restart_resume)
         main(hydra_cfg, Path(run_dir))
     except FINAL_ERRORS as e:
         log.error("%s: %s", type(e).__name__, e)

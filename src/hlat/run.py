@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import shlex
 import sys
 import time
@@ -13,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from hlat import checkpoint
 from hlat.backends import get_backend
-from hlat.config import ConfigError, RunConfig
+from hlat.config import ClusterConfig, ConfigError, RunConfig
 from hlat.data import build_loader
 from hlat.faults import FaultInjector
 from hlat.loop import HaltedError, NonFiniteError, TrainState, fit
@@ -78,6 +80,43 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
     )
 
 
+def restart_resume(resume: str, root: Path) -> str:
+    """``train.resume`` for this attempt: a torch elastic restart continues the job's own progress.
+
+    A restarted worker (``TORCHELASTIC_RESTART_COUNT > 0``, under hlat's supervision or an external torchrun, Slurm
+    or a PyTorchJob) reruns the same command line: with ``never`` it would refuse its own checkpoints, and with a
+    path it would go back to the checkpoint the job started from. Once the job has written checkpoints, ``auto``.
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):
+        return "auto"
+    return resume
+
+
+def planned_budget(cluster: ClusterConfig) -> int:
+    """Bytes one rank may use, for a dry run: ``cluster.device_memory_gib``, else this host's share of its memory."""
+    if cluster.device_memory_gib is not None:
+        free = int(cluster.device_memory_gib * GiB)
+    elif cluster.device == "cuda" and torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        free = psutil.virtual_memory().available // cluster.nproc_per_node
+    return int(free * cluster.memory_fraction)
+
+
+def check_world(cluster: ClusterConfig, world_size: int) -> None:
+    """A multi-node cluster preset must get all its ranks: a partial world would silently change the layout.
+
+    (A one-node preset adapts to an external torchrun's ``--nproc-per-node``.)
+    """
+    if cluster.nodes > 1 and world_size != cluster.world_size:
+        raise ConfigError(
+            f"cluster={cluster.name} plans {cluster.nodes} nodes x {cluster.nproc_per_node} processes = "
+            f"{cluster.world_size} ranks, but this job has {world_size}; start it on every node as "
+            "`hlat launch` renders it, or set cluster.nodes to the nodes you have"
+        )
+
+
 PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
 
 
@@ -123,34 +162,37 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     launched = time.time()  # the job's start, unless a checkpoint says it started earlier
     cfg = to_run_config(hydra_cfg)
     t = cfg.train
-    backend = get_backend(cfg.cluster.backend)
+    history = History()
+    if t.dry_run:  # planned for the cluster's world, without touching a device: runs anywhere
+        dims = ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, t)
+        n_params, est = estimate_memory(cfg, dims)
+        print(summary(cfg, dims, n_params, est, planned_budget(cfg.cluster)))
+        return RunResult(cfg, None, history, None)
+    backend = get_backend(cfg.cluster.backend, cfg)
     env = backend.setup(cfg.cluster, cfg.precision, t.seed)
+    check_world(cfg.cluster, env.world_size)
     dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, t)
     n_params, est = estimate_memory(cfg, dims)
-    text = summary(cfg, dims, n_params, est, env.memory_budget_bytes)
-    history = History()
-    if t.dry_run:
-        print(text)
-        return RunResult(cfg, None, history, None)
-    log.info("%s", text)
+    log.info("%s", summary(cfg, dims, n_params, est, env.memory_budget_bytes))
     check_fits(est, env.memory_budget_bytes, cfg)  # before any allocation
     run_dir = run_dir or hydra_output_dir()
     root = checkpoint_root(cfg, run_dir)
     config = dataclasses.asdict(cfg)
-    resume_from = checkpoint.find_resume(t.resume, root)
+    resume = restart_resume(t.resume, root)
+    resume_from = checkpoint.find_resume(resume, root)
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, config)  # before anything is built
     checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or est.params + est.optimizer)
 
     data = build_loader(
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
-        seed=t.seed, dp_rank=env.rank // (dims.tp * dims.pp), dp_size=dims.dp,
+        seed=t.seed, dp_rank=dims.dp_rank(env.rank), dp_size=dims.dp,
     )  # fmt: skip
     model = backend.build_model(functools.partial(Transformer, cfg.model), dims, cfg.parallelism)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
     spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
     state, job = _restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else (TrainState(), {})
-    uptime, job_run_id = _job(job, checkpoint.read_job(root) if t.resume != "never" else {}, launched)
+    uptime, job_run_id = _job(job, checkpoint.read_job(root) if resume != "never" else {}, launched)
 
     progress = ProgressBar(total=t.steps, initial=state.step) if env.rank == 0 else None
     tags = {"backend": backend.name, "run_dir": str(run_dir), "checkpoint_dir": str(root)}

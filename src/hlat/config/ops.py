@@ -27,16 +27,35 @@ class ClusterConfig(_Frozen):
     (``hlat bench peak``, cached)."""
     devices_per_node: int = 1
     """Devices (GPUs, NeuronCores, CPU sockets counted as one) per node, for the cost per node-hour."""
+    device_memory_gib: float | None = None
+    """Memory of ONE device in GiB (16 per trn1 NeuronCore), the budget a dry run plans against when it is not
+    run on that hardware; null: the memory this host reports."""
     price_per_hour: float | None = None
     """Price of one node per hour (USD) for the cost per 4M tokens (CPT); null: no cost metric."""
     nproc_per_node: int = 1
     """Trainer processes on this node (the ranks of data/tensor parallelism): ``python train.py`` starts them
     itself through torch elastic, CPU processes talking over gloo or one per GPU over NCCL. Under an external
     ``torchrun`` its ``--nproc-per-node`` decides instead."""
+    nodes: int = 1
+    """Hosts in the job. The world size is ``nodes x nproc_per_node``; more than one node is started on every host by
+    the launcher ``hlat launch`` renders (torchrun, Slurm, or a Kubeflow PyTorchJob on EKS)."""
+    instance_type: str | None = None
+    """Cloud instance type of a node (``trn1.32xlarge``), for the Kubernetes node selector and the docs."""
+    efa_devices: int = 0
+    """EFA network interfaces per node (8 on trn1.32xlarge, 16 on trn1n); > 0 turns on the EFA variables and the
+    ``vpc.amazonaws.com/efa`` resource for multi-node runs."""
+    compile_cache: str = "/var/tmp/neuron-compile-cache"
+    """Neuron persistent compile cache (``NEURON_COMPILE_CACHE_URL``): on each worker's local disk, not the shared
+    FSx, which caused communication timeouts in HLAT (PAPER.md); the neuron backend only."""
     max_restarts: int = 0
     """Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic, which restarts it up to
     this many times after a failure (a killed process, a hardware or communication error); each restart resumes
     from the newest valid checkpoint. 0: no supervision, the trainer runs in the launching process."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole job: ``nodes x nproc_per_node``."""
+        return self.nodes * self.nproc_per_node
 
     def __post_init__(self) -> None:
         _check_choice("cluster.backend", self.backend, ("torch", "neuron"))
@@ -53,6 +72,12 @@ class ClusterConfig(_Frozen):
             f"cluster.price_per_hour={self.price_per_hour} must be >= 0 or null",
         )
         _check(self.nproc_per_node >= 1, f"cluster.nproc_per_node={self.nproc_per_node} must be >= 1")
+        _check(
+            self.device_memory_gib is None or self.device_memory_gib > 0,
+            f"cluster.device_memory_gib={self.device_memory_gib} must be > 0 or null",
+        )
+        _check(self.nodes >= 1, f"cluster.nodes={self.nodes} must be >= 1")
+        _check(self.efa_devices >= 0, f"cluster.efa_devices={self.efa_devices} must be >= 0")
         _check(self.max_restarts >= 0, f"cluster.max_restarts={self.max_restarts} must be >= 0 (0: no supervision)")
         self._freeze()
 
