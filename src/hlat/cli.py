@@ -1,8 +1,9 @@
-"""The ``hlat`` command: ``hlat train [overrides]``, ``hlat summary [overrides]`` and ``hlat data ...``.
+"""The ``hlat`` command: ``hlat train|summary [overrides]``, ``hlat data ...``, ``hlat launch|compile ...``.
 
 ``train`` and ``summary`` take Hydra overrides exactly like ``python train.py`` (``hlat train model=small
 precision=bf16_sr``). ``hlat data prepare`` converts raw corpora into memory-mappable Arrow shards and
-``hlat data tokenizer`` trains a sentencepiece model; both are plain argparse subcommands.
+``hlat data tokenizer`` trains a sentencepiece model; both are plain argparse subcommands. ``hlat launch`` and
+``hlat compile`` render the files that start a run on a cluster (``hlat.deploy``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hlat.config import RunConfig
 
 USAGE = """hlat COMMAND [hydra overrides...]
 
@@ -22,6 +28,9 @@ commands:
             (see `hlat data --help`)
   compare   compare MLflow runs: `hlat compare --experiment NAME | --runs ID... | --sweep DIR [--out DIR]`
   bench     `hlat bench peak`: measure this host's matmul peak FLOP/s (the CPU MFU denominator) and cache it
+  launch    render a cluster launch: `hlat launch --target torchrun|slurm|eks [--out DIR] [--image IMG] overrides...`
+  compile   ahead-of-time Neuron compile of the run: `hlat compile [--steps N] [--target torchrun|slurm] [--run]
+            overrides...` (see `hlat launch --help`, `hlat compile --help`)
 """
 # ConfigError messages of the shared data code name config keys; `hlat data tokenizer` names its flags.
 _FLAG_NAMES = {"data.path": "--data", "data.text_column": "--text-column", "model.vocab_size": "--vocab-size",
@@ -35,6 +44,29 @@ def config_dir() -> Path:
         if (candidate / "config.yaml").is_file():
             return candidate
     raise FileNotFoundError("hlat's conf/ directory was not found next to the package or in the checkout")
+
+
+def compose_run_config(overrides: Sequence[str]) -> RunConfig:
+    """Compose ``conf/`` with Hydra overrides as ``python train.py`` would, and validate it (every ``__post_init__``).
+
+    Raises:
+        ConfigError: On a composition or validation error, with Hydra's reason in one or two lines.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from hlat.config import ConfigError, register_configs
+    from hlat.run import to_run_config
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return to_run_config(compose(config_name="config", overrides=list(overrides)))
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = str(e).split("\nConfig search path:")[0].strip()  # Hydra's search path says nothing to the user
+        cause = str(e.__cause__).strip().splitlines()[0] if e.__cause__ else ""
+        raise ConfigError(f"{msg} ({cause})" if cause else msg) from None
 
 
 def _hydra_train(argv: list[str]) -> None:
@@ -126,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
         from hlat.compare import main as compare_main
 
         raise SystemExit(compare_main(argv[1:]))
+    if argv and argv[0] in ("launch", "compile"):
+        from hlat.deploy.commands import main as deploy_main
+
+        raise SystemExit(deploy_main(argv))
     if argv and argv[0] == "bench":
         if argv[1:2] != ["peak"]:
             print("hlat: usage: hlat bench peak [--cache-dir DIR] [--size N] [--seconds S]", file=sys.stderr)

@@ -1,0 +1,32 @@
+"""Launch files for multi-node runs: per-node torchrun scripts, Slurm sbatch scripts, Kubeflow PyTorchJobs.
+
+Every renderer is a pure function of the composed, validated :class:`hlat.config.RunConfig`, the Hydra overrides
+``train.py`` receives and the environment variables to export; it returns text (or, for Kubernetes, a dict to dump
+as YAML). They all start the trainer the same way ``python train.py`` supervises itself (``hlat.launch``): one torch
+elastic agent (``torchrun``) per node, a c10d rendezvous on the first node, and ``--max-restarts`` from
+``cluster.max_restarts``, so a failed rank restarts the whole job from its newest checkpoint. ``hlat launch`` and
+``hlat compile`` (``hlat.deploy.commands``) compose the config, validate the parallel layout and call them.
+"""
+
+from hlat.deploy.k8s import pytorchjob, to_yaml
+from hlat.deploy.render import (
+    compile_overrides,
+    job_name,
+    node_script,
+    sbatch_script,
+    torchrun_argv,
+    torchrun_line,
+    train_overrides,
+)
+
+__all__ = [
+    "compile_overrides",
+    "job_name",
+    "node_script",
+    "pytorchjob",
+    "sbatch_script",
+    "to_yaml",
+    "torchrun_argv",
+    "torchrun_line",
+    "train_overrides",
+]

@@ -1,0 +1,223 @@
+"""``hlat launch`` and ``hlat compile``: compose and validate the run's config, then render (or run) its launch files.
+
+Both take Hydra overrides exactly like ``python train.py``. Nothing is rendered unless the config composes and
+validates and the parallel layout fits the cluster (``ParallelDims.build``), so a bad layout fails here and not
+on 2,048 NeuronCores. Bad input prints one ``hlat: error: ...`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hlat.config import ConfigError, RunConfig
+from hlat.deploy.k8s import FSX_CLAIM, FSX_MOUNT, pytorchjob, to_yaml
+from hlat.deploy.render import (
+    RDZV_PORT,
+    check_name,
+    compile_overrides,
+    default_cpus,
+    job_name,
+    layout,
+    node_script,
+    sbatch_script,
+    train_overrides,
+)
+
+SUFFIX = {"torchrun": ".sh", "slurm": ".sbatch", "eks": ".yaml"}
+
+
+class UsageError(Exception):
+    """Input that ``hlat launch`` / ``hlat compile`` refuses; the message says why and what to do."""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="OVERRIDE",
+        help="Hydra overrides as for `python train.py` (experiment=hlat_7b cluster=trn1_x64 ...)",
+    )
+    p.add_argument("--out", metavar="DIR", help="write the file into DIR (named after the job) instead of printing it")
+    p.add_argument("--name", help="job name (default: hlat-<model>-<cluster>-<digest of the overrides>)")
+    p.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="hydra.run.dir shared by every rank, node and restart, on storage all nodes see "
+        "(default: outputs/<name>; on EKS <fsx mount>/hlat/<name>); ignored if the overrides set "
+        "hydra.run.dir. Reuse it to continue the job from its newest checkpoint",
+    )
+    p.add_argument("--port", type=int, default=RDZV_PORT, help=f"rendezvous port on the first node ({RDZV_PORT})")
+    p.add_argument(
+        "--cpus-per-task",
+        type=int,
+        metavar="N",
+        help="Slurm: CPUs of one node (default: from cluster.instance_type, 128 on trn1.32xlarge)",
+    )
+
+
+def parser(command: str) -> argparse.ArgumentParser:
+    """The argparse parser of ``hlat launch`` or ``hlat compile``."""
+    if command == "launch":
+        p = argparse.ArgumentParser(
+            prog="hlat launch",
+            description="Render the files that start a run on a cluster: a script for every node (torchrun), a "
+            "Slurm batch script, or a Kubeflow PyTorchJob for EKS.",
+        )
+        p.add_argument(
+            "--target",
+            choices=["torchrun", "slurm", "eks"],
+            required=True,
+            help="torchrun: a bash script for every node; slurm: an sbatch script; eks: a Kubeflow PyTorchJob",
+        )
+        p.add_argument(
+            "--image",
+            help="EKS (required): hlat's container image, built from the repository's "
+            "Dockerfile and pushed to a registry the cluster pulls from, e.g. <account>.dkr.ecr.<region>."
+            "amazonaws.com/hlat:<tag>",
+        )
+        p.add_argument("--fsx-claim", default=FSX_CLAIM, help=f"EKS: FSx PersistentVolumeClaim ({FSX_CLAIM})")
+        p.add_argument("--fsx-mount", default=FSX_MOUNT, help=f"EKS: where FSx is mounted ({FSX_MOUNT})")
+    else:
+        p = argparse.ArgumentParser(
+            prog="hlat compile",
+            description="Ahead-of-time Neuron compile: the run's exact command under neuron_parallel_compile for a "
+            "few steps, filling cluster.compile_cache, so that the run itself does not wait for the compiler.",
+        )
+        p.add_argument(
+            "--target",
+            choices=["torchrun", "slurm"],
+            default="torchrun",
+            help="torchrun: a bash script for every node (default); slurm: an sbatch script",
+        )
+        p.add_argument("--steps", type=int, default=10, help="steps to trace (10)")
+        p.add_argument(
+            "--run", action="store_true", help="run the compile on this node now, instead of printing the script"
+        )
+    _common(p)
+    return p
+
+
+def compose(overrides: Sequence[str]) -> RunConfig:
+    """Compose ``conf/`` with the overrides and validate it (``hlat.cli.compose_run_config``)."""
+    from hlat.cli import compose_run_config
+
+    return compose_run_config(overrides)
+
+
+def run_env(cfg: RunConfig) -> dict[str, str]:
+    """The variables a launch exports: the neuron backend's (precision, compiler, runtime, EFA); none on torch."""
+    if cfg.cluster.backend != "neuron":
+        return {}
+    from hlat.backends import neuron
+
+    return dict(neuron.neuron_env(cfg))
+
+
+def check_cluster(cfg: RunConfig) -> None:
+    """Refuse a cluster that cannot run more than one node as configured."""
+    c = cfg.cluster
+    if c.nodes > 1 and c.backend == "neuron" and c.efa_devices == 0:
+        raise UsageError(
+            f"cluster={c.name} has nodes={c.nodes} but efa_devices=0: trn1 nodes talk to each other only over EFA "
+            "(8 interfaces on trn1.32xlarge; trn1.2xlarge has none). Use a multi-node preset (cluster=trn1_x4, "
+            "trn1_x32, trn1_x64, trn1_x256) or set cluster.efa_devices"
+        )
+
+
+def prepare(args: argparse.Namespace, command: str) -> tuple[RunConfig, str, list[str], int | None]:
+    """Compose and validate everything before rendering. Returns (config, job name, overrides, compile steps)."""
+    cfg = compose(args.overrides)
+    check_cluster(cfg)
+    steps = args.steps if command == "compile" else None
+    if steps is not None:
+        if cfg.cluster.backend != "neuron":
+            raise UsageError(
+                f"hlat compile fills the Neuron compile cache with neuron_parallel_compile; cluster="
+                f"{cfg.cluster.name} uses backend {cfg.cluster.backend}, which has nothing to compile ahead of time. "
+                "Use a trn1 cluster"
+            )
+        if steps < 1:
+            raise UsageError(f"--steps={steps} must be >= 1")
+        if args.run and args.target != "torchrun":
+            raise UsageError("--run runs the compile on this node; with --target slurm submit the script with sbatch")
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port={args.port} is not a TCP port (1-65535)")
+    layout(cfg)  # the parallel layout (ParallelDims.build) fits the cluster
+    name = args.name or job_name(cfg, args.overrides)
+    check_name(name)
+    default_dir = f"{args.fsx_mount.rstrip('/')}/hlat/{name}" if args.target == "eks" else f"outputs/{name}"
+    overrides = train_overrides(args.overrides, args.run_dir or default_dir)
+    if steps is not None:
+        compose(compile_overrides(cfg, overrides, steps))  # the short run must validate too
+    return cfg, name, overrides, steps
+
+
+def render(args: argparse.Namespace, command: str) -> tuple[str, str]:
+    """Compose, validate and render. Returns (file name, text)."""
+    cfg, name, overrides, steps = prepare(args, command)
+    env = run_env(cfg)
+    stem = f"{name}-compile" if steps is not None else name
+    if args.target == "torchrun":
+        text = node_script(cfg, overrides, env, name=name, port=args.port, compile_steps=steps)
+        return stem + SUFFIX["torchrun"], text
+    if args.target == "slurm":
+        cpus = args.cpus_per_task or default_cpus(cfg.cluster)
+        if cpus is None:
+            raise UsageError(
+                f"cluster={cfg.cluster.name} (instance_type {cfg.cluster.instance_type}) has no known CPU count: "
+                "pass --cpus-per-task with the CPUs of one node"
+            )
+        text = sbatch_script(cfg, overrides, env, name=name, cpus_per_task=cpus, port=args.port, compile_steps=steps)
+        return stem + SUFFIX["slurm"], text
+    if not args.image:
+        raise UsageError(
+            "--target eks needs --image: hlat's container image (docker build -t <registry>/hlat:<tag> "
+            ". && docker push ...), pulled by every worker pod"
+        )
+    manifest = pytorchjob(cfg, overrides, env, name=name, image=args.image, port=args.port,
+                          fsx_claim=args.fsx_claim, fsx_mount=args.fsx_mount)  # fmt: skip
+    return stem + SUFFIX["eks"], to_yaml(manifest)
+
+
+def _execute(text: str) -> int:
+    """Run a rendered node script here (``hlat compile --run``); returns its exit status."""
+    if shutil.which("neuron_parallel_compile") is None:
+        raise UsageError(
+            "neuron_parallel_compile is not on PATH: run `hlat compile --run` on a trn1 host with the "
+            "Neuron SDK (hlat's image), or render the script and run it there"
+        )
+    return subprocess.run(["bash", "-c", text], env=os.environ.copy(), check=False).returncode
+
+
+def main(argv: Sequence[str]) -> int:
+    """``hlat launch ...`` / ``hlat compile ...`` (``argv[0]`` is the command). Returns the exit status."""
+    command = argv[0]
+    args = parser(command).parse_intermixed_args(list(argv[1:]))
+    if command == "compile":
+        args.image, args.fsx_claim, args.fsx_mount = None, FSX_CLAIM, FSX_MOUNT
+    try:
+        filename, text = render(args, command)
+        if command == "compile" and args.run:
+            return _execute(text)
+    except ConfigError as e:
+        print(f"hlat: configuration error: {e}", file=sys.stderr)
+        return 2
+    except (UsageError, ValueError) as e:
+        print(f"hlat: error: {e}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.out) / filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if path.suffix == ".sh":
+        path.chmod(0o755)
+    print(path)
+    return 0

@@ -1,0 +1,163 @@
+"""``hlat launch`` / ``hlat compile``: what they print and write, and the input they refuse (exit 2, one line)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hlat.backends import neuron
+from hlat.cli import main
+from hlat.deploy import job_name, pytorchjob, sbatch_script, to_yaml, train_overrides
+from hlat.run import to_run_config
+from tests.conftest import compose_cfg
+
+ENV = {"NEURON_FUSE_SOFTMAX": "1", "XLA_USE_BF16": "1"}
+O7 = ["experiment=hlat_7b", "cluster=trn1_x64", "parallelism=hlat_7b"]
+SMALL_TRN = ["cluster=trn1_1node", "train.global_batch_size=256"]  # the tiny model on one trn1 node (dp 32)
+
+
+@pytest.fixture
+def fake_neuron_env(monkeypatch: pytest.MonkeyPatch) -> list:
+    """hlat.backends.neuron.neuron_env, pure: the same fixed variables for every config (records its calls)."""
+    calls: list = []
+
+    def neuron_env(cfg: object) -> dict[str, str]:
+        calls.append(cfg)
+        return dict(ENV)
+
+    monkeypatch.setattr(neuron, "neuron_env", neuron_env, raising=False)
+    return calls
+
+
+def hlat(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exit_.value.code, out, err
+
+
+def test_launch_slurm_prints_the_rendered_script(capsys: pytest.CaptureFixture[str], fake_neuron_env: list) -> None:
+    code, out, err = hlat(capsys, "launch", "--target", "slurm", *O7)
+    assert (code, err) == (0, "")
+    cfg = to_run_config(compose_cfg(*O7))
+    name = job_name(cfg, O7)
+    assert out == sbatch_script(cfg, train_overrides(O7, f"outputs/{name}"), ENV, name=name, cpus_per_task=128)
+    assert len(fake_neuron_env) == 1 and fake_neuron_env[0] == cfg
+
+
+@pytest.mark.usefixtures("fake_neuron_env")
+def test_launch_eks_writes_the_manifest(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ["launch", "--target", "eks", "--image", "reg/hlat:1", "--name", "h7", "--fsx-claim", "lustre",
+            "--out", str(tmp_path), "--", *O7]  # fmt: skip
+    code, out, _ = hlat(capsys, *argv)
+    path = tmp_path / "h7.yaml"
+    assert (code, out) == (0, f"{path}\n")
+    cfg = to_run_config(compose_cfg(*O7))
+    expected = pytorchjob(cfg, train_overrides(O7, "/fsx/hlat/h7"), ENV, name="h7", image="reg/hlat:1",
+                          fsx_claim="lustre")  # fmt: skip
+    assert path.read_text() == to_yaml(expected)
+    assert yaml.safe_load(path.read_text())["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 64
+
+
+@pytest.mark.usefixtures("fake_neuron_env")
+def test_launch_torchrun_writes_an_executable_script(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = hlat(capsys, "launch", "--target", "torchrun", "--run-dir", "/fsx/r", "--out", str(tmp_path), *O7)
+    path = Path(out.strip())
+    assert code == 0 and path.parent == tmp_path and path.suffix == ".sh" and os.access(path, os.X_OK)
+    assert path.read_text().endswith("parallelism=hlat_7b hydra.run.dir=/fsx/r\n")
+
+
+def test_torch_clusters_export_nothing(capsys: pytest.CaptureFixture[str], fake_neuron_env: list) -> None:
+    code, out, _ = hlat(capsys, "launch", "--target", "slurm", "--cpus-per-task", "96", "cluster=gpu_8x",
+                        "cluster.nodes=2", "train.micro_batch_size=1")  # fmt: skip
+    assert code == 0 and "--gpus-per-node=8" in out and "export NEURON" not in out and not fake_neuron_env
+
+
+@pytest.mark.usefixtures("fake_neuron_env")
+def test_compile_keeps_the_run_command(capsys: pytest.CaptureFixture[str]) -> None:
+    _, run, _ = hlat(capsys, "launch", "--target", "slurm", *O7)
+    code, comp, _ = hlat(capsys, "compile", "--target", "slurm", "--steps", "5", *O7)
+    assert code == 0
+    run_cmd, comp_cmd = run.splitlines()[-2:], comp.splitlines()[-2:]
+    assert comp_cmd[0] == run_cmd[0].replace(
+        "srun --kill-on-bad-exit=1 ", "srun --kill-on-bad-exit=1 neuron_parallel_compile "
+    )
+    run_dir = run_cmd[1].split("hydra.run.dir=")[1]
+    changed = "train.steps=5 optimizer.warmup_steps=4 train.resume=never tracker.kind=console"
+    assert comp_cmd[1] == run_cmd[1].replace(f"hydra.run.dir={run_dir}", f"{changed} hydra.run.dir={run_dir}/compile")
+    assert "export NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache\n" in comp
+
+
+@pytest.mark.usefixtures("fake_neuron_env")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["launch", "--target", "eks", *O7], "--target eks needs --image"),
+        (["launch", "--target", "slurm", "cluster=trn1_1node", "cluster.nodes=4", "cluster.efa_devices=0"],
+         "trn1 nodes talk to each other only over EFA"),
+        (["launch", "--target", "slurm", "experiment=hlat_70b", "cluster=trn1_x4", "parallelism=hlat_70b"],
+         "configuration error: world size 128 is not divisible by parallelism.tp=32 x parallelism.pp=8"),
+        (["launch", "--target", "slurm", "cluster=trn1_x4", "modle=7b"],
+         "configuration error: Could not override 'modle'"),
+        (["launch", "--target", "slurm", "cluster=trn1_x4", "train.steps=many"], "could not be converted to Integer"),
+        (["launch", "--target", "slurm", "cluster=trn1_x99"], "Could not find 'cluster/trn1_x99'"),
+        (["launch", "--target", "slurm", "experiment=hlat_7b", "optimizer.warmup_steps=500000"],
+         "optimizer.warmup_steps=500000 is not below train.steps=450000"),
+        (["launch", "--target", "slurm", "--name", "HLAT_7b", *O7], "DNS-1035"),
+        (["launch", "--target", "slurm", "cluster=gpu_8x", "cluster.nodes=2", "train.micro_batch_size=1"],
+         "pass --cpus-per-task"),
+        (["compile", "cluster=gpu_8x", "train.micro_batch_size=1"], "cluster=gpu_8x uses backend torch"),
+        (["compile", "--steps", "0", *O7], "--steps=0 must be >= 1"),
+        (["launch", "--target", "slurm", "--port", "70000", *O7], "--port=70000 is not a TCP port"),
+        (["compile", "--target", "slurm", "--run", *O7], "submit the script with sbatch"),
+        (["compile", "--run", *SMALL_TRN], "neuron_parallel_compile is not on PATH"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    code, out, err = hlat(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("hlat: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.usefixtures("fake_neuron_env")
+def test_compile_run_executes_the_node_script(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--run on one node: neuron_parallel_compile gets the torchrun command, with the cache variable exported."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "argv.txt"
+    bin_dir.mkdir()
+    fake = bin_dir / "neuron_parallel_compile"
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$NEURON_COMPILE_CACHE_URL" "$@" > {log}\nexit 3\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    stale = tmp_path / "outputs" / "job" / "compile" / "checkpoints"
+    stale.mkdir(parents=True)  # a previous compile's directory: removed first (train.resume=never would refuse it)
+    code, _, _ = hlat(capsys, "compile", "--run", "--name", "job", "--steps", "3", *SMALL_TRN,
+                      "cluster.compile_cache=/tmp/cc")  # fmt: skip
+    assert code == 3  # the wrapper's exit status
+    assert log.read_text().splitlines() == [
+        "/tmp/cc", "torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", "32", "--max-restarts", "0",
+        "train.py", *SMALL_TRN, "cluster.compile_cache=/tmp/cc", "train.steps=3", "optimizer.warmup_steps=2",
+        "train.resume=never", "tracker.kind=console", "hydra.run.dir=outputs/job/compile",
+    ]  # fmt: skip
+    assert not stale.exists()
+
+
+def test_the_neuron_backends_variables_are_exported(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the fake: every variable of hlat.backends.neuron.neuron_env reaches the script, quoted."""
+    neuron_env = getattr(neuron, "neuron_env", None)
+    if neuron_env is None:
+        pytest.skip("hlat.backends.neuron.neuron_env is not there yet")
+    code, out, _ = hlat(capsys, "launch", "--target", "slurm", *O7)
+    env = neuron_env(to_run_config(compose_cfg(*O7)))
+    assert code == 0 and env["XLA_USE_BF16"] == "1"  # HLAT-7B: BF16 with stochastic rounding
+    exports = [line for line in out.splitlines() if line.startswith("export ") and "MASTER_ADDR" not in line]
+    assert exports == [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
