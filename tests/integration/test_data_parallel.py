@@ -160,3 +160,46 @@ def test_a_killed_zero1_group_restarts_and_ends_bitwise_equal(tmp_path: Path, ca
     whole, killed = states
     assert any(k.endswith("exp_avg") for k in whole["optimizer"]["state"]["layers.0.attn.qkv.weight"])
     assert_same(killed, whole)  # every tensor bitwise, every other value equal
+
+
+MASTER = PrecisionConfig(name="master_weights", param_dtype="bfloat16", compute_dtype="bfloat16", master_weights=True)
+
+
+def train_accumulating(rank: int, world: int, zero1: bool) -> dict[str, torch.Tensor]:
+    """STEPS steps of precision=master_weights through the loop's backend calls (forward_backward, update); the
+    global batch is 2 micro-batches of 2 sequences: both on one rank, or one on each of two ranks."""
+    backend = TorchBackend()
+    backend.setup(ClusterConfig(num_threads=1), MASTER, seed=0)
+    dims = ParallelDims(world_size=world, tp=1, pp=1, dp=world)
+    model = backend.build_model(functools.partial(Transformer, TINY), dims, ParallelismConfig(zero1=zero1))
+    opt = backend.build_optimizer(model, param_groups(model, OPT), OPT)
+    for step in range(STEPS):
+        micro = batches(step).chunk(2)[rank::world]
+        backend.forward_backward(model, ((b[:, :-1], b[:, 1:]) for b in micro), len(micro))
+        backend.update(model, opt, 1.0, skip_nonfinite=False)
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def _accumulating_worker(rank: int, port: int, zero1: bool, out: str) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    state = train_accumulating(rank, 2, zero1)
+    if rank == 0:
+        torch.save(state, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("zero1", [False, True], ids=["dp", "zero1"])
+def test_master_weights_with_fp32_accumulation_over_ranks_is_one_process(tmp_path: Path, zero1: bool) -> None:
+    """precision=master_weights under DP: each rank sums its micro-batches' bf16 gradients in fp32 and the ranks
+    average those sums once per step, so 2 ranks x 1 micro-batch end bitwise where 1 rank x 2 micro-batches does
+    (halving is exact in binary floating point) — with and without ZeRO-1."""
+    torch.set_num_threads(1)
+    one = train_accumulating(0, 1, False)
+    out = str(tmp_path / "dp2.pt")
+    mp.spawn(_accumulating_worker, args=(free_port(), zero1, out), nprocs=2, join=True)
+    two = torch.load(out, weights_only=True)
+    assert one.keys() == two.keys()
+    for k in one:
+        assert torch.equal(one[k], two[k]), k

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from hlat.backends.base import Env
 from hlat.backends.torch_dist import (
     Ranks,
+    average_over_ranks,
+    broadcast_parameters,
     data_parallel,
     device_mesh,
     fully_shard_dp,
@@ -51,6 +53,7 @@ class TorchBackend:
         self.ranks = Ranks(0, 1, 0, 1)
         self.ckpt_group: dist.ProcessGroup | None = None
         self.zero1 = False
+        self.fp32_accum = self.fp32_dp = False
 
     def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
         ranks = Ranks.from_env()
@@ -87,11 +90,14 @@ class TorchBackend:
             model.to(DTYPE[p.param_dtype])
             model.init_rope()  # .to() cast the rotary tables too; they stay fp32
         fp32_accum = p.param_dtype != "float32" and p.fp32_grad_accum
-        if fp32_accum and dims.dp > 1:
+        if fp32_accum and dims.dp > 1 and dims.tp > 1:
             raise ConfigError(
-                "precision.fp32_grad_accum=true with data parallelism is not built on the torch backend yet "
-                f"(precision={p.name}, dp={dims.dp}): use precision=bf16_sr or fp32, or one process"
+                "precision.fp32_grad_accum=true with tensor and data parallelism together is not built on the torch "
+                f"backend yet (precision={p.name}, tp={dims.tp}, dp={dims.dp}): use precision=bf16_sr, tp=1 or dp=1"
             )
+        # fp32 accumulation under DP: no DDP (it reduces the bf16 .grad of every micro-batch); each rank accumulates
+        # its micro-batches into fp32 main_grad and forward_backward averages those once per step (Megatron's way).
+        self.fp32_accum, self.fp32_dp = fp32_accum, fp32_accum and dims.dp > 1
         self.zero1 = par.zero1 and dims.dp > 1 and dims.tp == 1  # with TP, FSDP2 shards the AdamW state anyway
         apply_activation_checkpointing(model, par.activation_checkpointing)  # names unchanged: before TP and DP
         if dims.tp > 1:
@@ -99,6 +105,8 @@ class TorchBackend:
             tensor_parallel(model, mesh["tp"], par.sequence_parallel, fp32_reduce=p.fp32_reduce)
             if dims.dp > 1:  # DDP takes no DTensor parameters: FSDP2 over dp (torchtitan's 2-D layout)
                 fully_shard_dp(model, mesh["dp"], fp32_reduce=p.fp32_reduce)
+        elif self.fp32_dp:
+            broadcast_parameters(model)
         elif dims.dp > 1:
             data_parallel(model, self.device, fp32_reduce=p.fp32_reduce)
         if fp32_accum:  # after TP, which replaces the parameters (and would drop their hooks) with DTensor ones
@@ -179,12 +187,17 @@ class TorchBackend:
         return get_state_dict(model, _inner(optimizer))[1]
 
     def forward_backward(self, model: nn.Module, batches: Any, n: int) -> torch.Tensor:
+        if self.fp32_accum:  # a fresh fp32 sum per step (ZeRO-1's zero_grad clears only .grad, not every main_grad)
+            for q in model.parameters():
+                q.main_grad = None
         total: torch.Tensor | None = None
         for inputs, targets in batches:  # (inputs, targets) pairs, drawn one micro-batch at a time
             loss = self.loss(model, inputs, targets) / n
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None, "a step has at least one micro-batch"
+        if self.fp32_dp:
+            average_over_ranks([q.main_grad for q in model.parameters() if q.main_grad is not None])
         return total
 
     def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, *,

@@ -118,6 +118,29 @@ def fully_shard_dp(model: nn.Module, mesh: DeviceMesh, *, fp32_reduce: bool) -> 
     return model
 
 
+def broadcast_parameters(model: nn.Module) -> None:
+    """Give every rank rank 0's weights (as DDP does when it wraps a model)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+
+
+def average_over_ranks(tensors: list[torch.Tensor], bucket_numel: int = 1 << 24) -> None:
+    """Average ``tensors`` in place over all ranks, a flat bucket of up to ``bucket_numel`` elements per all-reduce."""
+    world = dist.get_world_size()
+    bucket: list[torch.Tensor] = []
+    for i, t in enumerate(tensors):
+        bucket.append(t)
+        if sum(b.numel() for b in bucket) >= bucket_numel or i == len(tensors) - 1:
+            flat = torch.cat([b.reshape(-1) for b in bucket]).div_(world)
+            dist.all_reduce(flat)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket = []
+
+
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """``t`` averaged over all ranks (SUM then divide: gloo has no AVG); ``t`` itself outside a process group."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
