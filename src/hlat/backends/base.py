@@ -44,12 +44,13 @@ class Backend(Protocol):
         """Initialize the process (distributed group, device, seeds, threads); refuse what it cannot honour."""
         ...
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
-                    par: ParallelismConfig | None = None) -> nn.Module:  # fmt: skip
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims, par: ParallelismConfig | None = None,
+                    init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
         """Build with ``model_fn`` on the meta device, parallelize, materialize on the device, ``init_weights()``.
 
         ``dims`` and ``par`` say how: data/tensor parallelism, activation checkpointing, ZeRO-1 (for
-        ``build_optimizer``).
+        ``build_optimizer``). ``init_state`` (``train.init_from``: whole fp32-layout weights under hlat's names)
+        replaces the initialization before any cast or split.
         """
         ...
 

@@ -162,8 +162,13 @@ class NeuronBackend:
         return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
                    memory_budget_bytes=int(NEURONCORE_HBM_BYTES * cluster.memory_fraction))  # fmt: skip
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
-                    par: ParallelismConfig | None = None) -> nn.Module:  # fmt: skip
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims, par: ParallelismConfig | None = None,
+                    init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
+        if init_state is not None:
+            raise ConfigError(
+                "train.init_from is not built on the neuron backend yet (NxD materializes the sharded model itself): "
+                "start the run on the torch backend, or leave train.init_from unset"
+            )
         api = self.api
         assert dims == self.dims and par in (None, self.cfg.parallelism), "not this run's layout"
         opts, layers = model_options(self.cfg, dims.world_size), api.layers

@@ -77,14 +77,16 @@ class TorchBackend:
         return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
                    memory_budget_bytes=int(free * cluster.memory_fraction))  # fmt: skip
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
-                    par: ParallelismConfig | None = None) -> nn.Module:  # fmt: skip
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims, par: ParallelismConfig | None = None,
+                    init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
         par = par or ParallelismConfig()
         with torch.device("meta"):
             model = model_fn()
         _check_supported(dims, model.cfg.kv_heads)
         model.to_empty(device=self.device)
         model.init_weights()  # in fp32, so every precision mode starts from the same weights (rounded for bf16)
+        if init_state is not None:  # train.init_from: before the dtype cast and the TP split (gate_up reordering)
+            model.load_state_dict(init_state)
         p = self.precision
         if p.param_dtype != "float32":
             model.to(DTYPE[p.param_dtype])

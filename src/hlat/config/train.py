@@ -284,6 +284,10 @@ class TrainConfig(_Frozen):
     """auto: continue from the newest valid checkpoint in the checkpoint directory (skipping incomplete or corrupt
     ones), or start fresh if there is none; never: start fresh, and refuse a checkpoint directory that already
     holds checkpoints; otherwise a checkpoint directory, or a checkpoints root whose newest valid one is used."""
+    init_from: str | None = None
+    """Start a new run (step 0, fresh optimizer and data) from these weights: an hlat checkpoint (``hlat import``
+    writes one from a Hugging Face LLaMA directory) or a Hugging Face LLaMA directory itself. Resuming wins: once the
+    run has checkpoints of its own, ``train.resume`` continues them. The model config must match the weights."""
     on_nonfinite: str = "halt"
     """What a non-finite loss or gradient norm does. halt: stop with an error before anything non-finite is
     checkpointed (checked at every log interval and before every save); rollback: reload the last checkpoint and
