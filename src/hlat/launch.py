@@ -82,13 +82,21 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
         first = e.get_first_failure()[1]
         raise JobFailedError(
             f"the trainer failed {restarts + 1} times (cluster.max_restarts={restarts}); last failure: exit code "
-            f"{first.exitcode}{', ' + first.message if first.message else ''} (details in {run_dir / 'elastic'}). "
+            f"{first.exitcode}{', ' + _failure_text(first.message) if first.message else ''} "
+            f"(details in {run_dir / 'elastic'}). "
             f"Rerun the same command with hydra.run.dir={run_dir} to continue from the newest checkpoint"
         ) from None
     for rank in sorted(results):  # every rank ends the same way; rank 0's words come first
         if results[rank] is not None:
             kind, message = results[rank]
             raise next(t for t in FINAL_ERRORS if t.__name__ == kind)(message)
+
+
+def _failure_text(message: object) -> str:
+    """A torch elastic failure message: a string, or the error file's dict (``{"message": ..., "extraInfo": ...}``)."""
+    if isinstance(message, dict):
+        return str(message.get("message", message))
+    return str(message)
 
 
 def _log_file(run_dir: Path) -> str:

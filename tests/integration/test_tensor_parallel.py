@@ -89,7 +89,7 @@ def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path:
         assert tp_loss[step] == pytest.approx(value, abs=2e-3), step
 
 
-def train_tp(tp: int, precision: PrecisionConfig) -> dict[str, torch.Tensor]:
+def train_tp(tp: int, precision: PrecisionConfig, sp: bool = True) -> dict[str, torch.Tensor]:
     """STEPS AdamW steps on the same global batches; the losses and the final weights gathered whole."""
     from hlat.optim import param_groups
     from tests.integration.test_data_parallel import OPT, STEPS
@@ -97,7 +97,7 @@ def train_tp(tp: int, precision: PrecisionConfig) -> dict[str, torch.Tensor]:
     backend = TorchBackend()
     backend.setup(ClusterConfig(num_threads=1), precision, seed=0)
     model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(tp, tp, 1, 1),
-                                ParallelismConfig(tp=tp, sequence_parallel=tp > 1))  # fmt: skip
+                                ParallelismConfig(tp=tp, sequence_parallel=sp and tp > 1))  # fmt: skip
     opt = backend.build_optimizer(model, param_groups(model, OPT), OPT)
     losses = []
     for step in range(STEPS):
@@ -120,10 +120,10 @@ def train_tp(tp: int, precision: PrecisionConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train_worker(rank: int, port: int, precision: PrecisionConfig, out: str) -> None:
+def _train_worker(rank: int, port: int, precision: PrecisionConfig, out: str, sp: bool = True) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
-    torch.save(train_tp(2, precision), f"{out}.rank{rank}")
+    torch.save(train_tp(2, precision, sp), f"{out}.rank{rank}")
     torch.distributed.destroy_process_group()
 
 
@@ -203,3 +203,16 @@ def test_tp2_x_dp2_trains_like_one_process(tmp_path: Path) -> None:
         if k != "loss":
             for r in ranks:
                 torch.testing.assert_close(r[k], one[k], rtol=1e-4, atol=1e-4, msg=k)  # measured: max 4.4e-5
+
+
+def test_tp2_without_sp_trains_like_one_process(tmp_path: Path) -> None:
+    """Without SP the norms stay plain tensors beside DTensor weights; AdamW's foreach kernels need them in groups
+    of their own. 3 fp32 steps end at one process's weights (AdamW-amplified reduction order aside)."""
+    torch.set_num_threads(1)
+    one = train_tp(1, PrecisionConfig())
+    out = str(tmp_path / "tp2.pt")
+    mp.spawn(_train_worker, args=(free_port(), PrecisionConfig(), out, False), nprocs=2, join=True)
+    two = torch.load(f"{out}.rank0", weights_only=True)
+    torch.testing.assert_close(two.pop("loss"), one.pop("loss"), rtol=1e-5, atol=1e-6)
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-4, msg=k)

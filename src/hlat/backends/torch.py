@@ -116,6 +116,7 @@ class TorchBackend:
         return model
 
     def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        groups = _split_dtensor_groups(groups)
         if not self.zero1:
             return build_optimizer(groups, cfg, self.precision, self.seed)
         # ZeRO-1: each data-parallel rank keeps the AdamW state of its share of the parameters only.
@@ -226,6 +227,24 @@ def _check_supported(dims: ParallelDims, kv_heads: int) -> None:
             f"the torch backend does not implement {'; '.join(todo)} yet (the neuron backend is "
             "the target for these layouts); lower the degrees or use parallelism=single, dp or tp2"
         )
+
+
+def _split_dtensor_groups(groups: list[dict]) -> list[dict]:
+    """Each parameter group split into its DTensor and its plain parameters (same options).
+
+    Tensor parallelism without sequence parallelism leaves the norms plain tensors beside DTensor weights, and the
+    foreach AdamW kernels refuse a list mixing the two ("got mixed torch.Tensor and DTensor").
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for g in groups:
+        params = list(g["params"])
+        for kind in (True, False):
+            part = [p for p in params if isinstance(p, DTensor) is kind]
+            if part:
+                out.append({**g, "params": part})
+    return out
 
 
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
