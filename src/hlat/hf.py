@@ -10,8 +10,8 @@ per-head rows as they are (the permutation in HF's ``convert_llama_weights_to_hf
 interleaved-pair layout, which hlat never used). The fused qkv weight holds per kv group g the rows
 ``[q_{g*r} .. q_{g*r+r-1}, k_g, v_g]`` (r = n_heads / n_kv_heads, head_dim rows each): query head h uses kv
 head h // r in both models. The fused gate_up weight is ``[gate; up]``; a torch-backend checkpoint saved with
-``parallelism.tp`` = t > 1 holds it reordered for the split, ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]``, and is
-put back in order here. The LM head is never tied in hlat.
+``parallelism.tp`` = t > 1 holds it reordered for the split, ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]``, which
+``hlat.inference.load_checkpoint_weights`` puts back in order. The LM head is never tied in hlat.
 
 An import writes a *weights-only* hlat checkpoint (``manifest.json`` with ``"weights_only": true``): model
 weights through torch.distributed.checkpoint and the tokenizer, but no optimizer state, data position or step.
@@ -33,11 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hlat import checkpoint
 from hlat.config import ConfigError, ModelConfig
-from hlat.model import Transformer
+from hlat.inference import Tensors, check_tensors, expected_shapes, find_tokenizer, load_checkpoint_weights
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,6 @@ SPM = "tokenizer.model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Derived buffers some exporters saved; recomputed from the config, so dropped on import.
 IGNORED = (".rotary_emb.inv_freq",)
-Tensors = dict[str, torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------------------ weight mapping
@@ -96,104 +94,6 @@ def from_hf(cfg: ModelConfig, hf: Tensors) -> Tensors:
             p + "mlp.down.weight": hf[h + "mlp.down_proj.weight"],
         }
     return {k: v.contiguous() for k, v in sd.items()}
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    """Name -> shape of every saved tensor of hlat's model (built on the meta device: allocates nothing)."""
-    with torch.device("meta"):
-        return {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
-
-
-def _check_tensors(have: dict[str, torch.Size], want: dict[str, torch.Size], where: str) -> None:
-    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-    wrong = [f"{k} {tuple(have[k])} (expected {tuple(want[k])})" for k in sorted(set(want) & set(have))
-             if have[k] != want[k]]  # fmt: skip
-    if missing or extra or wrong:
-        parts = [f"missing {missing[:4]}" if missing else "", f"unexpected {extra[:4]}" if extra else "",
-                 f"wrong shapes {wrong[:4]}" if wrong else ""]  # fmt: skip
-        raise ConfigError(f"{where} does not match its config: {'; '.join(p for p in parts if p)}")
-
-
-# ------------------------------------------------------------------------------------------------ hlat checkpoints
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or the newest valid one under a checkpoints root; ConfigError if there is none."""
-    path = Path(path).expanduser()
-    if checkpoint.manifest(path) is not None:
-        bad = checkpoint.problems(path, checksums=True)
-        if bad:
-            raise ConfigError(f"checkpoint {path} is damaged ({'; '.join(bad)}); name an intact one")
-        return path
-    found = checkpoint.latest(path)
-    if found is None:
-        raise ConfigError(f"{path} is neither a checkpoint nor a directory of them (step_* with manifest.json)")
-    return found
-
-
-def load_checkpoint_weights(path: Path) -> tuple[ModelConfig, Tensors, Path]:
-    """The model of an hlat checkpoint (torch backend, or weights-only) in its stored dtype, in the tp=1 layout.
-
-    Args:
-        path: A checkpoint directory, or a checkpoints root (its newest valid checkpoint is used).
-
-    Returns:
-        The model config from the manifest, the state dict (hlat names), and the checkpoint directory used.
-    """
-    path = resolve_checkpoint(path)
-    meta = checkpoint.manifest(path) or {}
-    run = meta.get("config") or {"model": meta.get("model")}
-    if not run.get("model"):
-        raise ConfigError(f"{path}/manifest.json records no model config; it was not written by hlat")
-    if run.get("cluster", {}).get("backend", "torch") != "torch" or not (path / ".metadata").is_file():
-        raise ConfigError(f"{path} is not a torch.distributed.checkpoint (torch backend) checkpoint; NxD checkpoints "
-                          "of the neuron backend cannot be exported yet")  # fmt: skip
-    cfg = ModelConfig(**run["model"])
-    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    sd = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
-          if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # fmt: skip
-    _check_tensors({k: v.shape for k, v in sd.items()}, expected_shapes(cfg), f"checkpoint {path}")
-    with warnings.catch_warnings():  # "torch.distributed is disabled": one process reads the whole checkpoint
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)  # reshards TP/FSDP-saved tensors into whole ones
-    tp = run.get("parallelism", {}).get("tp", 1)
-    if tp > 1:  # the torch backend saved gate_up as [gate_0; up_0; gate_1; up_1; ..] (backends/torch_dist.py)
-        for i in range(cfg.n_layers):
-            chunks = sd[f"layers.{i}.mlp.gate_up.weight"].chunk(2 * tp)
-            sd[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(chunks[0::2] + chunks[1::2])
-    return cfg, sd, path
-
-
-def checkpoint_tokenizer(ckpt: Path, explicit: Path | None = None) -> Path:
-    """The sentencepiece model a checkpoint was trained with: ``explicit``, stored with it, configured, or cached.
-
-    Raises:
-        ConfigError: None of these matches the tokenizer fingerprint that the checkpoint's data state records.
-    """
-    from hlat.data.tokenizer import Tokenizer
-
-    if explicit is not None:
-        return Path(explicit).expanduser()
-    meta = checkpoint.manifest(ckpt) or {}
-    if meta.get("tokenizer"):  # a weights-only checkpoint carries its tokenizer
-        return ckpt / meta["tokenizer"]
-    data = meta.get("config", {}).get("data", {})
-    extra = ckpt / "extra.rank0.pt"  # its data state records the tokenizer's fingerprint
-    saved = None
-    if extra.is_file():
-        saved = torch.load(extra, map_location="cpu", weights_only=True).get("data", {}).get("tokenizer")
-    if data.get("tokenizer"):
-        candidates = [Path(data["tokenizer"]).expanduser()]
-    else:  # trained by the run and cached under data.cache_dir
-        cache = Path(data.get("cache_dir", "~/.cache/hlat")).expanduser() / "tokenizers"
-        candidates = sorted(cache.glob("spm-*.model"))
-    for c in candidates:
-        if c.is_file() and (saved is None or Tokenizer(c, num_threads=1).fingerprint == saved):
-            return c
-    raise ConfigError(
-        f"cannot find the tokenizer of {ckpt} (fingerprint {saved}) among {[str(c) for c in candidates]}; "
-        "pass the sentencepiece .model it was trained with (--tokenizer)"
-    )
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -380,8 +280,8 @@ def import_hf(hf_dir: Path, *, untie_embeddings: bool = False) -> tuple[ModelCon
     if "lm_head.weight" not in tensors and hf_cfg.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     meta = {k: torch.empty(s, device="meta") for k, s in expected_shapes(cfg).items()}
-    _check_tensors({k: v.shape for k, v in tensors.items()}, {k: v.shape for k, v in to_hf(cfg, meta).items()},
-                   str(hf_dir))  # fmt: skip
+    check_tensors({k: v.shape for k, v in tensors.items()}, {k: v.shape for k, v in to_hf(cfg, meta).items()},
+                  str(hf_dir))  # fmt: skip
     sd = from_hf(cfg, tensors)
     spm_path = hf_dir / SPM if (hf_dir / SPM).is_file() else None
     if spm_path is None:
@@ -480,6 +380,15 @@ def load_init_weights(path: Path, cfg: ModelConfig) -> tuple[Tensors, Path | Non
             log.warning("starting from %s with model.%s=%s; the weights were trained with %s", path, key,
                         getattr(cfg, key), getattr(have, key))  # fmt: skip
     return sd, spm
+
+
+def checkpoint_tokenizer(ckpt: Path, explicit: Path | None = None) -> Path:
+    """The sentencepiece model file a checkpoint was trained with (``hlat.inference.find_tokenizer``, no retraining).
+
+    Raises:
+        ConfigError: None is found that matches the tokenizer fingerprint the checkpoint's data state records.
+    """
+    return find_tokenizer(ckpt, explicit).path
 
 
 def model_overrides(cfg: ModelConfig) -> list[str]:

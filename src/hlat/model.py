@@ -5,6 +5,10 @@ SwiGLU with ONE fused gate_up projection, causal attention without a mask tensor
 (PAPER.md, "Model"). Nothing here is distributed or backend-specific: parallelism and precision are
 applied from outside by ``hlat.backends``.
 
+For generation, ``forward(tokens, cache)`` with a ``KVCache`` (``model.new_cache()``) runs incrementally: each call
+appends its positions' keys and values to the cache and attends over everything cached, so decoding one token
+costs one position's work. Training never passes a cache and runs exactly as before.
+
 Build on the meta device, materialize, then initialize::
 
     with torch.device("meta"):
@@ -75,10 +79,77 @@ class AttentionCore(nn.Module):
         self.gqa = gqa
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` (B, H, T, D), ``k`` and ``v`` (B, G, T, D) with G dividing H -> (B, H, T, D)."""
-        # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
-        # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        """``q`` (B, H, T, D), ``k`` and ``v`` (B, G, S, D) with G dividing H -> (B, H, T, D).
+
+        The T queries are the last T of the S key positions: S == T in training, S > T when decoding with a
+        ``KVCache`` (the keys then include every cached position).
+        """
+        T, S = q.shape[2], k.shape[2]
+        if S == T:
+            # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
+            # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        if T == 1:  # one new position sees every cached one: no mask at all
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.gqa)
+        # Several new positions after cached ones (is_causal would align the triangle top-left): query i sees
+        # keys 0 .. S-T+i. Built here from the shapes, like is_causal's mask.
+        allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.gqa)
+
+
+class LayerKV:
+    """One layer's cached keys and values, (B, G, max_len, D) each, allocated at the first ``update``.
+
+    The buffers take the dtype, device, batch size and (tensor-parallel local) kv head count of the first keys
+    written, so the cache needs to know only its length.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.pos = 0
+        """Positions cached so far."""
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k`` and ``v`` (B, G, T, D); return every cached position's keys and values, (B, G, pos, D)."""
+        end = self.pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} positions; {end} do not fit (start a new cache)")
+        if self.k is None or self.k.shape[:2] != k.shape[:2] or self.k.dtype != k.dtype or self.k.device != k.device:
+            if self.pos:
+                raise ValueError(f"keys of shape {tuple(k.shape)} do not continue the cached {tuple(self.k.shape)}")
+            B, G, _, D = k.shape
+            self.k = k.new_empty(B, G, self.max_len, D)
+            self.v = v.new_empty(B, G, self.max_len, D)
+        self.k[:, :, self.pos : end] = k
+        self.v[:, :, self.pos : end] = v
+        self.pos = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Per-layer keys and values of the positions decoded so far (``Transformer.new_cache``).
+
+    ``forward(tokens, cache)`` places ``tokens`` at positions ``pos .. pos+T-1`` and advances ``pos`` by T.
+    ``reset`` empties the cache and keeps its buffers for the next sequence of the same batch size.
+    """
+
+    def __init__(self, n_layers: int, max_len: int) -> None:
+        if max_len <= 0:
+            raise ValueError(f"a KV cache needs a positive length, got {max_len}")
+        self.max_len = max_len
+        self.layers = [LayerKV(max_len) for _ in range(n_layers)]
+
+    @property
+    def pos(self) -> int:
+        """Positions cached so far (the position of the next token)."""
+        return self.layers[0].pos if self.layers else 0
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers stay allocated)."""
+        for layer in self.layers:
+            layer.pos = 0
 
 
 class Attention(nn.Module):
@@ -92,7 +163,10 @@ class Attention(nn.Module):
         self.core = AttentionCore(gqa=self.n_rep > 1)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+    ) -> torch.Tensor:
+        """``x`` (B, T, dim) at the positions of ``cos``/``sin`` (T, D) -> (B, T, dim); ``cache`` holds earlier ones."""
         B, T, _ = x.shape
         # -1 is the number of kv groups on this rank (all of them unless TP sharded the projection).
         qkv = self.qkv(x).view(B, T, -1, self.n_rep + 2, self.head_dim)  # (B, T, G, r+2, D)
@@ -100,6 +174,8 @@ class Attention(nn.Module):
         k, v = qkv[:, :, :, self.n_rep], qkv[:, :, :, self.n_rep + 1]  # (B, T, G, D) each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, G, S, D): every cached position, these T last
         y = self.core(q, k, v)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -129,8 +205,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+    ) -> torch.Tensor:
+        h = self.attn_norm(x)
+        # Training calls attn with exactly (h, cos, sin): tensor parallelism's PrepareModuleInput expects three inputs.
+        x = x + (self.attn(h, cos, sin) if cache is None else self.attn(h, cos, sin, cache))
         return x + self.mlp(self.mlp_norm(x))
 
     def init_weights(self, std: float, scaled: bool) -> None:
@@ -167,13 +247,36 @@ class Transformer(nn.Module):
         cfg = self.cfg
         self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab).
+
+        With ``cache``, ``tokens`` continue the cached positions (``cache.pos`` onwards), attend to them too, and
+        are appended to the cache; without, they are a whole sequence from position 0 (training).
+        """
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.embed(tokens)  # (B, T, dim)
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.lm_head(self.norm(h))  # (B, T, vocab)
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        start, T = cache.pos, tokens.shape[1]
+        if start + T > self.rope_cos.shape[0]:
+            raise ValueError(f"positions {start}..{start + T - 1} exceed model.max_seq_len={self.cfg.max_seq_len}")
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.layers)}")
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        h = self.embed(tokens)  # (B, T, dim)
+        for layer, kv in zip(self.layers, cache.layers, strict=True):
+            h = layer(h, cos, sin, kv)
+        return self.lm_head(self.norm(h))  # (B, T, vocab)
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty ``KVCache`` for ``max_len`` positions (default ``model.max_seq_len``); buffers come lazily."""
+        return KVCache(len(self.layers), max_len or self.cfg.max_seq_len)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -1,0 +1,277 @@
+"""lm-evaluation-harness on hlat checkpoints: the ``hlat`` model class, the local tasks and ``evaluate``.
+
+``HlatLM`` is an ``lm_eval`` model registered as ``hlat``; it loads a torch-backend checkpoint with
+``hlat.inference.load`` (a ``step_N`` directory, or the newest intact one under a run's ``checkpoints/``) and
+answers the three request types of lm-eval: ``loglikelihood`` (batched, longest first, contexts cut from the left to
+``max_length``), ``loglikelihood_rolling`` (disjoint windows of ``max_length`` tokens) and ``generate_until`` (greedy,
+with the model's KV cache). Documents were separated by EOS in training, so EOS is the "start of text" token that
+every context begins with (the role BOS plays for LLaMA in lm-eval).
+
+lm-eval 0.4.13 has no plugin discovery: a model is known once the module registering it is imported. So::
+
+    python -m hlat.evaluate --model hlat --model_args checkpoint=runs/x/checkpoints --tasks hlat_local
+
+is lm-eval's own command line with ``hlat`` registered and ``--include_path`` set to the local tasks (add your own
+``--include_path`` to replace it); in Python, ``import hlat.evaluate`` before ``lm_eval.simple_evaluate(model="hlat",
+...)``, or call ``evaluate`` here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lm_eval.models  # noqa: F401  (registers lm-eval's own models first: get_model only does that in an empty registry)
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import model_registry
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from hlat.eval_tasks import TASKS_DIR, task_manager
+from hlat.inference import decode_continuation, describe, greedy, load
+
+log = logging.getLogger(__name__)
+DEFAULT_BATCH_SIZE = 16
+DEFAULT_MAX_GEN_TOKS = 256
+
+__all__ = ["HlatLM", "evaluate", "main", "task_manager"]
+
+
+class HlatLM(TemplateLM):
+    """An hlat checkpoint as an lm-eval language model (``--model hlat``).
+
+    Args:
+        checkpoint: A ``step_N`` checkpoint, a run's ``checkpoints/`` directory or the run directory.
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        batch_size: Sequences per forward pass for log-likelihoods (``auto``: 16).
+        max_length: Longest input in tokens; default the run's ``train.seq_len`` (longer positions were never
+            trained; ``model.max_seq_len`` for a weights-only checkpoint), at most ``model.max_seq_len``.
+        dtype: ``float32`` (default) or ``bfloat16`` weights.
+        tokenizer: A sentencepiece ``.model`` to use instead of the run's tokenizer.
+        **kwargs: Other arguments lm-eval passes (``max_batch_size``), ignored.
+    """
+
+    def __init__(self, checkpoint: str, device: str | None = "cpu", batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+                 max_length: int | str | None = None, dtype: str = "float32", tokenizer: str | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__()
+        self.loaded = load(checkpoint, device=device or "cpu", dtype=dtype, tokenizer=tokenizer)
+        self.model, self.tok = self.loaded.model, self.loaded.tokenizer
+        longest = self.model.cfg.max_seq_len
+        self._device = self.model.embed.weight.device
+        auto = batch_size is None or str(batch_size).startswith("auto")
+        self.batch_size = DEFAULT_BATCH_SIZE if auto else int(batch_size)
+        self.max_length = int(max_length) if max_length is not None else self.loaded.context_len
+        if not 1 <= self.max_length <= longest:
+            raise ValueError(f"max_length={self.max_length} must be between 1 and model.max_seq_len={longest}")
+        self._cache = self.model.new_cache(self.max_length)
+        self._warned_sampling = False
+        if kwargs:
+            log.debug("ignoring model arguments %s", kwargs)
+
+    # --- what lm-eval asks of a TemplateLM -------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tok.path)
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of ``string``, after EOS (the start-of-document token) unless ``add_special_tokens`` is False."""
+        ids = self.tok.encode([string])[0]
+        return ids if add_special_tokens is False else [self.tok.eos_id, *ids]
+
+    def tok_decode(self, tokens: Sequence[int]) -> str:
+        return self.tok.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]],
+                              disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:  # fmt: skip
+        """(sum of log p(continuation | context), whether greedy decoding yields the continuation) per request."""
+        # Longest first: each batch pads to its first sequence, and memory errors come at the start, not the end.
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        for lo in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="hlat loglikelihood"):
+            batch = [requests[i] for i in order[lo : lo + self.batch_size]]
+            for i, res in zip(order[lo : lo + self.batch_size], self._score_batch(batch), strict=True):
+                out[i] = res
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], res)
+        return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def _score_batch(self, batch: list[tuple[Any, list[int], list[int]]]) -> list[tuple[float, bool]]:
+        inputs, conts = [], []
+        for _, ctx, cont in batch:
+            if not ctx or not cont:
+                raise ValueError("a log-likelihood request needs a non-empty context and continuation")
+            if len(cont) > self.max_length:
+                raise ValueError(
+                    f"a continuation of {len(cont)} tokens does not fit max_length={self.max_length}; raise max_length"
+                )
+            inputs.append((ctx + cont)[-(self.max_length + 1) :][:-1])  # the last token is only predicted
+            conts.append(cont)
+        width = max(len(x) for x in inputs)
+        # Right padding with EOS: causal attention keeps it from changing the scored positions.
+        tokens = torch.full((len(inputs), width), self.tok.eos_id, dtype=torch.long)
+        for row, x in enumerate(inputs):
+            tokens[row, : len(x)] = torch.tensor(x)
+        logits = self.model(tokens.to(self.device))  # (B, T, V)
+        results = []
+        for row, (x, cont) in enumerate(zip(inputs, conts, strict=True)):
+            # Only the positions predicting the continuation, in fp32: (len(cont), V).
+            lp = F.log_softmax(logits[row, len(x) - len(cont) : len(x)].float(), dim=-1)
+            target = torch.tensor(cont, device=lp.device)
+            total = lp.gather(-1, target[:, None]).sum()
+            greedy_hit = bool((lp.argmax(-1) == target).all())
+            results.append((float(total), greedy_hit))
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of each whole text, scored in disjoint windows of ``max_length`` tokens after EOS."""
+        windows, owner = [], []
+        for i, req in enumerate(requests):
+            ids = self.tok_encode(req.args[0], add_special_tokens=False)
+            rolling = get_rolling_token_windows(ids, self.prefix_token_id, self.max_length, context_len=1)
+            for ctx, cont in map(make_disjoint_window, rolling):
+                windows.append((None, ctx, cont))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (ll, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm), strict=True):
+            totals[i] += ll
+        for req, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, each cut before the first of its ``until`` strings (one request at a time)."""
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="hlat generate_until"):
+            context, gen_kwargs = req.args
+            text = self._generate_one(context, dict(gen_kwargs or {}))
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            out.append(text)
+        return out
+
+    def _generate_one(self, context: str, gen_kwargs: dict[str, Any]) -> str:
+        until = gen_kwargs.pop("until", None) or [self.tok.decode([self.tok.eos_id])]
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(gen_kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+        if (gen_kwargs.get("do_sample") or gen_kwargs.get("temperature", 0.0)) and not self._warned_sampling:
+            log.warning("hlat generates greedily; ignoring sampling arguments %s", gen_kwargs)
+            self._warned_sampling = True
+        max_new = min(max_new, self.max_length - 1)
+        ctx = self.tok_encode(context)[-(self.max_length - max_new) :]  # room for the new tokens
+
+        def stop(new: list[int]) -> bool:
+            text = decode_continuation(self.tok, ctx, new)
+            return any(u and u in text for u in until)
+
+        new = greedy(self.model, ctx, max_new, eos_id=self.tok.eos_id, stop=stop, cache=self._cache)
+        if new and new[-1] == self.tok.eos_id:
+            new = new[:-1]
+        text = decode_continuation(self.tok, ctx, new)
+        for u in until:
+            if u:
+                text = text.split(u, 1)[0]
+        return text
+
+
+if "hlat" not in model_registry:  # the decorator's job, but `python -m hlat.evaluate` may import this module twice
+    model_registry.register("hlat")(HlatLM)
+
+
+def evaluate(checkpoint: str | Path, tasks: Sequence[str] | str = ("hlat_local",),
+             num_fewshot: int | Mapping[str, int] | None = None,
+             limit: int | float | None = None, device: str = "cpu", batch_size: int = DEFAULT_BATCH_SIZE,
+             max_length: int | None = None, include_defaults: bool = False, bootstrap_iters: int = 1000,
+             tokenizer: str | None = None, dtype: str = "float32", **kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """Evaluate a checkpoint on lm-eval tasks; lm-eval's results dict (``results``, ``groups``, ``configs``, ...).
+
+    lm-eval seeds Python's, NumPy's and torch's generators; they are restored afterwards, so a training run that
+    evaluates along the way draws the same numbers as one that does not.
+
+    Args:
+        checkpoint: A ``step_N`` checkpoint, a run's ``checkpoints/`` directory or the run directory.
+        tasks: Task or group names (``hlat_local`` by default; built-in ones need ``include_defaults``).
+        num_fewshot: Few-shot examples per prompt, for every task or per task name (e.g. the paper's
+            ``{"mmlu": 5, "bbh": 3, "arc_easy": 0}``); None or a task left out: the task's default. Tasks with
+            different shots run in separate ``simple_evaluate`` calls on the one loaded model, merged.
+        limit: At most this many documents per task (a fraction if below 1).
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        batch_size: Sequences per forward pass.
+        max_length: Longest input; default the run's ``train.seq_len``.
+        include_defaults: Index lm-eval's built-in tasks too (~10 s; their datasets download when they run).
+        bootstrap_iters: Resamples for the standard errors of the metrics that need them (0: none).
+        tokenizer: A sentencepiece ``.model`` instead of finding the run's (e.g. the tokenizer a training run has
+            loaded already).
+        dtype: Weight dtype for inference: ``float32`` or ``bfloat16``.
+        **kwargs: More keyword arguments for ``lm_eval.simple_evaluate`` (e.g. ``log_samples``).
+
+    Returns:
+        lm-eval's results, with ``hlat`` (checkpoint, step, model, params, tokenizer) added.
+    """
+    from lm_eval import simple_evaluate
+
+    names = [tasks] if isinstance(tasks, str) else list(tasks)
+    shots = dict(num_fewshot) if isinstance(num_fewshot, Mapping) else dict.fromkeys(names, num_fewshot)
+    by_shots: dict[int | None, list[str]] = {}
+    for name in names:
+        by_shots.setdefault(shots.get(name), []).append(name)
+    kwargs.setdefault("log_samples", False)
+    results: dict[str, Any] = {}
+    with _rng_preserved():
+        lm = HlatLM(str(checkpoint), device=device, batch_size=batch_size, max_length=max_length, dtype=dtype,
+                    tokenizer=tokenizer)  # fmt: skip
+        manager = task_manager(include_defaults)
+        for n, group in by_shots.items():
+            part = simple_evaluate(model=lm, tasks=group, num_fewshot=n, limit=limit, task_manager=manager,
+                                   bootstrap_iters=bootstrap_iters, **kwargs)  # fmt: skip
+            for key, value in (part or {}).items():  # None only on a non-zero rank of a distributed lm-eval run
+                if isinstance(value, dict) and isinstance(results.get(key), dict):
+                    results[key].update(value)
+                else:
+                    results.setdefault(key, value)
+    results["hlat"] = describe(lm.loaded)
+    return results
+
+
+@contextlib.contextmanager
+def _rng_preserved() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's (CPU and CUDA) random states on exit."""
+    py, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(np_state)
+
+
+def main(argv: Iterable[str] | None = None) -> None:
+    """lm-eval's command line with the ``hlat`` model registered and the local tasks on the include path."""
+    from lm_eval.__main__ import cli_evaluate
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
+        args += ["--include_path", str(TASKS_DIR)]
+    sys.argv = [sys.argv[0], *args]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
