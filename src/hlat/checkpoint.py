@@ -102,6 +102,9 @@ def latest(root: Path) -> Path | None:
 def resolve(path: str) -> Path:
     """A checkpoint directory, or the latest valid one under a checkpoints root; ConfigError if none."""
     p = Path(path).expanduser()
+    if (manifest(p) or {}).get("weights_only"):
+        raise ConfigError(f"train.resume={path} holds weights only (written by hlat import), no optimizer or data "
+                          f"state to resume: start a new run from it with train.init_from={path}")  # fmt: skip
     if manifest(p) is not None:  # the user named one checkpoint: it must be intact
         bad = problems(p, checksums=True)
         if bad:
@@ -253,17 +256,21 @@ class Checkpointer:
     ``async_save`` the backend copies the state to host memory and the disk writes, checksums, manifest, rename
     and retention run in a background thread; an error there (e.g. a full disk) is raised by the next ``save`` or
     by ``wait``. Checkpoints at multiples of ``keep_every`` (0: none) survive retention of the newest ``keep_last``
-    (0 keeps all). ``meta`` (the config) goes into every manifest.
+    (0 keeps all). ``meta`` (the config) goes into every manifest. ``on_saved(directory, step)`` runs on rank 0
+    after each checkpoint is complete.
     """
 
     def __init__(self, backend: Backend, root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  extra_fn: Callable[[TrainState], dict[str, Any]], *, every: int, last_step: int, keep_last: int,
                  keep_every: int = 0, meta: dict[str, Any] | None = None, async_save: bool = True,
-                 fault: SaveFault | None = None, rank: int = 0) -> None:  # fmt: skip
+                 fault: SaveFault | None = None, rank: int = 0,
+                 on_saved: Callable[[Path, int], None] | None = None) -> None:  # fmt: skip
         self.backend, self.root, self.model, self.optimizer = backend, root, model, optimizer
         self.extra_fn, self.every, self.last_step, self.keep_last = extra_fn, every, last_step, keep_last
         self.keep_every, self.meta, self.async_save, self.fault = keep_every, meta or {}, async_save, fault
         self.rank = rank  # every rank writes its shard; rank 0 alone checksums, renames and prunes
+        self.on_saved = on_saved
+        """Called on rank 0 with (directory, step) once a checkpoint is complete (e.g. to evaluate it)."""
         self.last_saved: Path | None = None
         self.last_save_s: float | None = None
         """Seconds from ``save`` to the newest checkpoint being complete on disk."""
@@ -326,6 +333,8 @@ class Checkpointer:
             final = step_dir(self.root, step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            if self.on_saved is not None:
+                self.on_saved(final, step)
         except (Exception, CheckpointException) as e:
             raise self._failed(e, tmp, step) from e
         self.last_saved, self.last_save_s = final, time.perf_counter() - started

@@ -28,6 +28,9 @@ commands:
             (see `hlat data --help`)
   compare   compare MLflow runs: `hlat compare --experiment NAME | --runs ID... | --sweep DIR [--out DIR]`
   bench     `hlat bench peak`: measure this host's matmul peak FLOP/s (the CPU MFU denominator) and cache it
+  eval      lm-evaluation-harness on checkpoints: `hlat eval checkpoint=PATH tasks=local|hlat_suite|truthfulness`
+  export    `hlat export CHECKPOINT --out DIR`: the Hugging Face LLaMA layout (config.json, safetensors, tokenizer)
+  import    `hlat import HF_DIR --out DIR`: a weights-only hlat checkpoint to start a run from (train.init_from)
   launch    render a cluster launch: `hlat launch --target torchrun|slurm|eks [--out DIR] [--image IMG] overrides...`
   compile   ahead-of-time Neuron compile of the run: `hlat compile [--steps N] [--target torchrun|slurm] [--run]
             overrides...` (see `hlat launch --help`, `hlat compile --help`)
@@ -148,6 +151,40 @@ def _data(argv: list[str]) -> None:
         raise SystemExit(2) from None
 
 
+EVAL_USAGE = """hlat eval checkpoint=PATH [tasks=local|hlat_suite|truthfulness] [all_checkpoints=true] [overrides...]
+
+Evaluate an hlat checkpoint (a step_N directory, or a run's checkpoints/ directory: its newest valid checkpoint,
+or every one with all_checkpoints=true) with lm-evaluation-harness. Scores go to MLflow (the training run when
+the store holds it: tracker.uri=...), a markdown table next to the checkpoints, and a curve per metric against
+tokens seen. Other overrides: eval.limit=N (smoke tests), eval.batch_size, eval.device=cpu|cuda, tracker=console.
+"""
+_EVAL_ALIASES = {"checkpoint": "eval.checkpoint", "all_checkpoints": "eval.all_checkpoints", "tasks": "eval"}
+
+
+def _eval(argv: list[str]) -> int:
+    """``hlat eval``: compose conf/ with the eval overrides (``checkpoint=``, ``tasks=`` as shorthands) and run."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(EVAL_USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    from hlat.config import ConfigError
+
+    overrides = []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        overrides.append(f"{_EVAL_ALIASES[key]}={value}" if eq and key in _EVAL_ALIASES else a)
+    if not any(o.startswith("eval=") for o in overrides):
+        overrides.insert(0, "eval=local")
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    try:
+        from hlat.eval_run import main as eval_main
+
+        eval_main(compose_run_config(overrides))
+    except ConfigError as e:
+        print(f"hlat: configuration error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hlat`` console script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -162,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
         from hlat.deploy.commands import main as deploy_main
 
         raise SystemExit(deploy_main(argv))
+    if argv and argv[0] in ("export", "import"):
+        from hlat.hf import main as hf_main
+
+        raise SystemExit(hf_main(argv))
+    if argv and argv[0] == "eval":
+        raise SystemExit(_eval(argv[1:]))
     if argv and argv[0] == "bench":
         if argv[1:2] != ["peak"]:
             print("hlat: usage: hlat bench peak [--cache-dir DIR] [--size N] [--seconds S]", file=sys.stderr)

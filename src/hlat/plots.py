@@ -61,3 +61,35 @@ def training_plots(series: dict[str, Series], histogram: dict[int, int], out_dir
     spikes.write_text(json.dumps({"histogram": {str(k): v for k, v in histogram.items()}, "count": n,
                                   "single_step_fraction": single}, indent=1))  # fmt: skip
     return [png, spikes]
+
+
+def plot_eval_curves(series: dict[str, Series], out: Path) -> Path:
+    """One panel per ``<task>/<metric>``: the metric against training tokens seen (the paper's Fig. 3).
+
+    Args:
+        series: ``(tokens, value)`` lists keyed by ``<task>/<metric>``.
+        out: The PNG to write (its directory is created).
+
+    Returns:
+        ``out``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(series)
+    cols = min(4, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    for ax, (name, points) in zip(axes.flat, sorted(series.items()), strict=False):
+        tokens, values = zip(*points, strict=True)
+        ax.plot([t / 1e9 for t in tokens], values, marker="o", linewidth=1)
+        ax.set(title=name, xlabel="training tokens (B)")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

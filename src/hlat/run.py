@@ -22,6 +22,7 @@ from hlat import checkpoint
 from hlat.backends import get_backend
 from hlat.config import ClusterConfig, ConfigError, RunConfig
 from hlat.data import build_loader
+from hlat.eval_run import EvalScheduler
 from hlat.faults import FaultInjector
 from hlat.loop import HaltedError, NonFiniteError, TrainState, fit
 from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, Uptime, flops_per_token, resolve_peak_flops
@@ -188,7 +189,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
         seed=t.seed, dp_rank=dims.dp_rank(env.rank), dp_size=dims.dp,
     )  # fmt: skip
-    model = backend.build_model(functools.partial(Transformer, cfg.model), dims, cfg.parallelism)
+    init_state = _init_weights(cfg) if resume_from is None and t.init_from else None
+    model = backend.build_model(functools.partial(Transformer, cfg.model), dims, cfg.parallelism, init_state)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
     spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
     state, job = _restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else (TrainState(), {})
@@ -198,6 +200,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     tags = {"backend": backend.name, "run_dir": str(run_dir), "checkpoint_dir": str(root)}
     if resume_from is not None:
         tags["resumed_from"] = str(resume_from)
+    elif t.init_from:
+        tags["init_from"] = str(t.init_from)
     recorder = SeriesRecorder(PLOTTED)
     extra_trackers = [history, recorder] + ([progress] if progress else [])
     throughput, peak_source = _throughput(cfg, n_params, env.world_size)
@@ -233,11 +237,12 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
                 "spikes": spikes.state_dict(), "job": record}  # fmt: skip
 
     faults = FaultInjector(cfg.fault, t.steps, root / "faults", env.rank) if cfg.fault.active else None
+    evals = _eval_scheduler(cfg, tokens_per_step, state.tokens_seen) if env.rank == 0 else None
     saver = checkpoint.Checkpointer(
         backend, root, model, optimizer, checkpoint_extra, every=t.checkpoint_every, last_step=t.steps,
         keep_last=t.keep_last, keep_every=t.keep_every,
         meta={"config": config, "config_hash": checkpoint.config_hash(config)},
-        async_save=t.async_checkpoint, fault=faults.on_save if faults else None, rank=env.rank,
+        async_save=t.async_checkpoint, fault=faults.on_save if faults else None, rank=env.rank, on_saved=evals,
     )  # fmt: skip
     train = functools.partial(
         fit, model=model, optimizer=optimizer, data=iter(data), backend=backend,
@@ -275,6 +280,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
                 log.exception("the checkpoint in flight failed as well")
         data.close()
         tracker.finish(status)
+        if evals is not None:
+            evals.close()  # the evaluations along training log into this run: let them finish
 
     if env.rank == 0:
         losses = history.series("train/loss") or [(0, float("nan"))]
@@ -285,6 +292,44 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         if mlflow_tracker is not None:
             print(mlflow_tracker.ui_hint())
     return RunResult(cfg, state, history, mlflow_tracker.run_id if mlflow_tracker else None)
+
+
+def _init_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """The weights of ``train.init_from``, checked against the model config and the run's tokenizer."""
+    from hlat.hf import load_init_weights
+
+    state, tokenizer = load_init_weights(Path(cfg.train.init_from), cfg.model)
+    mine = cfg.data.tokenizer
+    if tokenizer is not None and (mine is None or Path(mine).expanduser().read_bytes() != tokenizer.read_bytes()):
+        raise ConfigError(
+            f"train.init_from={cfg.train.init_from} was trained with the tokenizer {tokenizer}, but this run "
+            f"{'would train its own' if mine is None else f'uses data.tokenizer={mine}'}: set "
+            f"data.tokenizer={tokenizer} so the token ids mean what the weights learned"
+        )
+    log.info("starting from the weights of %s", cfg.train.init_from)
+    return state
+
+
+def _eval_scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> EvalScheduler | None:
+    """The hook that evaluates checkpoints along training (``eval.every_tokens``), or None when that is off."""
+    e = cfg.eval
+    if not e.every_tokens:
+        return None
+    from hlat.trackers import default_uri
+
+    if e.every_tokens < tokens_per_step * cfg.train.checkpoint_every:
+        log.warning("eval.every_tokens=%d is below one checkpoint interval (%d tokens): evaluations happen at "
+                    "checkpoints only", e.every_tokens, tokens_per_step * cfg.train.checkpoint_every)  # fmt: skip
+    tracker = (
+        ["tracker=console"]
+        if cfg.tracker.kind != "mlflow"
+        else [f"tracker.uri={cfg.tracker.uri or default_uri()}", f"tracker.experiment={cfg.tracker.experiment}"]
+    )
+    overrides = [f"eval={e.name}", f"eval.batch_size={e.batch_size}", *tracker]
+    overrides += [f"eval.limit={e.limit}"] if e.limit else []
+    overrides += [f"eval.device={e.device}"] if e.device else []
+    first = (tokens_seen // e.every_tokens + 1) * e.every_tokens  # a resumed run evaluates from where it is
+    return EvalScheduler(e, tokens_per_step, overrides, next_tokens=first)
 
 
 def _job(saved: dict, latest: dict, launched: float) -> tuple[Uptime, str | None]:

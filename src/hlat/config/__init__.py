@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hlat.config.base import DTYPES, ConfigError, _check, _Frozen
-from hlat.config.ops import ClusterConfig, FaultConfig, TrackerConfig
+from hlat.config.ops import ClusterConfig, EvalConfig, EvalTask, FaultConfig, TrackerConfig
 from hlat.config.train import (
     DataConfig,
     ModelConfig,
@@ -22,8 +22,9 @@ from hlat.config.train import (
 )
 
 __all__ = [
-    "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "FaultConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig", "TrainConfig", "register_configs",
+    "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalTask", "FaultConfig", "ModelConfig",
+    "OptimizerConfig", "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig", "TrainConfig",
+    "register_configs",
 ]  # fmt: skip
 
 
@@ -40,6 +41,7 @@ class RunConfig(_Frozen):
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         t, m, o = self.train, self.model, self.optimizer

@@ -161,3 +161,53 @@ class FaultConfig(_Frozen):
         return bool(self.kill_at or self.kill_random or self.nonfinite_at) or any(
             s is not None for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at)
         )
+
+
+@dataclass
+class EvalTask(_Frozen):
+    """One lm-evaluation-harness task (or group) and its number of in-context examples."""
+
+    task: str = ""
+    """lm-eval task or group name (``mmlu``, ``arc_easy``, hlat's offline ``hlat_local``...)."""
+    num_fewshot: int = 0
+    """Shots, as the paper used them (PAPER.md, "Evaluation")."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.task), "eval.tasks entries need a task name (e.g. {task: arc_easy, num_fewshot: 0})")
+        _check(self.num_fewshot >= 0, f"eval task {self.task}: num_fewshot={self.num_fewshot} must be >= 0")
+
+
+@dataclass
+class EvalConfig(_Frozen):
+    """Evaluation with lm-evaluation-harness (``conf/eval/``): after training with ``hlat eval``, or along it."""
+
+    name: str = "none"
+    """Preset name: none, local (offline tasks shipped with hlat), hlat_suite, truthfulness."""
+    tasks: list[EvalTask] = field(default_factory=list)
+    """Tasks and shots."""
+    checkpoint: str | None = None
+    """``hlat eval``: a checkpoint directory, or a run's checkpoint root (its newest valid checkpoint, or all of them
+    with ``all_checkpoints``)."""
+    all_checkpoints: bool = False
+    """``hlat eval`` on a checkpoint root: evaluate every valid checkpoint and plot each metric against tokens seen
+    (the paper's Fig. 3)."""
+    every_tokens: int = 0
+    """During training: evaluate at the first checkpoint after every this many training tokens (0: never)."""
+    limit: int | None = None
+    """Documents per task (lm-eval's ``limit``); null: all. For smoke tests only: scores on a subset are not the
+    task's scores."""
+    batch_size: int = 8
+    """Sequences per forward pass."""
+    device: str | None = None
+    """cpu or cuda; null: the training cluster's device (cuda when the run trained on cuda and one is present)."""
+
+    def __post_init__(self) -> None:
+        _check(self.every_tokens >= 0, f"eval.every_tokens={self.every_tokens} must be >= 0 (0: off)")
+        _check(self.limit is None or self.limit > 0, f"eval.limit={self.limit} must be > 0 or null")
+        _check(self.batch_size > 0, f"eval.batch_size={self.batch_size} must be > 0")
+        _check(self.device in (None, "cpu", "cuda"), f"eval.device={self.device!r} must be cpu, cuda or null")
+        _check(
+            not self.every_tokens or bool(self.tasks),
+            f"eval.every_tokens={self.every_tokens} but eval={self.name} has no tasks; choose eval=local, hlat_suite "
+            "or truthfulness",
+        )

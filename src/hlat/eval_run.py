@@ -1,0 +1,276 @@
+"""``hlat eval``: run lm-evaluation-harness over checkpoints and put the scores where the training run is.
+
+One checkpoint, or every valid checkpoint of a run (``eval.all_checkpoints``), is evaluated on the tasks of an
+``eval`` preset, each with its number of shots (``hlat.evaluate.evaluate``). Each task's metrics and their standard
+errors go into MLflow as ``eval/<task>/<metric>`` (and ``..._stderr``) at the checkpoint's training step, in the
+training run itself when the store holds it (the run id is in the checkpoint root's job record), else in a new run
+tagged with the checkpoint. A markdown table per checkpoint lands next to the checkpoints (``eval/``), and a plot of
+every metric against tokens seen, the paper's Fig. 3, is drawn from the run's whole metric history, so evaluations
+made along training and afterwards end up in one curve.
+
+``EvalScheduler`` is the training side: a hook that, once a checkpoint past every ``eval.every_tokens`` training
+tokens is complete, starts ``hlat eval`` on it in a subprocess (evaluation needs no rank of the training job and
+runs on the torch backend whatever the job's layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hlat import checkpoint
+from hlat.config import ConfigError, EvalConfig, EvalTask, RunConfig
+
+log = logging.getLogger(__name__)
+
+LOCAL_PREFIX = "hlat_local"
+"""hlat's own offline tasks (``src/hlat/eval_tasks/``): with only these, lm-eval's built-in task index is skipped."""
+
+
+@dataclass(frozen=True)
+class Score:
+    """One metric of one task at one checkpoint."""
+
+    task: str
+    metric: str
+    value: float
+    stderr: float | None
+    num_fewshot: int
+
+
+def checkpoints_of(path: str, every: bool) -> list[Path]:
+    """The checkpoints ``hlat eval`` evaluates: ``path`` itself, the newest valid one under it, or all valid ones.
+
+    Raises:
+        ConfigError: when there is no valid checkpoint there.
+    """
+    p = Path(path).expanduser()
+    if checkpoint.manifest(p) is not None or not every:
+        return [checkpoint.resolve(str(p))]
+    found = [d for d in sorted(p.glob("step_*")) if not checkpoint.problems(d)]
+    if not found:
+        raise ConfigError(f"eval.checkpoint={path}: no complete checkpoint there (step_* directories with manifests)")
+    return found
+
+
+def scores(results: dict[str, Any], task: EvalTask) -> list[Score]:
+    """The numbers lm-eval reported for ``task``: its own metrics, or for a group without an aggregate its subtasks'."""
+    table = {**results.get("results", {}), **results.get("groups", {})}
+    row = table.get(task.task)
+    if row is None:
+        raise ConfigError(f"lm-eval returned no results for task {task.task!r} (got {sorted(table)[:10]}...)")
+    out = []
+    for key, value in row.items():
+        metric, comma, filt = key.partition(",")
+        if not comma or metric.endswith("_stderr") or not isinstance(value, int | float):
+            continue  # alias, name, sample_len, stderr entries (read with their metric)
+        name = metric if filt == "none" else f"{metric}_{filt}"
+        err = row.get(f"{metric}_stderr,{filt}")
+        out.append(Score(task.task, name, float(value), float(err) if isinstance(err, int | float) else None,
+                         task.num_fewshot))  # fmt: skip
+    if not out:  # a group that aggregates nothing: report its members
+        for sub in results.get("group_subtasks", {}).get(task.task, []):
+            out.extend(scores(results, EvalTask(task=sub, num_fewshot=task.num_fewshot)))
+    return out
+
+
+def run_scores(ckpt: Path, cfg: EvalConfig, device: str) -> list[Score]:
+    """Evaluate one checkpoint on every task of ``cfg`` (one lm-eval call per distinct shot count)."""
+    from hlat.evaluate import evaluate
+
+    by_shots: dict[int, list[EvalTask]] = {}
+    for t in cfg.tasks:
+        by_shots.setdefault(t.num_fewshot, []).append(t)
+    out: list[Score] = []
+    for shots, tasks in by_shots.items():
+        names = [t.task for t in tasks]
+        results = evaluate(ckpt, names, num_fewshot=shots, limit=cfg.limit, device=device,
+                           batch_size=cfg.batch_size,
+                           include_defaults=not all(n.startswith(LOCAL_PREFIX) for n in names))  # fmt: skip
+        for t in tasks:
+            out.extend(scores(results, t))
+    return out
+
+
+def markdown(ckpt: Path, step: int, tokens: int, rows: list[Score]) -> str:
+    """The scores of one checkpoint as a markdown table."""
+    lines = [f"# {ckpt} (step {step:,}, {tokens:,} tokens)", "", "| task | shots | metric | value | stderr |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for s in rows:
+        err = f"{s.stderr:.4f}" if s.stderr is not None and math.isfinite(s.stderr) else ""
+        lines.append(f"| {s.task} | {s.num_fewshot} | {s.metric} | {s.value:.4f} | {err} |")
+    return "\n".join(lines) + "\n"
+
+
+def metric_dict(rows: list[Score]) -> dict[str, float]:
+    """``eval/<task>/<metric>`` (and ``_stderr``) -> value, for MLflow."""
+    out = {}
+    for s in rows:
+        out[f"eval/{s.task}/{s.metric}"] = s.value
+        if s.stderr is not None and math.isfinite(s.stderr):
+            out[f"eval/{s.task}/{s.metric}_stderr"] = s.stderr
+    return out
+
+
+def tokens_at(meta: dict[str, Any]) -> int:
+    """Training tokens seen at a checkpoint: its step x global batch x sequence length (from its manifest)."""
+    t = meta.get("config", {}).get("train", {})
+    return int(meta["step"]) * int(t.get("global_batch_size", 0)) * int(t.get("seq_len", 0))
+
+
+@dataclass
+class MlflowSink:
+    """Where the scores go in MLflow: the training run when the store has it, else a run of their own."""
+
+    uri: str
+    experiment: str
+    train_run_id: str | None
+    _client: Any = field(default=None, init=False, repr=False)
+    _run_id: str | None = field(default=None, init=False)
+
+    def run_id(self, ckpt: Path) -> str:
+        """The run to log into (created on first use when the training run is not in this store)."""
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        if self._run_id is not None:
+            return self._run_id
+        self._client = MlflowClient(tracking_uri=self.uri)
+        if self.train_run_id:
+            try:
+                self._client.get_run(self.train_run_id)
+                self._run_id = self.train_run_id
+                return self._run_id
+            except MlflowException:
+                log.warning("training run %s is not in %s: logging the evaluation to a run of its own",
+                            self.train_run_id, self.uri)  # fmt: skip
+        exp = self._client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp else self._client.create_experiment(self.experiment)
+        run = self._client.create_run(exp_id, run_name=f"eval-{ckpt.parent.parent.name}-{ckpt.name}",
+                                      tags={"hlat.kind": "eval", "hlat.checkpoint": str(ckpt)})  # fmt: skip
+        self._run_id = run.info.run_id
+        return self._run_id
+
+    def log(self, ckpt: Path, step: int, tokens: int, rows: list[Score], table: Path) -> str:
+        """Log one checkpoint's scores at its training step, and its table as an artifact; returns the run id."""
+        import time
+
+        from mlflow.entities import Metric
+
+        run_id = self.run_id(ckpt)
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in metric_dict(rows).items()]
+        metrics.append(Metric("eval/tokens_seen", float(tokens), now, step))
+        self._client.log_batch(run_id, metrics=metrics)
+        self._client.log_artifact(run_id, str(table), artifact_path="eval")
+        return run_id
+
+    def plot(self, out: Path, tokens_per_step: int) -> Path | None:
+        """Every ``eval/`` metric of the run against tokens seen (Fig. 3 of the paper), logged as an artifact."""
+        from hlat.plots import plot_eval_curves
+
+        client, run_id = self._client, self._run_id
+        if client is None or run_id is None:
+            return None
+        keys = sorted(k for k in client.get_run(run_id).data.metrics
+                      if k.startswith("eval/") and not k.endswith("_stderr") and k != "eval/tokens_seen")  # fmt: skip
+        series = {k[len("eval/"):]: [(m.step * tokens_per_step, m.value)
+                                     for m in sorted(client.get_metric_history(run_id, k), key=lambda m: m.step)]
+                  for k in keys}  # fmt: skip
+        if not series:
+            return None
+        path = plot_eval_curves(series, out)
+        client.log_artifact(run_id, str(path), artifact_path="plots")
+        return path
+
+
+def main(cfg: RunConfig) -> list[tuple[Path, list[Score]]]:
+    """``hlat eval``: evaluate ``cfg.eval.checkpoint`` (or all of a run's checkpoints) on ``cfg.eval.tasks``.
+
+    Raises:
+        ConfigError: no checkpoint or tasks, a checkpoint of the neuron backend, or an unknown task.
+    """
+    e = cfg.eval
+    if not e.checkpoint:
+        raise ConfigError("hlat eval needs a checkpoint: hlat eval checkpoint=<run>/checkpoints[/step_N] tasks=local")
+    if not e.tasks:
+        raise ConfigError(f"eval={e.name} has no tasks: choose tasks=local, hlat_suite or truthfulness")
+    ckpts = checkpoints_of(e.checkpoint, e.all_checkpoints)
+    meta = checkpoint.manifest(ckpts[-1]) or {}
+    trained = meta.get("config", {})
+    device = e.device or ("cuda" if trained.get("cluster", {}).get("device") == "cuda" and _cuda() else "cpu")
+    root = ckpts[-1].parent
+    job = checkpoint.read_job(root)
+    sink = None
+    if cfg.tracker.kind == "mlflow":
+        from hlat.trackers import default_uri
+
+        sink = MlflowSink(cfg.tracker.uri or default_uri(), cfg.tracker.experiment, job.get("mlflow_run_id"))
+    out_dir = root / "eval"
+    out_dir.mkdir(exist_ok=True)
+    done = []
+    for ckpt in ckpts:
+        m = checkpoint.manifest(ckpt) or {}
+        step, tokens = int(m.get("step", 0)), tokens_at(m)
+        rows = run_scores(ckpt, e, device)
+        table = out_dir / f"{e.name}_{ckpt.name}.md"
+        table.write_text(markdown(ckpt, step, tokens, rows))
+        print(table.read_text())
+        if sink is not None:
+            run_id = sink.log(ckpt, step, tokens, rows, table)
+            log.info("logged %d metrics of %s to MLflow run %s", len(rows), ckpt.name, run_id)
+        done.append((ckpt, rows))
+    if sink is not None:
+        per_step = tokens_at({**meta, "step": 1})
+        plot = sink.plot(out_dir / f"{e.name}_curves.png", per_step)
+        if plot is not None:
+            print(f"curves: {plot}")
+    return done
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class EvalScheduler:
+    """Training hook: start ``hlat eval`` on the first complete checkpoint past every ``every_tokens`` tokens.
+
+    Called by the Checkpointer on rank 0 once a checkpoint is complete (``on_saved``). The evaluation runs in its own
+    process, on the torch backend, logging into the training run at the checkpoint's step; ``close`` waits for the
+    ones still running. ``overrides`` carry the eval preset and the tracker into the child.
+    """
+
+    cfg: EvalConfig
+    tokens_per_step: int
+    overrides: list[str]
+    next_tokens: int = 0
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.next_tokens = self.next_tokens or self.cfg.every_tokens
+
+    def __call__(self, ckpt: Path, step: int) -> None:
+        tokens = step * self.tokens_per_step
+        if not self.cfg.every_tokens or tokens < self.next_tokens:
+            return
+        while self.next_tokens <= tokens:
+            self.next_tokens += self.cfg.every_tokens
+        cmd = [sys.executable, "-m", "hlat.cli", "eval", f"checkpoint={ckpt}", *self.overrides]
+        log.info("evaluating %s (%s tokens) on eval=%s in the background", ckpt.name, f"{tokens:,}", self.cfg.name)
+        self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+
+    def close(self) -> None:
+        """Wait for the evaluations still running; report the ones that failed."""
+        for p in self.procs:
+            _, err = p.communicate()
+            if p.returncode:
+                log.warning("an evaluation along training failed (exit %d): %s", p.returncode, err[-2000:])
+        self.procs.clear()
