@@ -334,7 +334,10 @@ class Checkpointer:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             if self.on_saved is not None:
-                self.on_saved(final, step)
+                try:  # the checkpoint is complete: a failing listener must not make it look failed
+                    self.on_saved(final, step)
+                except Exception:
+                    log.exception("the on_saved hook failed for %s", final)
         except (Exception, CheckpointException) as e:
             raise self._failed(e, tmp, step) from e
         self.last_saved, self.last_save_s = final, time.perf_counter() - started

@@ -252,7 +252,7 @@ class EvalScheduler:
     tokens_per_step: int
     overrides: list[str]
     next_tokens: int = 0
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[tuple[subprocess.Popen, Path]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.next_tokens = self.next_tokens or self.cfg.every_tokens
@@ -264,13 +264,17 @@ class EvalScheduler:
         while self.next_tokens <= tokens:
             self.next_tokens += self.cfg.every_tokens
         cmd = [sys.executable, "-m", "hlat.cli", "eval", f"checkpoint={ckpt}", *self.overrides]
-        log.info("evaluating %s (%s tokens) on eval=%s in the background", ckpt.name, f"{tokens:,}", self.cfg.name)
-        self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        out = ckpt.parent / "eval" / f"{self.cfg.name}_{ckpt.name}.log"  # a file, not a pipe nobody reads
+        out.parent.mkdir(exist_ok=True)
+        log.info("evaluating %s (%s tokens) on eval=%s in the background; log: %s", ckpt.name, f"{tokens:,}",
+                 self.cfg.name, out)  # fmt: skip
+        with open(out, "w") as f:
+            self.procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), out))
 
     def close(self) -> None:
         """Wait for the evaluations still running; report the ones that failed."""
-        for p in self.procs:
-            _, err = p.communicate()
-            if p.returncode:
-                log.warning("an evaluation along training failed (exit %d): %s", p.returncode, err[-2000:])
+        for proc, out in self.procs:
+            if proc.wait():
+                tail = out.read_text(errors="replace")[-2000:] if out.is_file() else ""
+                log.warning("an evaluation along training failed (exit %d, log %s): %s", proc.returncode, out, tail)
         self.procs.clear()
