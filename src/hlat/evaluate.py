@@ -4,8 +4,9 @@
 ``hlat.inference.load`` (a ``step_N`` directory, or the newest intact one under a run's ``checkpoints/``) and
 answers the three request types of lm-eval: ``loglikelihood`` (batched, longest first, contexts cut from the left to
 ``max_length``), ``loglikelihood_rolling`` (disjoint windows of ``max_length`` tokens) and ``generate_until`` (greedy,
-with the model's KV cache). Documents were separated by EOS in training, so EOS is the "start of text" token that
-every context begins with (the role BOS plays for LLaMA in lm-eval).
+batched: left-padded prompts with the pads masked, through the model's KV cache). Documents were separated by EOS in
+training, so EOS is the "start of text" token that every context begins with (the role BOS plays for LLaMA in
+lm-eval).
 
 lm-eval 0.4.13 has no plugin discovery: a model is known once the module registering it is imported. So::
 
@@ -36,7 +37,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from hlat.eval_tasks import TASKS_DIR, task_manager
-from hlat.inference import decode_continuation, describe, greedy, load
+from hlat.inference import decode_continuation, describe, greedy_batch, load
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 16
@@ -51,7 +52,7 @@ class HlatLM(TemplateLM):
     Args:
         checkpoint: A ``step_N`` checkpoint, a run's ``checkpoints/`` directory or the run directory.
         device: ``cpu``, ``cuda`` or ``cuda:N``.
-        batch_size: Sequences per forward pass for log-likelihoods (``auto``: 16).
+        batch_size: Sequences per forward pass, for log-likelihoods and generation (``auto``: 16).
         max_length: Longest input in tokens; default the run's ``train.seq_len`` (longer positions were never
             trained; ``model.max_seq_len`` for a weights-only checkpoint), at most ``model.max_seq_len``.
         dtype: ``float32`` (default) or ``bfloat16`` weights.
@@ -158,37 +159,60 @@ class HlatLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, each cut before the first of its ``until`` strings (one request at a time)."""
-        out = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="hlat generate_until"):
-            context, gen_kwargs = req.args
-            text = self._generate_one(context, dict(gen_kwargs or {}))
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            out.append(text)
-        return out
+        """Greedy continuations, each cut before the first of its ``until`` strings.
 
-    def _generate_one(self, context: str, gen_kwargs: dict[str, Any]) -> str:
+        Requests with the same generation arguments decode together, ``batch_size`` at a time (``greedy_batch``:
+        left-padded, the pads masked), longest prompt first so that each batch pads little and memory errors come
+        at the start; the results come back in the requests' order.
+        """
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(req.args[1]), []).append(i)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="hlat generate_until")
+        for members in groups.values():
+            until, max_new = self._generation_args(dict(requests[members[0]].args[1] or {}))
+            ctxs = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new) :] for i in members}
+            order = sorted(members, key=lambda i: -len(ctxs[i]))
+            for lo in range(0, len(order), self.batch_size):
+                batch = order[lo : lo + self.batch_size]
+                texts = self._generate_batch([ctxs[i] for i in batch], until, max_new)
+                for i, text in zip(batch, texts, strict=True):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(batch))
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    def _generation_args(self, gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
+        """The ``until`` strings and the most new tokens of a request's generation arguments."""
         until = gen_kwargs.pop("until", None) or [self.tok.decode([self.tok.eos_id])]
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(gen_kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
         if (gen_kwargs.get("do_sample") or gen_kwargs.get("temperature", 0.0)) and not self._warned_sampling:
             log.warning("hlat generates greedily; ignoring sampling arguments %s", gen_kwargs)
             self._warned_sampling = True
-        max_new = min(max_new, self.max_length - 1)
-        ctx = self.tok_encode(context)[-(self.max_length - max_new) :]  # room for the new tokens
+        return until, min(max_new, self.max_length - 1)  # room for at least one context token
 
-        def stop(new: list[int]) -> bool:
-            text = decode_continuation(self.tok, ctx, new)
+    def _generate_batch(self, ctxs: list[list[int]], until: list[str], max_new: int) -> list[str]:
+        """The greedy continuation text of each context, cut before the first ``until`` string."""
+
+        def stop(row: int, new: list[int]) -> bool:
+            text = decode_continuation(self.tok, ctxs[row], new)
             return any(u and u in text for u in until)
 
-        new = greedy(self.model, ctx, max_new, eos_id=self.tok.eos_id, stop=stop, cache=self._cache)
-        if new and new[-1] == self.tok.eos_id:
-            new = new[:-1]
-        text = decode_continuation(self.tok, ctx, new)
-        for u in until:
-            if u:
-                text = text.split(u, 1)[0]
-        return text
+        eos = self.tok.eos_id
+        news = greedy_batch(self.model, ctxs, max_new, eos_id=eos, stop=stop, cache=self._cache)
+        texts = []
+        for ctx, new in zip(ctxs, news, strict=True):
+            if new and new[-1] == eos:
+                new = new[:-1]
+            text = decode_continuation(self.tok, ctx, new)
+            for u in until:
+                if u:
+                    text = text.split(u, 1)[0]
+            texts.append(text)
+        return texts
 
 
 if "hlat" not in model_registry:  # the decorator's job, but `python -m hlat.evaluate` may import this module twice

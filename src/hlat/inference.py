@@ -13,6 +13,8 @@ tokenizer file. ``hlat.hf`` (export, ``train.init_from``) reads checkpoints thro
 
     loaded = load("outputs/2025-01-01/12-00-00/checkpoints", device="cuda")
     ids = greedy(loaded.model, loaded.tokenizer.encode(["def f():"])[0], max_new_tokens=20)
+
+``greedy_batch`` decodes several prompts of different lengths together (left-padded, the pads masked out).
 """
 
 from __future__ import annotations
@@ -370,6 +372,60 @@ def greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, *, eo
         else:
             tokens = torch.cat([tokens, nxt], dim=1)
             logits = model(tokens)
+    return out
+
+
+@torch.inference_mode()
+def greedy_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 eos_id: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
+                 cache: KVCache | None = None, pad_id: int | None = None) -> list[list[int]]:  # fmt: skip
+    """Greedy continuations of several prompts decoded together: each row's new token ids, as ``greedy`` gives.
+
+    The prompts are left-padded to the longest and the pads masked out of attention (``Transformer.forward``'s
+    ``mask``), so each row attends only to its own tokens; with rotary embeddings the shared column positions give
+    every row what it would get alone (up to float rounding). A row is done after ``eos_id`` (kept in its result)
+    or when ``stop`` says so; done rows are fed ``pad_id`` and their outputs dropped, and decoding ends when every
+    row is done or after ``max_new_tokens``.
+
+    Args:
+        model: The decoder.
+        prompts: Token ids per row, each at least one; the longest + ``max_new_tokens`` must fit
+            ``model.max_seq_len``.
+        max_new_tokens: Most tokens to generate per row.
+        eos_id: A row stops after generating this id.
+        stop: Called with a row's index and its tokens generated so far after each new one; True stops that row.
+        cache: A cache to reuse (it is reset first); by default one sized for this generation.
+        pad_id: The id fed at padding and to finished rows (default ``eos_id``, else 0); masked or ignored.
+    """
+    if not prompts:
+        return []
+    if any(not p for p in prompts):
+        raise ValueError("greedy_batch needs non-empty prompts (start with the EOS id for an unconditioned sample)")
+    device = model.embed.weight.device
+    pad = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+    B, width = len(prompts), max(len(p) for p in prompts)
+    tokens = torch.full((B, width), pad, dtype=torch.long)
+    mask = torch.zeros(B, width, dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        tokens[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[row, width - len(p) :] = True
+    cache = cache or model.new_cache(width + max_new_tokens)
+    cache.reset()
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [max_new_tokens <= 0] * B
+    logits = model(tokens.to(device), cache, mask.to(device))
+    while not all(done):
+        nxt = logits[:, -1].argmax(-1)  # (B,)
+        for row, tok in enumerate(nxt.tolist()):
+            if done[row]:
+                continue
+            out[row].append(tok)
+            if tok == eos_id or (stop is not None and stop(row, out[row])) or len(out[row]) == max_new_tokens:
+                done[row] = True
+        if all(done):
+            break
+        feed = torch.tensor([pad if d else o[-1] for d, o in zip(done, out, strict=True)], dtype=torch.long)
+        logits = model(feed.to(device)[:, None], cache)
     return out
 
 

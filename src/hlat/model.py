@@ -9,6 +9,11 @@ For generation, ``forward(tokens, cache)`` with a ``KVCache`` (``model.new_cache
 appends its positions' keys and values to the cache and attends over everything cached, so decoding one token
 costs one position's work. Training never passes a cache and runs exactly as before.
 
+Prompts of different lengths decode together left-padded: ``forward(tokens, cache, mask)`` with ``mask`` (B, T) False
+at the pads records them in ``cache.key_mask`` (B, max_len), and attention then skips those keys. Every row shares
+one position per column; rotary embeddings make attention depend only on relative positions, so a row's real tokens
+see what they would see unpadded.
+
 Build on the meta device, materialize, then initialize::
 
     with torch.device("meta"):
@@ -78,13 +83,23 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.gqa = gqa
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``q`` (B, H, T, D), ``k`` and ``v`` (B, G, S, D) with G dividing H -> (B, H, T, D).
 
         The T queries are the last T of the S key positions: S == T in training, S > T when decoding with a
-        ``KVCache`` (the keys then include every cached position).
+        ``KVCache`` (the keys then include every cached position). ``key_mask`` (B, S), only when decoding a
+        left-padded batch, is False at padded keys: no query attends to them, except a padded query to itself (so
+        that no row of the mask is empty, which would give NaN); the outputs at padded queries mean nothing.
         """
         T, S = q.shape[2], k.shape[2]
+        if key_mask is not None:
+            causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            allowed = causal & key_mask[:, None, :]  # (B, T, S)
+            own = torch.arange(T, device=q.device)
+            allowed[:, own, own + (S - T)] = True
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=self.gqa)
         if S == T:
             # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
             # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
@@ -133,6 +148,10 @@ class KVCache:
 
     ``forward(tokens, cache)`` places ``tokens`` at positions ``pos .. pos+T-1`` and advances ``pos`` by T.
     ``reset`` empties the cache and keeps its buffers for the next sequence of the same batch size.
+
+    ``key_mask`` (B, max_len) bool is None until a forward passes a padding ``mask``; from then on it holds, for
+    every cached position, whether it is a real token (True) or padding, and later calls without a mask mark
+    their positions real.
     """
 
     def __init__(self, n_layers: int, max_len: int) -> None:
@@ -140,6 +159,7 @@ class KVCache:
             raise ValueError(f"a KV cache needs a positive length, got {max_len}")
         self.max_len = max_len
         self.layers = [LayerKV(max_len) for _ in range(n_layers)]
+        self.key_mask: torch.Tensor | None = None
 
     @property
     def pos(self) -> int:
@@ -150,6 +170,30 @@ class KVCache:
         """Forget every cached position (the buffers stay allocated)."""
         for layer in self.layers:
             layer.pos = 0
+        self.key_mask = None
+
+    def mark(self, mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """Record which of the next ``length`` positions are real, and return the key mask to attend with.
+
+        ``mask`` (B, T) is False at padding; None marks every position real. Returns ``key_mask`` over every
+        position cached once these are, (B, pos + length), or None while nothing is padded.
+        """
+        start = self.pos
+        if mask is None and self.key_mask is None:
+            return None
+        if self.key_mask is None or self.key_mask.shape[0] != batch or self.key_mask.device != device:
+            if start and self.key_mask is not None:
+                raise ValueError(f"tokens of {batch} rows do not continue the cached {self.key_mask.shape[0]}")
+            # Positions cached before any mask are all real.
+            self.key_mask = torch.ones(batch, self.max_len, dtype=torch.bool, device=device)
+        end = min(start + length, self.max_len)  # overflow: LayerKV.update raises the clear error
+        if mask is None:
+            self.key_mask[:, start:end] = True
+        else:
+            if mask.shape != (batch, length):
+                raise ValueError(f"mask of shape {tuple(mask.shape)} for tokens of shape {(batch, length)}")
+            self.key_mask[:, start:end] = mask[:, : end - start].to(device=device, dtype=torch.bool)
+        return self.key_mask[:, : start + length]
 
 
 class Attention(nn.Module):
@@ -164,9 +208,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x`` (B, T, dim) at the positions of ``cos``/``sin`` (T, D) -> (B, T, dim); ``cache`` holds earlier ones."""
+        """``x`` (B, T, dim) at the positions of ``cos``/``sin`` (T, D) -> (B, T, dim); ``cache`` holds earlier ones.
+
+        ``key_mask`` (B, S) with a cache: False at the padded positions among the S cached ones (these T included).
+        """
         B, T, _ = x.shape
         # -1 is the number of kv groups on this rank (all of them unless TP sharded the projection).
         qkv = self.qkv(x).view(B, T, -1, self.n_rep + 2, self.head_dim)  # (B, T, G, r+2, D)
@@ -176,7 +228,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, G, S, D): every cached position, these T last
-        y = self.core(q, k, v)  # (B, H, T, D)
+        y = self.core(q, k, v) if key_mask is None else self.core(q, k, v, key_mask)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -206,11 +258,16 @@ class Block(nn.Module):
         self.mlp = FeedForward(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.attn_norm(x)
         # Training calls attn with exactly (h, cos, sin): tensor parallelism's PrepareModuleInput expects three inputs.
-        x = x + (self.attn(h, cos, sin) if cache is None else self.attn(h, cos, sin, cache))
+        x = x + (self.attn(h, cos, sin) if cache is None else self.attn(h, cos, sin, cache, key_mask))
         return x + self.mlp(self.mlp_norm(x))
 
     def init_weights(self, std: float, scaled: bool) -> None:
@@ -247,14 +304,20 @@ class Transformer(nn.Module):
         cfg = self.cfg
         self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab).
 
         With ``cache``, ``tokens`` continue the cached positions (``cache.pos`` onwards), attend to them too, and
-        are appended to the cache; without, they are a whole sequence from position 0 (training).
+        are appended to the cache; without, they are a whole sequence from position 0 (training). ``mask`` (B, T)
+        bool, with a cache only, is False at padding (left padding of a batch of prompts): no later position
+        attends to it, and the logits at padded positions mean nothing.
         """
         if cache is not None:
-            return self._forward_cached(tokens, cache)
+            return self._forward_cached(tokens, cache, mask)
+        if mask is not None:
+            raise ValueError("a padding mask needs a KV cache (model(tokens, model.new_cache(), mask))")
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.embed(tokens)  # (B, T, dim)
@@ -262,16 +325,17 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         return self.lm_head(self.norm(h))  # (B, T, vocab)
 
-    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
         start, T = cache.pos, tokens.shape[1]
         if start + T > self.rope_cos.shape[0]:
             raise ValueError(f"positions {start}..{start + T - 1} exceed model.max_seq_len={self.cfg.max_seq_len}")
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.layers)}")
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        key_mask = cache.mark(mask, tokens.shape[0], T, tokens.device)  # (B, start + T), or None: no padding
         h = self.embed(tokens)  # (B, T, dim)
         for layer, kv in zip(self.layers, cache.layers, strict=True):
-            h = layer(h, cos, sin, kv)
+            h = layer(h, cos, sin, kv, key_mask)
         return self.lm_head(self.norm(h))  # (B, T, vocab)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:

@@ -25,7 +25,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from hlat.eval_tasks import TASKS, task_manager  # noqa: E402
 from hlat.evaluate import HlatLM, evaluate  # noqa: E402
-from hlat.inference import greedy, load  # noqa: E402
+from hlat.inference import greedy, greedy_batch, load  # noqa: E402
 from tests.conftest import compose_cfg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +106,25 @@ def test_greedy_with_and_without_cache_agree() -> None:
     assert greedy(model, prompt, 25, stop=lambda new: len(new) == 3) == cached[:3]
 
 
+def test_batched_greedy_matches_one_prompt_at_a_time() -> None:
+    model = small_model(seed=1)
+    prompts = [[3, 14, 15, 9, 2, 6], [33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42, 8, 30]]
+    alone = [greedy(model, p, 20) for p in prompts]
+    assert greedy_batch(model, prompts, 20) == alone
+    assert all(len(set(a)) > 1 for a in alone)  # real sequences, not one token repeated
+    # EOS ends a row (kept, as greedy keeps it) while the others go on; the ones that never meet it run to the end.
+    eos = alone[0][3]
+    want = [greedy(model, p, 20, eos_id=eos) for p in prompts]
+    assert greedy_batch(model, prompts, 20, eos_id=eos) == want
+    assert want[0] == alone[0][:4] and any(len(w) == 20 for w in want)
+    # A per-row stop condition, and a reused cache (sized for the batch, reset first).
+    cache = model.new_cache(40)
+    got = greedy_batch(model, prompts, 20, stop=lambda row, new: len(new) == row + 2, cache=cache)
+    assert got == [a[: i + 2] for i, a in enumerate(alone)]
+    assert greedy_batch(model, prompts[1:2], 5, cache=cache) == [alone[1][:5]]
+    assert greedy_batch(model, [], 5) == []
+
+
 # --- HlatLM against hand-computed log-probabilities --------------------------------------------------------------
 
 
@@ -171,6 +190,22 @@ def test_generate_until_is_greedy_and_cut_at_the_stop_string(lm: HlatLM) -> None
     stop = visible[1]
     (cut,) = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": [stop], "max_gen_toks": 12}), 0)])
     assert cut == full.split(stop)[0] and len(cut) < len(full)
+
+
+def test_batched_generate_until_equals_one_at_a_time(lm: HlatLM) -> None:
+    contexts = ["Return the number of", "Raise", "Return the number of items in the container. Raise ValueError if",
+                "the argument", "items", "Return"]  # fmt: skip
+    kwargs = [{"until": ["\n"], "max_gen_toks": 10}, {"until": ["e"], "max_gen_toks": 7}]
+    reqs = [Instance("generate_until", {}, (c, kwargs[i % 2]), i) for i, c in enumerate(contexts)]
+    assert lm.batch_size == 3
+    batched = lm.generate_until(reqs)
+    lm.batch_size = 1
+    try:
+        single = lm.generate_until(reqs)
+    finally:
+        lm.batch_size = 3
+    assert batched == single
+    assert len(set(batched)) > 1  # the requests really differ
 
 
 # --- lm-eval end to end -----------------------------------------------------------------------------------------

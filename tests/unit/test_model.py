@@ -86,6 +86,33 @@ def test_causal_future_tokens_never_change_past_logits() -> None:
             assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :])  # and the future does see them
 
 
+def test_left_padded_batch_with_mask_matches_each_row_alone() -> None:
+    model = build()
+    lengths = [11, 4, 7, 1]
+    width = max(lengths)
+    rows = [torch.randint(0, TINY.vocab_size, (n,)) for n in lengths]
+    tokens = torch.full((len(rows), width), 5, dtype=torch.long)  # pads: a real token id, masked out
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        tokens[i, width - len(row) :], mask[i, width - len(row) :] = row, True
+    with torch.no_grad():
+        cache = model.new_cache(width + 3)
+        batched = model(tokens, cache, mask)  # (B, width, V)
+        assert not batched.isnan().any()  # pad queries attend to themselves: no empty mask row
+        nxt = torch.randint(0, TINY.vocab_size, (len(rows), 3))
+        steps = [model(nxt[:, t : t + 1], cache) for t in range(3)]  # decoding extends the mask with True
+        assert cache.key_mask is not None and cache.key_mask[:, : width + 3].sum(1).tolist() == [n + 3 for n in lengths]
+        for i, row in enumerate(rows):
+            alone = model(torch.cat([row, nxt[i]])[None])[0]  # (n + 3, V): unpadded, from position 0
+            torch.testing.assert_close(batched[i, width - len(row) :], alone[: len(row)], atol=1e-5, rtol=0)
+            for t in range(3):
+                torch.testing.assert_close(steps[t][i, 0], alone[len(row) + t], atol=1e-5, rtol=0)
+        cache.reset()  # a fresh unpadded sequence afterwards: no mask left over
+        assert cache.key_mask is None and torch.equal(model(tokens[:1], cache), model(tokens[:1]))
+    with pytest.raises(ValueError, match="needs a KV cache"):
+        model(tokens, mask=mask)
+
+
 def test_gqa_shapes() -> None:
     model = build()
     attn = model.layers[0].attn
