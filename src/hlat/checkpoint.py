@@ -158,6 +158,19 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def restart_resume(resume: str, root: Path) -> str:
+    """``train.resume`` for this attempt: a torch elastic restart continues the job's own progress.
+
+    A restarted worker (``TORCHELASTIC_RESTART_COUNT > 0``, under hlat's supervision or an external torchrun, Slurm
+    or a PyTorchJob) reruns the same command line: with ``never`` it would refuse its own checkpoints, and with a
+    path it would go back to the checkpoint the job started from. Once the job has written checkpoints, ``auto``.
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):
+        return "auto"
+    return resume
+
+
 def check_compatible(path: Path, config: dict[str, Any]) -> None:
     """Refuse, before anything is built, to resume a checkpoint whose saved state this config cannot load.
 

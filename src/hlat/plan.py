@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hlat.config import ConfigError, RunConfig
+import psutil
+import torch
+
+from hlat.config import ClusterConfig, ConfigError, RunConfig
 from hlat.model import count_params
 from hlat.parallel import ParallelDims
 from hlat.precision import BYTES, bytes_per_param
@@ -89,3 +92,27 @@ def check_fits(est: MemoryEstimate, budget_bytes: int, cfg: RunConfig) -> None:
         "(model=tiny or model=small), a smaller train.micro_batch_size / train.seq_len, or a cluster with "
         "more devices; `train.dry_run=true` prints the estimate without training."
     )
+
+
+def planned_budget(cluster: ClusterConfig) -> int:
+    """Bytes one rank may use, for a dry run: ``cluster.device_memory_gib``, else this host's share of its memory."""
+    if cluster.device_memory_gib is not None:
+        free = int(cluster.device_memory_gib * GiB)
+    elif cluster.device == "cuda" and torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        free = psutil.virtual_memory().available // cluster.nproc_per_node
+    return int(free * cluster.memory_fraction)
+
+
+def check_world(cluster: ClusterConfig, world_size: int) -> None:
+    """A multi-node cluster preset must get all its ranks: a partial world would silently change the layout.
+
+    (A one-node preset adapts to an external torchrun's ``--nproc-per-node``.)
+    """
+    if cluster.nodes > 1 and world_size != cluster.world_size:
+        raise ConfigError(
+            f"cluster={cluster.name} plans {cluster.nodes} nodes x {cluster.nproc_per_node} processes = "
+            f"{cluster.world_size} ranks, but this job has {world_size}; start it on every node as "
+            "`hlat launch` renders it, or set cluster.nodes to the nodes you have"
+        )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import shlex
 import sys
 import time
@@ -14,13 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from hlat import checkpoint
 from hlat.backends import get_backend
-from hlat.config import ClusterConfig, ConfigError, RunConfig
+from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
 from hlat.eval_run import EvalScheduler
 from hlat.faults import FaultInjector
@@ -29,7 +27,7 @@ from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, Uptime, flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
-from hlat.plan import GiB, check_fits, estimate_memory
+from hlat.plan import GiB, check_fits, check_world, estimate_memory, planned_budget
 from hlat.precision import bytes_per_param
 from hlat.provenance import write_provenance
 from hlat.trackers import History, ProgressBar, SeriesRecorder, build_tracker
@@ -79,43 +77,6 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
         f"memory per rank: ~{est.total / GiB:.2f} GiB (weights {est.params / GiB:.2f}, grads {est.grads / GiB:.2f}, "
         f"{opt} {est.optimizer / GiB:.2f}, activations {est.activations / GiB:.2f}) of {budget / GiB:.1f} GiB available"
     )
-
-
-def restart_resume(resume: str, root: Path) -> str:
-    """``train.resume`` for this attempt: a torch elastic restart continues the job's own progress.
-
-    A restarted worker (``TORCHELASTIC_RESTART_COUNT > 0``, under hlat's supervision or an external torchrun, Slurm
-    or a PyTorchJob) reruns the same command line: with ``never`` it would refuse its own checkpoints, and with a
-    path it would go back to the checkpoint the job started from. Once the job has written checkpoints, ``auto``.
-    """
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):
-        return "auto"
-    return resume
-
-
-def planned_budget(cluster: ClusterConfig) -> int:
-    """Bytes one rank may use, for a dry run: ``cluster.device_memory_gib``, else this host's share of its memory."""
-    if cluster.device_memory_gib is not None:
-        free = int(cluster.device_memory_gib * GiB)
-    elif cluster.device == "cuda" and torch.cuda.is_available():
-        free = torch.cuda.mem_get_info()[0]
-    else:
-        free = psutil.virtual_memory().available // cluster.nproc_per_node
-    return int(free * cluster.memory_fraction)
-
-
-def check_world(cluster: ClusterConfig, world_size: int) -> None:
-    """A multi-node cluster preset must get all its ranks: a partial world would silently change the layout.
-
-    (A one-node preset adapts to an external torchrun's ``--nproc-per-node``.)
-    """
-    if cluster.nodes > 1 and world_size != cluster.world_size:
-        raise ConfigError(
-            f"cluster={cluster.name} plans {cluster.nodes} nodes x {cluster.nproc_per_node} processes = "
-            f"{cluster.world_size} ranks, but this job has {world_size}; start it on every node as "
-            "`hlat launch` renders it, or set cluster.nodes to the nodes you have"
-        )
 
 
 PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
@@ -179,7 +140,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     run_dir = run_dir or hydra_output_dir()
     root = checkpoint_root(cfg, run_dir)
     config = dataclasses.asdict(cfg)
-    resume = restart_resume(t.resume, root)
+    resume = checkpoint.restart_resume(t.resume, root)
     resume_from = checkpoint.find_resume(resume, root)
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, config)  # before anything is built
