@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hlat import checkpoint as ckpt
+from hlat.backends.torch_dist import gate_up_in_model_order
 from hlat.config import DTYPES, ConfigError, DataConfig, ModelConfig, RunConfig
 from hlat.data.builtin import builtin_corpus_path
 from hlat.data.loader import tokenizer_sample
@@ -198,8 +199,7 @@ def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> T
         with torch.no_grad():
             for i in range(cfg.n_layers):
                 w = sd[f"layers.{i}.mlp.gate_up.weight"]
-                chunks = w.chunk(2 * tp)
-                w.copy_(torch.cat(chunks[0::2] + chunks[1::2]))
+                w.copy_(gate_up_in_model_order(w, tp))
     return sd
 
 

@@ -33,6 +33,7 @@ def test_checkpoints_are_evaluated_along_training_and_afterwards(tmp_path: Path,
     assert len(ppl) == 2 and all(m.value > 0 for m in ppl)
     root = tmp_path / "r" / "checkpoints"
     assert "| hlat_local_mc | 0 | acc |" in (root / "eval" / "local_step_00000008.md").read_text()
+    assert "hlat_local_mc" in (root / "eval" / "local_step_00000004.log").read_text()  # the child's output, in a file
 
     # afterwards, over all checkpoints: the same steps again (MLflow keeps both points), and the curves
     with pytest.raises(SystemExit) as done:

@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hlat.backends.torch import TorchBackend
+from hlat.backends.torch_dist import gate_up_in_model_order
 from hlat.config import ClusterConfig, ParallelismConfig, PrecisionConfig
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims
@@ -34,8 +35,7 @@ def forward_backward(tp: int, sp: bool) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         if name.endswith("gate_up.weight") and tp > 1:  # undo the per-rank interleave of the gate and up rows
-            parts = g.chunk(2 * tp)
-            g = torch.cat([*parts[0::2], *parts[1::2]])
+            g = gate_up_in_model_order(g, tp)
         out[f"grad.{name}"] = g.detach().clone()
     return out
 
@@ -114,8 +114,7 @@ def train_tp(tp: int, precision: PrecisionConfig, sp: bool = True) -> dict[str, 
     for name, p in model.named_parameters():
         w = p.full_tensor() if hasattr(p, "full_tensor") else p
         if name.endswith("gate_up.weight") and tp > 1:
-            parts = w.chunk(2 * tp)
-            w = torch.cat([*parts[0::2], *parts[1::2]])
+            w = gate_up_in_model_order(w, tp)
         out[name] = w.detach().float().clone()
     return out
 
@@ -181,8 +180,7 @@ def _tp_dp_worker(rank: int, port: int, out: str) -> None:
     for name, p in model.named_parameters():
         w = p.full_tensor()
         if name.endswith("gate_up.weight"):
-            parts = w.chunk(4)
-            w = torch.cat([*parts[0::2], *parts[1::2]])
+            w = gate_up_in_model_order(w, 2)
         result[name] = w.detach().clone()
     torch.save(result, f"{out}.rank{rank}")
     torch.distributed.destroy_process_group()

@@ -61,14 +61,13 @@ from hlat.backends.neuron_plan import (
 from hlat.backends.torch_dist import Ranks
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
 from hlat.parallel import ParallelDims
+from hlat.plan import planned_budget
 
 __all__ = [
     "XLA_MODULES", "NeuronBackend", "NeuronPrecision", "apply_env", "check_supported", "checkpoint_calls",
     "model_options", "neuron_env", "nxd_config_kwargs", "precision_plan",
 ]  # fmt: skip
 
-NEURONCORE_HBM_BYTES = 16 * 2**30
-"""Device memory of one NeuronCore-v2 (32 GiB per Trainium chip, 2 cores; reference §6)."""
 EXTRA = "extra.rank{rank}.pt"
 """This rank's ``extra`` (its data-loader position): NxD writes ``user_content`` from global rank 0 only."""
 
@@ -160,7 +159,7 @@ class NeuronBackend:
         api.manual_seed(seed)  # device RNG: after model-parallel init, per TP rank (reference §1.6)
         self.ranks, self.device = ranks, api.xm.xla_device()
         return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
-                   memory_budget_bytes=int(NEURONCORE_HBM_BYTES * cluster.memory_fraction))  # fmt: skip
+                   memory_budget_bytes=planned_budget(cluster))  # fmt: skip
 
     def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims, par: ParallelismConfig | None = None,
                     init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip

@@ -129,16 +129,18 @@ def average_over_ranks(tensors: list[torch.Tensor], bucket_numel: int = 1 << 24)
     """Average ``tensors`` in place over all ranks, a flat bucket of up to ``bucket_numel`` elements per all-reduce."""
     world = dist.get_world_size()
     bucket: list[torch.Tensor] = []
+    numel = 0
     for i, t in enumerate(tensors):
         bucket.append(t)
-        if sum(b.numel() for b in bucket) >= bucket_numel or i == len(tensors) - 1:
+        numel += t.numel()
+        if numel >= bucket_numel or i == len(tensors) - 1:
             flat = torch.cat([b.reshape(-1) for b in bucket]).div_(world)
             dist.all_reduce(flat)
             offset = 0
             for b in bucket:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
-            bucket = []
+            bucket, numel = [], 0
 
 
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -177,6 +179,15 @@ def _fp32_rowwise(**kwargs):
             return outputs.to_local() if use_local_output else outputs
 
     return Fp32ReduceRowwise(**kwargs)
+
+
+def gate_up_in_model_order(weight: torch.Tensor, tp: int) -> torch.Tensor:
+    """The inverse of ``_interleave_gate_up``: rows [gate_0; up_0; gate_1; up_1; ...] back to [gate; up].
+
+    Returns a new tensor; for a tensor-parallel run's saved or gathered gate_up weight or gradient.
+    """
+    parts = weight.chunk(2 * tp)
+    return torch.cat([*parts[0::2], *parts[1::2]])
 
 
 def tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, *,
