@@ -10,9 +10,13 @@ register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point: compose ``conf/`` with the command-line overrides, then train."""
-    entry(cfg)
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry point: compose ``conf/`` with the command-line overrides, then train.
+
+    Returns:
+        In a multirun, the job's objective (final training loss) for sweepers such as Optuna; None otherwise.
+    """
+    return entry(cfg)
 
 
 if __name__ == "__main__":

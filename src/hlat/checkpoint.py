@@ -234,6 +234,59 @@ def write_job(root: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, root / JOB)
 
 
+LOCK = ".lock"
+_HELD: dict[Path, Any] = {}
+"""The directory locks this process holds, by resolved checkpoint root."""
+
+
+def hold_lock(root: Path) -> Any:
+    """Lock ``root`` for this trainer (rank 0) until the returned file is closed or the process dies.
+
+    Two trainers writing checkpoints into one directory would corrupt each other's resume; a sweep also asks
+    :func:`is_locked` before it continues a run that looks dead. Returns None where the filesystem has no locks.
+
+    Raises:
+        ConfigError: Another live process holds the lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    root.mkdir(parents=True, exist_ok=True)
+    key = root.resolve()
+    if key in _HELD:  # this process trained here before and failed without closing it: one trainer per process
+        _HELD.pop(key).close()
+    f = open(root / LOCK, "a+")  # noqa: SIM115 (held open for the whole run)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ConfigError(
+            f"another process is training into {root} (it holds {root / LOCK}); wait for it to end, or give this "
+            "run its own directory (hydra.run.dir=... or train.checkpoint_dir=...)"
+        ) from None
+    except OSError as e:  # e.g. ENOLCK on a network filesystem mounted without locks
+        f.close()
+        log.warning("cannot lock %s (%s): nothing stops two trainers from sharing this directory", root, e)
+        return None
+    _HELD[key] = f
+    return f
+
+
+def is_locked(root: Path) -> bool:
+    """Whether a live trainer holds ``root`` (:func:`hold_lock`)."""
+    try:
+        import fcntl
+
+        with open(root / LOCK, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes
+    except BlockingIOError:
+        return True
+    except (ImportError, OSError):
+        return False
+    return False
+
+
 def _disk_full(e: BaseException) -> bool:
     """Whether ``e`` is a disk-full error, or wraps or follows one.
 

@@ -21,12 +21,13 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from hlat.runs import DEFAULT_URI, METRIC_KEYS, RunData, select_runs
+from hlat.runs import DEFAULT_URI, METRIC_KEYS, RunData, select_runs, tail_mean
 
 __all__ = ["METRIC_KEYS", "RunData", "differing_keys", "main", "plot", "select_runs", "summary_table", "write_report"]
 
-# Params that differ from run to run without saying anything about the configuration.
-IGNORED_PREFIXES = ("hydra.",)
+# Params that differ from run to run without saying anything about the configuration (injected faults are
+# recovered from bit-identically, so they do not change what a run computes either).
+IGNORED_PREFIXES = ("hydra.", "fault.")
 IGNORED_KEYS = frozenset({"tracker.run_name", "train.checkpoint_dir", "train.resume"})
 
 _SMOOTH = 5  # moving-average window of the loss plot, in logged points
@@ -43,7 +44,8 @@ def differing_keys(runs: Sequence[RunData]) -> list[str]:
     """The param keys whose values differ between the runs, sorted.
 
     A key that some runs lack counts as differing. Keys that change from run to run without describing the
-    configuration (``hydra.*``, ``tracker.run_name``, ``train.checkpoint_dir``, ``train.resume``) are left out.
+    configuration (``hydra.*``, ``fault.*``, ``tracker.run_name``, ``train.checkpoint_dir``, ``train.resume``) are
+    left out.
 
     Args:
         runs: The runs to compare.
@@ -79,9 +81,7 @@ def shown_keys(runs: Sequence[RunData]) -> list[str]:
 def final_loss(run: RunData) -> float | None:
     """Mean of the last 10% of the logged loss points (at least one); ``None`` without loss points."""
     loss = run.values("train/loss")
-    if not loss:
-        return None
-    return statistics.fmean(loss[-max(1, len(loss) // 10) :])
+    return tail_mean(loss) if loss else None
 
 
 def min_loss(run: RunData) -> float | None:
@@ -110,6 +110,12 @@ def median_tokens_per_s(run: RunData) -> float | None:
     return statistics.median(tps) if tps else None
 
 
+def peak_memory_gib(run: RunData) -> float | None:
+    """Peak memory of rank 0 in GiB: CUDA's allocated peak where logged, else the process's peak RSS."""
+    values = run.values("sys/cuda_max_allocated_gib") or run.values("sys/peak_rss_gib")
+    return max(values) if values else None
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -124,7 +130,8 @@ def summary_table(runs: Sequence[RunData]) -> str:
 
     Columns: run name, short run id, one column per differing param key, then the final loss (mean of the last
     10% of logged loss points), the minimum loss, the gradient-norm median over the second half, the last
-    parameter norm and the median tokens/s. A missing metric shows as ``-``.
+    parameter norm, the median tokens/s and, when any run logged it, the peak memory. A missing metric shows as
+    ``-``.
 
     Args:
         runs: The runs to compare, in row order.
@@ -143,7 +150,9 @@ def summary_table(runs: Sequence[RunData]) -> str:
         "param norm (end)",
         "tokens/s (median)",
     ]
-    align = ["---", "---", *("---" for _ in keys), "---:", "---:", "---:", "---:", "---:"]
+    memory = any(peak_memory_gib(run) is not None for run in runs)
+    head += ["peak memory GiB (rank 0)"] if memory else []
+    align = ["---", "---", *("---" for _ in keys), *("---:" for _ in range(len(head) - 2 - len(keys)))]
     lines = [f"| {' | '.join(_cell(h) for h in head)} |", f"|{'|'.join(align)}|"]
     for run in runs:
         cells = [
@@ -155,6 +164,7 @@ def summary_table(runs: Sequence[RunData]) -> str:
             _fmt(grad_norm_median(run), ".3f"),
             _fmt(last_param_norm(run), ".2f"),
             _fmt(median_tokens_per_s(run), ",.0f"),
+            *([_fmt(peak_memory_gib(run), ".2f")] if memory else []),
         ]
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)

@@ -101,6 +101,11 @@ def from_hf(cfg: ModelConfig, hf: Tensors) -> Tensors:
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
     """``config.json`` of ``LlamaForCausalLM`` for ``cfg`` (readable by transformers 4.x and 5.x)."""
+    if cfg.mask_leak:
+        raise ConfigError(
+            f"this model was trained with model.mask_leak={cfg.mask_leak} (the information-leak demonstration): its "
+            "attention saw future tokens, and a causal LlamaForCausalLM would not compute what it learned"
+        )
     dtype_name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -40,10 +40,66 @@ def under_elastic() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def job_stamp() -> str:
+    """``DATE/TIME`` naming this launch's run or sweep directory: one value for every rank of the job.
+
+    Hydra's own ``${now:...}`` is read by each process, so under ``torchrun`` ranks that start a second apart would
+    write to different directories. Under torchrun the first rank to ask stores its time in the agent's rendezvous
+    store and every other rank (on every node, and after an in-place restart) reads that value back; elsewhere it is
+    simply now.
+    """
+    import datetime
+
+    now = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    env = os.environ
+    if not under_elastic() or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in env:
+        return now
+    import torch.distributed as dist
+
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    return store.compare_set("hlat/job_stamp", "", now).decode()  # sets it if absent; returns what is stored
+
+
+def global_rank() -> int:
+    """This process's rank: ``RANK`` (torchrun), else ``SLURM_PROCID`` (a Slurm task per node), else 0."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def rank_zero_only(value: Any) -> Any:
+    """``value`` on global rank 0 (or without a launcher), None on the other ranks (Hydra resolver)."""
+    return value if global_rank() == 0 else None
+
+
+def rank_suffix() -> str:
+    """``""`` on rank 0, ``_rank<N>`` on the others: per-rank log file names in one job directory."""
+    r = global_rank()
+    return f"_rank{r}" if r else ""
+
+
+def slurm_rendezvous() -> tuple[str, str, int] | None:
+    """Under Hydra's submitit Slurm launcher: ``(rendezvous endpoint, run id, nodes)`` of this Slurm job.
+
+    ``hydra/launcher=slurm`` starts one task per node; each becomes a torch elastic agent (what ``torchrun`` is)
+    for its node's trainers, and the agents meet at the job's first host, as NxD's Slurm scripts do with torchrun.
+    """
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return None
+    import submitit
+
+    job = submitit.JobEnvironment()
+    return f"{job.hostnames[0]}:{RDZV_PORT}", f"slurm-{job.job_id}", job.num_nodes
+
+
+RDZV_PORT = 29400
+"""The c10d rendezvous port on a Slurm job's first host (torchrun's default)."""
+
+
 def wants_launcher(cfg: RunConfig) -> bool:
     """Whether ``python train.py`` should start the trainer processes itself (and not just train in-process)."""
     c = cfg.cluster
-    return (c.nproc_per_node > 1 or c.max_restarts > 0) and not cfg.train.dry_run and not under_elastic()
+    supervised = c.nproc_per_node > 1 or c.max_restarts > 0 or c.nodes > 1
+    return supervised and not cfg.train.dry_run and not under_elastic()
 
 
 def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
@@ -57,21 +113,29 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    restarts, nproc = cfg.cluster.max_restarts, cfg.cluster.nproc_per_node
-    if cfg.cluster.nodes > 1:
+    restarts, nproc, nodes = cfg.cluster.max_restarts, cfg.cluster.nproc_per_node, cfg.cluster.nodes
+    slurm = slurm_rendezvous()
+    endpoint, run_id = ("localhost:0", f"hlat-{uuid.uuid4().hex[:8]}") if slurm is None else slurm[:2]
+    if nodes > 1 and slurm is None:
         raise ConfigError(
-            f"cluster={cfg.cluster.name} spans {cfg.cluster.nodes} nodes, but `python train.py` starts the processes "
+            f"cluster={cfg.cluster.name} spans {nodes} nodes, but `python train.py` starts the processes "
             "of this node only; start every node with the launch `hlat launch --target torchrun|slurm|eks <same "
-            "overrides>` renders, or use a one-node cluster (e.g. cluster=trn1_1node)"
+            "overrides>` renders, run it on Slurm with `-m hydra/launcher=slurm`, or use a one-node cluster "
+            "(e.g. cluster=trn1_1node)"
+        )
+    if slurm is not None and slurm[2] != nodes:
+        raise ConfigError(
+            f"this Slurm job has {slurm[2]} node(s) but cluster={cfg.cluster.name} needs {nodes}; keep the launcher's "
+            "hydra.launcher.nodes at ${cluster.nodes} (conf/hydra/launcher/slurm.yaml)"
         )
     from hlat.parallel import ParallelDims
 
     ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)  # before starting anything
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"hlat-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # torchrun --standalone
+        min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=endpoint,  # one node: torchrun --standalone
         max_restarts=restarts, monitor_interval=0.5, start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic" / (f"node{global_rank()}" if slurm else ""))),
     )  # fmt: skip
     log.info("starting %d trainer process(es) with torch elastic; up to %d restarts from the newest checkpoint",
              nproc, restarts)  # fmt: skip

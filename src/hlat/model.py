@@ -79,9 +79,11 @@ class AttentionCore(nn.Module):
     the only activations that grow with T^2 here, for a small share of the FLOPs.
     """
 
-    def __init__(self, gqa: bool) -> None:
+    def __init__(self, gqa: bool, leak: int = 0) -> None:
         super().__init__()
         self.gqa = gqa
+        self.leak = leak
+        """Future keys each query sees in training (``model.mask_leak``); 0, causal, except to demonstrate a leak."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
@@ -100,6 +102,9 @@ class AttentionCore(nn.Module):
             own = torch.arange(T, device=q.device)
             allowed[:, own, own + (S - T)] = True
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=self.gqa)
+        if S == T and self.leak:  # the information-leak experiment only: query i also sees keys i+1 .. i+leak
+            leaky = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(self.leak)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=leaky, enable_gqa=self.gqa)
         if S == T:
             # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
             # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
@@ -204,7 +209,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per kv head
         self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
-        self.core = AttentionCore(gqa=self.n_rep > 1)
+        self.core = AttentionCore(gqa=self.n_rep > 1, leak=cfg.mask_leak)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(

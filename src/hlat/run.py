@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hlat import checkpoint
+from hlat import checkpoint, sweep
 from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
@@ -137,9 +137,13 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     n_params, est = estimate_memory(cfg, dims)
     log.info("%s", summary(cfg, dims, n_params, est, env.memory_budget_bytes))
     check_fits(est, env.memory_budget_bytes, cfg)  # before any allocation
+    if cfg.model.mask_leak:
+        log.warning("model.mask_leak=%d: attention sees %d future token(s); this run demonstrates the information "
+                    "leak and its loss means nothing", cfg.model.mask_leak, cfg.model.mask_leak)  # fmt: skip
     run_dir = run_dir or hydra_output_dir()
     root = checkpoint_root(cfg, run_dir)
     config = dataclasses.asdict(cfg)
+    lock = checkpoint.hold_lock(root) if env.rank == 0 else None  # one trainer per checkpoint directory
     resume = checkpoint.restart_resume(t.resume, root)
     resume_from = checkpoint.find_resume(resume, root)
     if resume_from is not None:
@@ -158,7 +162,13 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     uptime, job_run_id = _job(job, checkpoint.read_job(root) if resume != "never" else {}, launched)
 
     progress = ProgressBar(total=t.steps, initial=state.step) if env.rank == 0 else None
-    tags = {"backend": backend.name, "run_dir": str(run_dir), "checkpoint_dir": str(root)}
+    tags = {
+        "backend": backend.name,
+        "run_dir": str(run_dir),
+        "checkpoint_dir": str(root),
+        sweep.HASH_TAG: sweep.config_hash(config),
+        **sweep.parent_tags(run_dir, cfg.tracker.experiment),
+    }
     if resume_from is not None:
         tags["resumed_from"] = str(resume_from)
     elif t.init_from:
@@ -241,6 +251,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
                 log.exception("the checkpoint in flight failed as well")
         data.close()
         tracker.finish(status)
+        if lock is not None:
+            lock.close()
         if evals is not None:
             evals.close()  # the evaluations along training log into this run: let them finish
 
@@ -397,33 +409,63 @@ def _print_continue_hint(cfg: RunConfig) -> None:
               "(or set cluster.max_restarts to recover automatically)", file=sys.stderr)  # fmt: skip
 
 
-def entry(hydra_cfg: DictConfig) -> None:
-    """Command-line entry: train, under torch elastic when ``cluster.max_restarts > 0``.
+def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[float]]:
+    """Train in this process, or under torch elastic when the cluster asks for it.
+
+    Returns:
+        The MLflow run id (None without MLflow) and the loss points this process logged (none when supervised).
+    """
+    from hlat.launch import supervise, wants_launcher
+
+    if wants_launcher(cfg):
+        run_dir = hydra_output_dir()
+        supervise(hydra_cfg, cfg, run_dir)
+        return checkpoint.read_job(checkpoint_root(cfg, run_dir)).get("mlflow_run_id"), []
+    try:
+        result = main(hydra_cfg)
+    except (ConfigError, HaltedError, checkpoint.CheckpointError):
+        raise
+    except BaseException:  # a crash or Ctrl-C: say how to pick the run up again
+        _print_continue_hint(cfg)
+        raise
+    return result.mlflow_run_id, [v for _, v in result.history.series("train/loss")]
+
+
+def error_message(e: BaseException) -> str | None:
+    """The one-line report of a failure the user can act on (config, halt, checkpoint, restarts); None otherwise."""
+    from hlat.launch import JobFailedError
+
+    if isinstance(e, ConfigError):
+        return f"hlat: configuration error: {e}"
+    if isinstance(e, (JobFailedError, HaltedError, checkpoint.CheckpointError)):
+        return f"hlat: {e}"
+    return None
+
+
+def entry(hydra_cfg: DictConfig) -> float | None:
+    """Command-line entry: train, under torch elastic when ``cluster.max_restarts > 0`` or several processes.
 
     A configuration error prints one clean message and exits 2; a failure a rerun can continue from (a halt, a
-    full disk, restarts exhausted) prints what happened and how to continue, and exits 1.
+    full disk, restarts exhausted) prints what happened and how to continue, and exits 1. A job of a multirun
+    (``-m``) goes through :func:`hlat.sweep.run_job` instead, which never exits: it returns the job's objective.
     """
-    from hlat.launch import JobFailedError, supervise, wants_launcher
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return sweep.run_job(hydra_cfg, hydra_output_dir(), _train)
+    cfg = None
     try:
         cfg = to_run_config(hydra_cfg)
-        if wants_launcher(cfg):
-            supervise(hydra_cfg, cfg, hydra_output_dir())
-        else:
-            try:
-                main(hydra_cfg)
-            except (ConfigError, HaltedError, checkpoint.CheckpointError):
-                raise
-            except BaseException:  # a crash or Ctrl-C: say how to pick the run up again
-                _print_continue_hint(cfg)
-                raise
-    except ConfigError as e:
-        print(f"hlat: configuration error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except JobFailedError as e:
-        print(f"hlat: {e}", file=sys.stderr)
+        _train(hydra_cfg, cfg)
+    except (ConfigError, HaltedError, checkpoint.CheckpointError) as e:
+        print(error_message(e), file=sys.stderr)
+        if cfg is not None and not isinstance(e, ConfigError):
+            _print_continue_hint(cfg)
+        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+    except Exception as e:
+        if (message := error_message(e)) is None:
+            raise
+        print(message, file=sys.stderr)
         raise SystemExit(1) from None
-    except (HaltedError, checkpoint.CheckpointError) as e:
-        print(f"hlat: {e}", file=sys.stderr)
-        _print_continue_hint(cfg)
-        raise SystemExit(1) from None
+    return None

@@ -5,6 +5,7 @@ Used by ``hlat compare``; mlflow is imported inside the functions, so importing 
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ METRIC_KEYS = (
     "train/param_norm",
     "perf/tokens_per_s",
     "perf/step_time_s",
+    "sys/peak_rss_gib",
+    "sys/cuda_max_allocated_gib",
 )
 
 # MLflow's run statuses (mlflow.entities.RunStatus), for checking ``status`` before it goes into a filter string.
@@ -105,7 +108,7 @@ def _all_experiments(client: Any) -> list[Any]:
             return experiments
 
 
-def _history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
+def history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
     """One metric's history sorted by step; a step logged twice keeps its latest value."""
     by_step: dict[int, tuple[int, float]] = {}
     for m in client.get_metric_history(run_id, key):
@@ -115,13 +118,18 @@ def _history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(step, by_step[step][1]) for step in sorted(by_step)]
 
 
+def tail_mean(values: list[float]) -> float:
+    """Mean of the last 10% of ``values`` (at least one): the "final loss" of a run, and a sweep's objective."""
+    return statistics.fmean(values[-max(1, len(values) // 10) :])
+
+
 def _load(client: Any, run: Any) -> RunData:
     info = run.info
     return RunData(
         run_id=info.run_id,
         run_name=info.run_name or info.run_id[:8],
         params=dict(run.data.params),
-        metrics={key: _history(client, info.run_id, key) for key in METRIC_KEYS},
+        metrics={key: history(client, info.run_id, key) for key in METRIC_KEYS},
         status=info.status,
         run_dir=run.data.tags.get("run_dir"),
     )
@@ -237,7 +245,11 @@ def _select(
     root = Path(sweep_dir).expanduser().resolve()
     experiment_ids = [e.experiment_id for e in _all_experiments(client)]
     candidates = _search_all(client, experiment_ids, "") if experiment_ids else []
-    runs = [run for run in candidates if run.data.tags.get("run_dir") and _under(run.data.tags["run_dir"], root)]
+    from hlat.sweep import recorded_run_ids
+
+    recorded = set(recorded_run_ids(root))  # skipped jobs point at runs of an earlier sweep
+    runs = [run for run in candidates if run.info.run_id in recorded
+            or (run.data.tags.get("run_dir") and _under(run.data.tags["run_dir"], root))]  # fmt: skip
     if not runs:
         raise ValueError(
             f"no MLflow run at {uri} has its run_dir tag under {root}; check --sweep (a Hydra multirun "

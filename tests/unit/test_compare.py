@@ -383,3 +383,15 @@ def test_import_is_cheap() -> None:
     code = "import sys, hlat.compare; print(sorted(m for m in ('mlflow', 'matplotlib') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_peak_memory_column_appears_when_logged_and_prefers_cuda() -> None:
+    cpu = run("cpu", {"k": "a"}, **{"sys/peak_rss_gib": [(1, 1.5), (2, 2.25)]})
+    gpu = run("gpu", {"k": "b"}, **{"sys/peak_rss_gib": [(1, 9.0)], "sys/cuda_max_allocated_gib": [(1, 3.0), (2, 4.0)]})
+    header, *rows = table_rows(summary_table([cpu, gpu]))
+    assert header[-1] == "peak memory GiB (rank 0)"
+    assert [r[-1] for r in rows] == ["2.25", "4.00"]
+    assert "peak memory" not in summary_table([run("x", {"k": "a"}), run("y", {"k": "b"})])
+    assert "fault.name" not in compare.differing_keys(
+        [run("a", {"fault.name": "kill"}), run("b", {"fault.name": "none"})]
+    )

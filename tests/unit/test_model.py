@@ -86,6 +86,22 @@ def test_causal_future_tokens_never_change_past_logits() -> None:
             assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :])  # and the future does see them
 
 
+def test_mask_leak_lets_each_position_see_exactly_that_many_future_tokens() -> None:
+    # The switch of the information-leak experiment: it must really leak (else that experiment shows nothing),
+    # and by exactly mask_leak tokens per layer (one layer here); the causal test above guards the default.
+    for leak in (1, 2):
+        model = build(dataclasses.replace(TINY, mask_leak=leak, n_layers=1))
+        tokens = torch.randint(0, TINY.vocab_size, (2, 24))
+        with torch.no_grad():
+            base = model(tokens)
+            changed = tokens.clone()
+            changed[:, 10] = (changed[:, 10] + 1) % TINY.vocab_size  # one token changes
+            out = model(changed)
+        torch.testing.assert_close(out[:, : 10 - leak], base[:, : 10 - leak], atol=1e-5, rtol=1e-5)
+        for t in range(10 - leak, 10):  # the positions that see position 10 through the leak
+            assert not torch.allclose(out[:, t], base[:, t])
+
+
 def test_left_padded_batch_with_mask_matches_each_row_alone() -> None:
     model = build()
     lengths = [11, 4, 7, 1]

@@ -148,6 +148,11 @@ class NeuronBackend:
         ranks = Ranks.from_env()  # RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them
         # Validate everything before the runtime starts or anything compiles.
         self.dims = ParallelDims.build(cfg.parallelism, ranks.world_size, cfg.model, cfg.train)
+        if cfg.model.mask_leak:
+            raise ConfigError(
+                f"model.mask_leak={cfg.model.mask_leak} (the information-leak demonstration) runs on the torch backend "
+                "only: NxD's attention is always causal; set model.mask_leak=0"
+            )
         apply_env(neuron_env(cfg))
         self._api = api = _import_api()
         if not dist.is_initialized():

@@ -69,3 +69,16 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
+    _register_resolvers()
+
+
+def _register_resolvers() -> None:
+    """Resolvers that keep ranks of one job in one directory (``hydra.run.dir``, ``hydra.sweep.dir``, logs)."""
+    from omegaconf import OmegaConf
+
+    from hlat import launch
+
+    for name, fn in (("hlat.job_stamp", launch.job_stamp), ("hlat.rank_zero_only", launch.rank_zero_only),
+                     ("hlat.rank_suffix", launch.rank_suffix)):  # fmt: skip
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=name == "hlat.job_stamp")

@@ -112,6 +112,9 @@ class TrackerConfig(_Frozen):
     """Every this many steps, log the gradient norm of each layer (``grad_norm/layers.<i>``, ...); 0: off, no cost."""
     system_metrics: bool = True
     """MLflow's own system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s, in MLflow's thread."""
+    skip_finished: bool = True
+    """In a multirun (``-m``), a job whose config (``hlat.sweep.config_hash``) already FINISHED in this experiment
+    is skipped, and one whose earlier run died continues from its checkpoints; false runs every job again."""
 
     def __post_init__(self) -> None:
         _check_choice("tracker.kind", self.kind, ("mlflow", "console"))

@@ -35,6 +35,10 @@ class ModelConfig(_Frozen):
     """Std of the normal init of every linear and embedding weight (HLAT's scripts: 0.021)."""
     scaled_init: bool = True
     """Scale the init std of attention and MLP output projections by 1/sqrt(2*l), l the 1-based layer index."""
+    mask_leak: int = 0
+    """Future positions each query may attend to in training. 0 (always, for real training) is causal attention.
+    A positive value deliberately breaks causality to reproduce the paper's leaky-mask bug (train loss falls toward
+    0, slides p.28); only ``experiments/information_leak`` and the tests that prove causality set it."""
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -54,6 +58,7 @@ class ModelConfig(_Frozen):
             "n_kv_heads must divide n_heads (or be null for multi-head attention)",
         )
         _check(self.init_std > 0, f"model.init_std={self.init_std} must be positive")
+        _check(self.mask_leak >= 0, f"model.mask_leak={self.mask_leak} must be >= 0 (0: causal attention)")
         self._freeze()
 
     @property

@@ -1,0 +1,103 @@
+"""The Hydra callback of every multirun (``hydra.callbacks.sweep`` in ``conf/config.yaml``).
+
+At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.sweep``). At the
+end it compares the sweep's runs as ``hlat compare --sweep <dir>`` does (``comparison.md``, ``comparison.png`` in
+the sweep directory and on the parent run) and fails the sweep if a job failed, naming the jobs and their logs.
+Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from hlat import sweep
+
+log = logging.getLogger(__name__)
+
+
+def _uri(config: DictConfig) -> str | None:
+    """The sweep's MLflow tracking URI, or None when it does not track to MLflow (or only plans: dry runs)."""
+    from hlat.trackers import default_uri
+
+    tracker = config.get("tracker", {})
+    if tracker.get("kind") != "mlflow" or config.get("train", {}).get("dry_run"):
+        return None
+    return tracker.get("uri") or default_uri()
+
+
+class SweepCallback(Callback):
+    """MLflow parent run, comparison report and failure summary of a Hydra multirun."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        uri = _uri(config)
+        if sweep.rank() != 0 or uri is None:
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if (sweep_dir / sweep.SWEEP_FILE).exists():  # this sweep started before (a restarted launcher)
+            return
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        name = config.tracker.experiment
+        exp = client.get_experiment_by_name(name)
+        experiment_id = exp.experiment_id if exp else client.create_experiment(name)
+        overrides = " ".join(config.hydra.overrides.task)
+        run = client.create_run(experiment_id, run_name=f"sweep {sweep_dir.name}", tags={
+            "hlat.sweep_dir": str(sweep_dir.resolve()), "hlat.sweep_overrides": overrides[:5000],
+            "mlflow.note.content": f"Hydra multirun `{config.hydra.job.config_name}` {overrides}"[:5000]})  # fmt: skip
+        (sweep_dir / sweep.SWEEP_FILE).write_text(json.dumps(
+            {"parent_run_id": run.info.run_id, "experiment": name, "uri": uri}, indent=2) + "\n")  # fmt: skip
+        log.info("sweep %s: MLflow parent run %s in experiment %r", sweep_dir, run.info.run_id, name)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if sweep.rank() != 0:
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        records = sweep.job_records(sweep_dir)
+        failed = {d: r for d, r in records.items() if r.get("status") == "failed"}
+        counts = {s: sum(r.get("status") == s for r in records.values()) for s in ("finished", "skipped", "failed")}
+        print(f"hlat: sweep {sweep_dir}: {len(records)} jobs, " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+        parent = (
+            json.loads((sweep_dir / sweep.SWEEP_FILE).read_text()) if (sweep_dir / sweep.SWEEP_FILE).exists() else None
+        )
+        uri = _uri(config)
+        if uri is not None and sweep.recorded_run_ids(sweep_dir):
+            self._compare(uri, sweep_dir, parent)
+        if parent is not None:
+            from mlflow import MlflowClient
+
+            MlflowClient(tracking_uri=uri).set_terminated(parent["parent_run_id"], "FAILED" if failed else "FINISHED")
+        if failed:
+            jobs = "; ".join(f"{d.name} (log: {d / 'train.log'})" for d in failed)
+            print(f"hlat: {len(failed)} of {len(records)} jobs failed: {jobs}. Fix the cause and run the same "
+                  "command again: finished jobs are skipped and the failed ones continue from their newest "
+                  "checkpoint", file=sys.stderr)  # fmt: skip
+            raise SystemExit(1)  # Hydra turns a callback's exceptions into warnings; the sweep must fail
+
+    @staticmethod
+    def _compare(uri: str, sweep_dir: Path, parent: dict[str, Any] | None) -> None:
+        """``hlat compare --sweep`` over this sweep; a comparison that fails is logged, never fails the sweep."""
+        from hlat.compare import summary_table, write_report
+        from hlat.runs import select_runs
+
+        try:
+            runs = select_runs(uri, sweep_dir=str(sweep_dir), status=None)
+            md, png = write_report(runs, sweep_dir, title=f"Sweep {sweep_dir}: {len(runs)} MLflow runs")
+            print(summary_table(runs))
+            print(f"\ncomparison: {md}\nplot:       {png}\nagain:      hlat compare --sweep {sweep_dir} --uri {uri}")
+            if parent is not None:
+                from mlflow import MlflowClient
+
+                client = MlflowClient(tracking_uri=uri)
+                for f in (md, png):
+                    client.log_artifact(parent["parent_run_id"], str(f))
+        except Exception:
+            log.exception("could not compare the runs of sweep %s", sweep_dir)

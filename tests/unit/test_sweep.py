@@ -1,0 +1,181 @@
+"""Sweep jobs: config hash, skip / continue / train decisions from MLflow, rank agreement, objective, resolvers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hlat import checkpoint, launch, sweep
+from hlat.config import ConfigError
+from hlat.run import to_run_config
+from tests.conftest import compose_cfg
+
+
+def run_config(tmp_path: Path, *overrides: str):
+    return to_run_config(compose_cfg(f"tracker.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracker.experiment=sw",
+                                     *overrides))  # fmt: skip
+
+
+def client(tmp_path: Path):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def make_run(tmp_path: Path, h: str, status: str, **tags: str) -> str:
+    c = client(tmp_path)
+    exp = c.get_experiment_by_name("sw")
+    exp_id = exp.experiment_id if exp else c.create_experiment("sw")
+    run = c.create_run(exp_id, tags={sweep.HASH_TAG: h, **tags})
+    for step, loss in enumerate([5.0, 4.0, 3.0, 2.5, 2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.0], start=1):
+        c.log_metric(run.info.run_id, "train/loss", loss, step=step)
+    c.set_terminated(run.info.run_id, status)
+    return run.info.run_id
+
+
+def test_config_hash_ignores_where_output_goes_but_not_what_is_computed(tmp_path: Path) -> None:
+    base = dataclasses.asdict(run_config(tmp_path))
+    same = dataclasses.asdict(run_config(tmp_path, "train.checkpoint_dir=/elsewhere", "tracker.run_name=x",
+                                         "train.resume=never", "fault=kill", "data.worker=none"))  # fmt: skip
+    assert sweep.config_hash(same) == sweep.config_hash(base)
+    for override in ("optimizer.beta2=0.99", "model.scaled_init=false", "train.seed=1", "precision=bf16_sr"):
+        assert sweep.config_hash(dataclasses.asdict(run_config(tmp_path, override))) != sweep.config_hash(base)
+
+
+def test_decide_trains_skips_a_finished_run_and_continues_a_dead_one(tmp_path: Path, monkeypatch) -> None:
+    cfg = run_config(tmp_path)
+    h = sweep.config_hash(dataclasses.asdict(cfg))
+    assert sweep.decide(cfg, tmp_path / "job0").action == "train"  # nothing in MLflow yet
+
+    dead_root = tmp_path / "old" / "checkpoints"
+    dead_root.mkdir(parents=True)
+    dead = make_run(tmp_path, h, "KILLED", checkpoint_dir=str(dead_root), run_dir=str(tmp_path / "old"))
+    monkeypatch.setattr(checkpoint, "latest", lambda root: root / "step_00000004" if root == dead_root else None)
+    d = sweep.decide(cfg, tmp_path / "job1")
+    assert (d.action, d.run_id, d.checkpoint_dir) == ("resume", dead, str(dead_root))
+
+    # A live trainer holds that directory (another sweep still running it): train afresh instead of sharing it.
+    lock = checkpoint.hold_lock(dead_root)
+    try:
+        assert sweep.decide(cfg, tmp_path / "job2").action == "train"
+    finally:
+        lock.close()
+
+    finished = make_run(tmp_path, h, "FINISHED")
+    make_run(tmp_path, "0" * 16, "FINISHED")  # another config: never picked
+    d = sweep.decide(cfg, tmp_path / "job3")
+    assert (d.action, d.run_id, d.config_hash) == ("skip", finished, h)
+    record = json.loads((tmp_path / "job3" / sweep.JOB_FILE).read_text())
+    assert record["decision"]["action"] == "skip"
+
+    off = run_config(tmp_path, "tracker.skip_finished=false")
+    assert sweep.decide(off, tmp_path / "job4").action == "train"
+
+
+def test_a_restarted_job_keeps_its_first_decision_and_other_ranks_follow_rank_0(tmp_path: Path, monkeypatch) -> None:
+    cfg = run_config(tmp_path)
+    job = tmp_path / "job"
+    first = sweep.decide(cfg, job)
+    make_run(tmp_path, first.config_hash, "FINISHED")  # finished after this job decided to train
+    assert sweep.decide(cfg, job) == first  # the restart does not skip its own job
+
+    other = tmp_path / "other"
+    monkeypatch.setenv("RANK", "1")
+    decided: list = []
+    t = threading.Thread(target=lambda: decided.append(sweep.decide(cfg, other)))
+    t.start()
+    time.sleep(0.5)
+    assert not decided  # rank 1 waits for rank 0's record, it never asks MLflow itself
+    other.mkdir()
+    (other / sweep.JOB_FILE).write_text(json.dumps({"decision": {"action": "skip", "config_hash": "h", "run_id": "r"}}))
+    t.join(timeout=5)
+    assert decided == [sweep.Decision("skip", "h", run_id="r")]
+
+
+def test_a_rank_waiting_for_rank_0_gives_up_with_the_reason(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(TimeoutError, match=r"rank 3 waited .* rank 0 .*\(hydra.sweep.dir\)"):
+        sweep._wait_for(tmp_path, "decision", timeout_s=0.3)
+
+
+def test_objective_is_the_tail_mean_from_mlflow_and_finish_records_it(tmp_path: Path) -> None:
+    run_id = make_run(tmp_path, "h", "FINISHED")
+    value = sweep.objective(f"sqlite:///{tmp_path / 'mlflow.db'}", run_id, [])
+    assert value == pytest.approx(1.0)  # 12 points: the last one
+    assert sweep.objective(None, None, [4.0] * 10 + [2.0, 1.0]) == pytest.approx(1.0)
+    assert math.isnan(sweep.objective(None, None, []))
+    job = tmp_path / "sweep" / "0"
+    job.mkdir(parents=True)
+    sweep.finish_job(job, mlflow_run_id=run_id, status="finished", objective=value)
+    assert sweep.job_objective(job) == value
+    sweep.finish_job(job, mlflow_run_id=run_id, status="finished", objective=math.nan)
+    assert sweep.job_objective(job) == math.inf  # diverged: the worst value for a minimizing sweeper
+    assert sweep.recorded_run_ids(tmp_path / "sweep") == [run_id]
+
+
+def test_parent_tags_only_for_a_sweep_of_the_same_experiment(tmp_path: Path) -> None:
+    job = tmp_path / "sweep" / "0"
+    job.mkdir(parents=True)
+    assert sweep.parent_tags(job, "sw") == {}
+    (tmp_path / "sweep" / sweep.SWEEP_FILE).write_text(json.dumps({"parent_run_id": "p", "experiment": "sw"}))
+    assert sweep.parent_tags(job, "sw")["mlflow.parentRunId"] == "p"
+    assert sweep.parent_tags(job, "other") == {}
+
+
+def test_directory_lock_refuses_a_second_trainer(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    assert not checkpoint.is_locked(root)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from hlat.checkpoint import hold_lock; "
+        f"f = hold_lock(Path({str(root)!r})); print('held', flush=True); time.sleep(30)")],
+        stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert checkpoint.is_locked(root)
+        with pytest.raises(ConfigError, match=r"another process is training into .*hydra\.run\.dir"):
+            checkpoint.hold_lock(root)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not checkpoint.is_locked(root)  # a killed trainer leaves no lock behind
+    checkpoint.hold_lock(root).close()
+
+
+def test_rank_resolvers_and_the_job_stamp_shared_through_the_agent_store(monkeypatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    assert (launch.rank_zero_only(".hydra"), launch.rank_suffix()) == (".hydra", "")
+    monkeypatch.setenv("SLURM_PROCID", "2")  # one Slurm task per node
+    assert (launch.rank_zero_only(".hydra"), launch.rank_suffix()) == (None, "_rank2")
+    monkeypatch.setenv("RANK", "0")  # torchrun's RANK wins
+    assert launch.global_rank() == 0
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the torchrun agent's store
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    first = launch.job_stamp()
+    assert store.get("hlat/job_stamp").decode() == first  # the first rank to ask stores its time
+    store.set("hlat/job_stamp", "2020-01-01/00-00-00")  # as if that rank had asked long ago
+    assert launch.job_stamp() == "2020-01-01/00-00-00"  # every later rank (or a restart) gets the stored value
+
+
+def test_slurm_rendezvous_meets_at_the_first_host(monkeypatch) -> None:
+    assert launch.slurm_rendezvous() is None
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    for key, value in {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "trn-[3-6]", "SLURM_JOB_NUM_NODES": "4",
+                       "SLURM_NNODES": "4", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                       "SLURM_NTASKS": "4"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    assert launch.slurm_rendezvous() == (f"trn-3:{launch.RDZV_PORT}", "slurm-77", 4)
