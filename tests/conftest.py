@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,3 +28,18 @@ def compose_cfg(*overrides: str) -> DictConfig:
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One data cache (builtin corpus, trained tokenizers) shared by the whole session."""
     return tmp_path_factory.mktemp("hlat-cache")
+
+
+@contextmanager
+def lock_held_elsewhere(root: Path) -> Iterator[None]:
+    """Another live process holds ``root``'s trainer lock (``hlat.checkpoint.hold_lock``) inside the block."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from hlat.checkpoint import hold_lock; "
+        f"f = hold_lock(Path({str(root)!r})); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()

@@ -100,8 +100,11 @@ def _restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector)
 
 def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: dict[str, str], rank: int,
                     extra: list, derived: dict[str, Any], run_id: str | None) -> tuple:  # fmt: skip
-    """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files."""
-    prov_tags, files = write_provenance(run_dir, OmegaConf.to_yaml(hydra_cfg, resolve=True))
+    """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files.
+
+    Rank 0 alone writes the files (every rank of a job shares ``run_dir``) and alone tracks to MLflow.
+    """
+    prov_tags, files = write_provenance(run_dir, OmegaConf.to_yaml(hydra_cfg, resolve=True)) if rank == 0 else ({}, [])
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
     tracker, mlflow_tracker = build_tracker(
         cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra, run_id=run_id
@@ -143,12 +146,14 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     run_dir = run_dir or hydra_output_dir()
     root = checkpoint_root(cfg, run_dir)
     config = dataclasses.asdict(cfg)
-    lock = checkpoint.hold_lock(root) if env.rank == 0 else None  # one trainer per checkpoint directory
     resume = checkpoint.restart_resume(t.resume, root)
     resume_from = checkpoint.find_resume(resume, root)
     if resume_from is not None:
-        checkpoint.check_compatible(resume_from, config)  # before anything is built
+        checkpoint.check_compatible(resume_from, config)  # before anything is built, or any directory made
     checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or est.params + est.optimizer)
+    # One trainer per checkpoint directory. Taken after the read-only checks above, which a live trainer's
+    # directory cannot fool: if another trainer holds it, this raises before anything is built.
+    lock = checkpoint.hold_lock(root) if env.rank == 0 else None
 
     data = build_loader(
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,

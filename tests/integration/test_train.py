@@ -15,7 +15,7 @@ import yaml
 
 from hlat.config import ConfigError
 from hlat.run import main
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, lock_held_elsewhere
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_RUN = [
@@ -271,6 +271,15 @@ def test_resume_with_another_model_shape_fails_before_any_work(tmp_path: Path, c
     with pytest.raises(ConfigError, match=r"cannot resume .*step_00000002: model\.dim=128 in the checkpoint but 64"):
         main(compose_cfg(*common, "model.dim=64", resume), run_dir=tmp_path / "second")
     assert not (tmp_path / "second").exists()  # refused before the run directory, model or data were made
+
+
+def test_a_second_trainer_into_a_live_runs_directory_is_refused_before_any_work(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_cfg(*SMALL_RUN, "tracker=console", f"data.cache_dir={tmp_path / 'cache'}")
+    refused = pytest.raises(ConfigError, match=r"another process is training into .*run/checkpoints")
+    with lock_held_elsewhere(tmp_path / "run" / "checkpoints"), refused:
+        main(cfg, run_dir=tmp_path / "run")
+    assert not (tmp_path / "cache").exists()  # refused before the data (corpus, tokenizer) was touched
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +14,7 @@ import pytest
 from hlat import checkpoint, launch, sweep
 from hlat.config import ConfigError
 from hlat.run import to_run_config
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, lock_held_elsewhere
 
 
 def run_config(tmp_path: Path, *overrides: str):
@@ -133,18 +131,10 @@ def test_parent_tags_only_for_a_sweep_of_the_same_experiment(tmp_path: Path) -> 
 def test_directory_lock_refuses_a_second_trainer(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     assert not checkpoint.is_locked(root)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from hlat.checkpoint import hold_lock; "
-        f"f = hold_lock(Path({str(root)!r})); print('held', flush=True); time.sleep(30)")],
-        stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(root):
         assert checkpoint.is_locked(root)
         with pytest.raises(ConfigError, match=r"another process is training into .*hydra\.run\.dir"):
             checkpoint.hold_lock(root)
-    finally:
-        holder.kill()
-        holder.wait()
     assert not checkpoint.is_locked(root)  # a killed trainer leaves no lock behind
     checkpoint.hold_lock(root).close()
 
