@@ -171,8 +171,13 @@ def summary_table(runs: Sequence[RunData]) -> str:
 
 
 def label(run: RunData, keys: Sequence[str]) -> str:
-    """A legend label: the run name plus its values of ``keys``, e.g. ``bf16 (precision.name=bf16)``."""
-    values = ", ".join(f"{k}={run.params.get(k, '-')}" for k in keys)
+    """A legend label: the run name plus its values of ``keys``, e.g. ``bf16 (precision.name=bf16)``.
+
+    Values the name already states are left out: a sweep job is named by its overrides (``model.mask_leak=1``).
+    """
+    named = {part.strip().lower() for part in run.run_name.split(",")}
+    pairs = (f"{k}={run.params.get(k, '-')}" for k in keys)
+    values = ", ".join(p for p in pairs if p.lower() not in named)
     return f"{run.run_name} ({values})" if values else run.run_name
 
 

@@ -320,6 +320,9 @@ def test_label_names_the_differing_values() -> None:
     a = run("a", {"precision.name": "fp32", "optimizer.beta2": "0.95"})
     assert compare.label(a, ["optimizer.beta2", "precision.name"]) == "a (optimizer.beta2=0.95, precision.name=fp32)"
     assert compare.label(a, []) == "a"
+    swept = run("optimizer.beta2=0.95,train.seed=2", a.params)  # a sweep job: named by its overrides
+    assert compare.label(swept, ["optimizer.beta2", "precision.name"]) == f"{swept.run_name} (precision.name=fp32)"
+    assert compare.label(swept, ["optimizer.beta2"]) == swept.run_name
 
 
 # --------------------------------------------------------------------------------------------------- report and CLI
