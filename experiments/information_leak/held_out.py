@@ -45,6 +45,7 @@ def held_out_loss(model: torch.nn.Module, docs: list[list[int]]) -> float:
 
 
 def main() -> None:
+    """Score the sweep's leaky and causal models on held-out text and print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep_dir", type=Path, help="the sweep directory, multirun/information_leak/<date>/<time>")
     parser.add_argument("--out", type=Path, help="also write the report here")
