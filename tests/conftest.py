@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -22,6 +23,16 @@ def compose_cfg(*overrides: str) -> DictConfig:
     """Compose conf/config.yaml with ``overrides``, exactly as ``python train.py`` would."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """Every test starts with torch's thread count as the session began: tests that pin one thread (multi-process
+    parity) must not change the numerics of later in-process runs compared with subprocess ones. On some CPUs one
+    and two threads give different bits, which broke a bitwise-recovery oracle computed in-process."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
