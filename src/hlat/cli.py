@@ -24,6 +24,8 @@ USAGE = """hlat COMMAND [hydra overrides...]
 commands:
   train     train as configured (same as `python train.py ...`)
   summary   validate, count parameters on the meta device, estimate memory, and exit (train.dry_run=true)
+  plan      memory per device, step time, MFU and cost per 4M tokens on the cluster, predicted without hardware:
+            `hlat plan [overrides] [--nodes 4,8,16,32,64] [--json] [--paper]` (docs/planner.md)
   data      prepare data: `hlat data prepare INPUT... --output DIR`, `hlat data tokenizer --data PATH ...`
             (see `hlat data --help`)
   compare   compare MLflow runs: `hlat compare --experiment NAME | --runs ID... | --sweep DIR [--out DIR]`
@@ -205,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(hf_main(argv))
     if argv and argv[0] == "eval":
         raise SystemExit(_eval(argv[1:]))
+    if argv and argv[0] == "plan":
+        from hlat.plan_report import main as plan_main
+
+        raise SystemExit(plan_main(argv[1:]))
     if argv and argv[0] == "bench":
         if argv[1:2] != ["peak"]:
             print("hlat: usage: hlat bench peak [--cache-dir DIR] [--size N] [--seconds S]", file=sys.stderr)

@@ -1,15 +1,21 @@
-"""Pre-flight memory estimate: refuse a run that cannot fit before anything is allocated."""
+"""Pre-flight memory estimate: refuse a run that cannot fit before anything is allocated, and name the fix.
+
+The step-time side of the planner is ``hlat.perf_model``; ``hlat plan`` (``hlat.plan_report``) prints both.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
 
-from hlat.config import ClusterConfig, ConfigError, RunConfig
+from hlat.config import ClusterConfig, ConfigError, ModelConfig, RunConfig
 from hlat.model import count_params
-from hlat.parallel import ParallelDims
+from hlat.parallel import ParallelDims, valid_tp
 from hlat.precision import BYTES, bytes_per_param
 
 GiB = 1024**3
@@ -24,6 +30,8 @@ class MemoryEstimate:
     optimizer: int
     """AdamW moments plus the fp32 master copy, when the precision mode keeps one."""
     activations: int
+    master: int = 0
+    """The part of ``optimizer`` that is the fp32 master copy (already counted there)."""
 
     @property
     def total(self) -> int:
@@ -38,7 +46,7 @@ def estimate_memory(cfg: RunConfig, dims: ParallelDims) -> tuple[int, MemoryEsti
     ``activation_bytes``, plus the fp32 logits and their gradient (the cross-entropy keeps both), split over tp.
     """
     m, t = cfg.model, cfg.train
-    n = count_params(m)
+    n = param_count(m)
     shard = dims.tp * dims.pp
     bpp = bytes_per_param(cfg.precision)
     opt_shard = shard * (dims.dp if cfg.parallelism.zero1 else 1)
@@ -49,8 +57,20 @@ def estimate_memory(cfg: RunConfig, dims: ParallelDims) -> tuple[int, MemoryEsti
         grads=n * bpp.grads // shard,
         optimizer=n * (bpp.optimizer + bpp.master) // opt_shard,
         activations=int(act + logits / dims.tp),
+        master=n * bpp.master // opt_shard,
     )
     return n, est
+
+
+_PARAM_COUNTS: dict[tuple, int] = {}
+
+
+def param_count(model: ModelConfig) -> int:
+    """``hlat.model.count_params``, remembered per architecture (the planner asks for the same one many times)."""
+    key = dataclasses.astuple(model)
+    if key not in _PARAM_COUNTS:
+        _PARAM_COUNTS[key] = count_params(model)
+    return _PARAM_COUNTS[key]
 
 
 def activation_bytes(cfg: RunConfig, dims: ParallelDims) -> float:
@@ -78,20 +98,132 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims) -> float:
     return layers_held * layer
 
 
-def check_fits(est: MemoryEstimate, budget_bytes: int, cfg: RunConfig) -> None:
-    """Raise a ConfigError naming what to change when the estimate exceeds the device budget."""
+def check_fits(est: MemoryEstimate, budget_bytes: int, cfg: RunConfig, *, dims: ParallelDims | None = None) -> None:
+    """Raise a ConfigError naming what to change when the estimate exceeds the device budget.
+
+    The message suggests the first changes, in order of cost, that the estimate predicts to fit (``suggest_fixes``).
+    ``dims`` is the run's layout; without it, the one ``cfg.cluster`` plans.
+    """
     if est.total <= budget_bytes:
         return
+    if dims is None:
+        try:
+            dims = ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)
+        except ConfigError:
+            dims = None
+    fixes = suggest_fixes(cfg, dims, budget_bytes) if dims is not None else []
+    fix = ("Use a smaller model (model=tiny or model=small), a smaller train.micro_batch_size / train.seq_len, "
+           "or a cluster with more devices.")  # fmt: skip
+    if fixes:
+        shown = " or ".join(f"`{' '.join(f.overrides)}` (~{f.memory.total / GiB:.1f} GiB)" for f in fixes)
+        fix = (f"The planner predicts these would fit: {shown} (`hlat plan` with the same overrides shows the "
+               f"breakdown). Otherwise: {fix[0].lower()}{fix[1:]}")  # fmt: skip
     raise ConfigError(
         f"model={cfg.model.name} needs about {est.total / GiB:.1f} GiB per rank "
         f"(weights {est.params / GiB:.1f}, grads {est.grads / GiB:.1f}, AdamW state {est.optimizer / GiB:.1f}, "
         f"activations {est.activations / GiB:.1f}; precision={cfg.precision.name} keeps "
         f"{bytes_per_param(cfg.precision).total} bytes per parameter) "
         f"but this device offers {budget_bytes / GiB:.1f} GiB "
-        f"(cluster.memory_fraction={cfg.cluster.memory_fraction} of free memory). Use a smaller model "
-        "(model=tiny or model=small), a smaller train.micro_batch_size / train.seq_len, or a cluster with "
-        "more devices; `train.dry_run=true` prints the estimate without training."
+        f"(cluster.memory_fraction={cfg.cluster.memory_fraction} of free memory). {fix} These are estimates (runtime "
+        "buffers and fragmentation are not counted); `train.dry_run=true` prints one without training."
     )
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A change of the config that the memory estimate predicts to fit."""
+
+    overrides: tuple[str, ...]
+    """Hydra overrides, as for ``python train.py``."""
+    memory: MemoryEstimate
+    dims: ParallelDims
+
+
+def with_changes(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    """``cfg`` with ``{"group.field": value}`` replaced, validated again (every ``__post_init__``)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        group, name = key.split(".")
+        groups.setdefault(group, {})[name] = value
+    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kw) for g, kw in groups.items()})
+
+
+def override_text(changes: dict[str, Any]) -> tuple[str, ...]:
+    """Hydra override strings of ``changes`` (booleans lower-case)."""
+    return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
+
+
+def _candidate_changes(cfg: RunConfig, dims: ParallelDims) -> Iterator[dict[str, Any]]:
+    """Single changes that save memory, cheapest first.
+
+    Sequence parallelism, selective then full checkpointing, ZeRO-1, smaller micro-batches, more tensor parallelism
+    within a node, more pipeline stages, more nodes.
+    """
+    par, c = cfg.parallelism, cfg.cluster
+    if dims.tp > 1 and not par.sequence_parallel:
+        yield {"parallelism.sequence_parallel": True}
+    order = ("none", "selective", "full")
+    for mode in order[order.index(par.activation_checkpointing) + 1 :]:
+        yield {"parallelism.activation_checkpointing": mode}
+    if dims.dp > 1 and not par.zero1:
+        yield {"parallelism.zero1": True}
+    mbs = cfg.train.micro_batch_size // 2
+    while mbs >= 1:
+        yield {"train.micro_batch_size": mbs}
+        mbs //= 2
+    for tp in valid_tp(cfg.model, dims.world_size):
+        if dims.tp < tp <= max(c.devices_per_node, c.nproc_per_node):
+            yield {"parallelism.tp": tp, "parallelism.sequence_parallel": True}
+    for pp in range(dims.pp + 1, cfg.model.n_layers + 1):
+        if cfg.model.n_layers % pp == 0:
+            yield {"parallelism.pp": pp}
+    for factor in (2, 4, 8, 16, 32):
+        yield {"cluster.nodes": c.nodes * factor}
+
+
+def _try(cfg: RunConfig, dims: ParallelDims, changes: dict[str, Any], budget: int) -> Fix | None:
+    """The fix ``changes`` make, if the config stays valid and the estimate fits ``budget``."""
+    try:
+        new = with_changes(cfg, changes)
+        world = dims.world_size * new.cluster.nodes // cfg.cluster.nodes
+        new_dims = ParallelDims.build(new.parallelism, world, new.model, new.train)
+    except ConfigError:
+        return None
+    _, est = estimate_memory(new, new_dims)
+    return Fix(override_text(changes), est, new_dims) if est.total <= budget else None
+
+
+def suggest_fixes(cfg: RunConfig, dims: ParallelDims, budget_bytes: int, limit: int = 2) -> list[Fix]:
+    """Up to ``limit`` changes, cheapest first, that the estimate predicts to fit ``budget_bytes`` per device.
+
+    Single changes come first (in ``_candidate_changes`` order). When none fits alone, every memory saver is taken
+    together (sequence parallelism, full checkpointing, ZeRO-1, micro-batch 1, the widest tensor parallelism within a
+    node), then pipeline stages and nodes are added, fewest nodes first.
+    """
+    singles = list(_candidate_changes(cfg, dims))
+    fixes = [f for ch in singles if (f := _try(cfg, dims, ch, budget_bytes))][:limit]
+    if fixes:
+        return fixes
+    savers: dict[str, Any] = {"parallelism.zero1": True}
+    for ch in singles:
+        if not any(k.startswith(("parallelism.pp", "cluster.")) for k in ch):
+            savers |= ch  # later candidates are stronger: full over selective, smaller micro-batches, wider tp
+    savers = {k: v for k, v in savers.items() if getattr(_group(cfg, k), k.split(".")[1]) != v}
+    pps = [d for d in range(cfg.parallelism.pp, cfg.model.n_layers + 1) if cfg.model.n_layers % d == 0]
+    for factor in (1, 2, 4, 8, 16, 32):
+        for pp in pps:
+            ch = savers | ({"parallelism.pp": pp} if pp != cfg.parallelism.pp else {})
+            ch |= {"cluster.nodes": cfg.cluster.nodes * factor} if factor > 1 else {}
+            if fix := _try(cfg, dims, ch, budget_bytes):
+                fixes.append(fix)
+                if len(fixes) == limit:
+                    return fixes
+                break  # the next suggestion, if any, with more nodes
+    return fixes
+
+
+def _group(cfg: RunConfig, key: str) -> Any:
+    return getattr(cfg, key.split(".")[0])
 
 
 def planned_budget(cluster: ClusterConfig) -> int:

@@ -20,12 +20,13 @@ GiB = 1024**3
     ("preset", "backend", "nodes", "world"),
     [("cpu", "torch", 1, 1), ("cpu_x2", "torch", 1, 2), ("gpu_1x", "torch", 1, 1), ("gpu_8x", "torch", 1, 8),
      ("trn1_1node", "neuron", 1, 32), ("trn1_x4", "neuron", 4, 128), ("trn1_x32", "neuron", 32, 1024),
-     ("trn1_x64", "neuron", 64, 2048), ("trn1_x256", "neuron", 256, 8192)],
+     ("trn1_x64", "neuron", 64, 2048), ("trn1_x256", "neuron", 256, 8192), ("p4d_1node", "torch", 1, 8),
+     ("p4d_x64", "torch", 64, 512), ("p5_1node", "torch", 1, 8), ("trn1n_1node", "neuron", 1, 32)],
 )  # fmt: skip
 def test_cluster_presets(preset: str, backend: str, nodes: int, world: int) -> None:
     c = to_run_config(compose_cfg(f"cluster={preset}")).cluster
     assert (c.name, c.backend, c.nodes, c.world_size) == (preset, backend, nodes, world)
-    if backend == "neuron":  # PAPER.md: 95 TFLOPS and 16 GiB per NeuronCore, $21.50 per trn1.32xlarge-hour
+    if preset.startswith("trn1_"):  # PAPER.md: 95 TFLOPS and 16 GiB per NeuronCore, $21.50 per trn1.32xlarge-hour
         assert (c.peak_tflops, c.device_memory_gib, c.price_per_hour, c.devices_per_node) == (95.0, 16, 21.5, 32)
         assert c.efa_devices == 8 and c.compile_cache.startswith("/var/tmp")  # local disk, not FSx
         assert c.max_restarts == (3 if nodes > 1 else 0)
@@ -34,7 +35,7 @@ def test_cluster_presets(preset: str, backend: str, nodes: int, world: int) -> N
 def test_every_cluster_file_is_listed() -> None:
     names = sorted(p.stem for p in (CONF / "cluster").glob("*.yaml"))
     assert names == sorted(["cpu", "cpu_x2", "gpu", "gpu_1x", "gpu_8x", "trn1_1node", "trn1_x4", "trn1_x32",
-                            "trn1_x64", "trn1_x256"])  # fmt: skip
+                            "trn1_x64", "trn1_x256", "trn1n_1node", "p4d_1node", "p4d_x64", "p5_1node"])  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,26 @@ class ClusterConfig(_Frozen):
     """Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic, which restarts it up to
     this many times after a failure (a killed process, a hardware or communication error); each restart resumes
     from the newest valid checkpoint. 0: no supervision, the trainer runs in the launching process."""
+    intra_node_gb_s: float | None = None
+    """Bandwidth of ONE device to the other devices of its node, GB/s per direction (NeuronLink-v2 on trn1, NVLink on
+    GPUs): the tensor-parallel and in-node collectives of the step-time model (``hlat plan``). null: no model."""
+    inter_node_gbit_s: float | None = None
+    """Network bandwidth of ONE node to the others, Gbit/s per direction (EFA: 800 on trn1.32xlarge, 400 on
+    p4d.24xlarge), shared by the node's devices: the cross-node collectives of ``hlat plan``. null: no model."""
+    memory_gb_s: float | None = None
+    """HBM bandwidth of ONE device, GB/s: the (memory-bound) optimizer step of ``hlat plan``. null: no model."""
+    compute_efficiency: float | None = None
+    """Calibrated, in (0, 1]: the fraction of ``peak_tflops`` that the forward, backward and recomputed FLOPs of a
+    step achieve on this hardware and software stack, communication aside (docs/planner.md gives each preset's value
+    and how it was fitted). null: no step-time model."""
+    intra_node_efficiency: float = 1.0
+    """In (0, 1]: achieved fraction of ``intra_node_gb_s`` in large ring collectives (the "bus bandwidth" of the NCCL
+    tests and ``nccom-test`` over the link's)."""
+    inter_node_efficiency: float = 1.0
+    """In (0, 1]: achieved fraction of ``inter_node_gbit_s`` in collectives across nodes, at the job's scale."""
+    grad_reduce_overlap: float = 0.0
+    """In [0, 1]: fraction of the data-parallel gradient reduction hidden behind the backward pass (0: the gradients
+    are reduced after the last micro-batch, as NxD does)."""
 
     @property
     def world_size(self) -> int:
@@ -79,6 +99,16 @@ class ClusterConfig(_Frozen):
         _check(self.nodes >= 1, f"cluster.nodes={self.nodes} must be >= 1")
         _check(self.efa_devices >= 0, f"cluster.efa_devices={self.efa_devices} must be >= 0")
         _check(self.max_restarts >= 0, f"cluster.max_restarts={self.max_restarts} must be >= 0 (0: no supervision)")
+        for key in ("intra_node_gb_s", "inter_node_gbit_s", "memory_gb_s"):
+            v = getattr(self, key)
+            _check(v is None or v > 0, f"cluster.{key}={v} must be > 0 or null")
+        for key in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
+            v = getattr(self, key)
+            _check(v is None or 0 < v <= 1, f"cluster.{key}={v} must lie in (0, 1] (an achieved fraction)")
+        _check(
+            0 <= self.grad_reduce_overlap <= 1,
+            f"cluster.grad_reduce_overlap={self.grad_reduce_overlap} must lie in [0, 1]",
+        )
         self._freeze()
 
 
