@@ -105,7 +105,7 @@ def test_precision_adamw_on_fp32_equals_torch_adamw() -> None:
     ours, ref = _params(torch.float32), _params(torch.float32)
     opt = PrecisionAdamW(ours, **KW, master_weights=False, state_dtype=torch.float32, stochastic_rounding=False,
                          seed=0, chunk_numel=100)  # fmt: skip  # several chunks
-    ref_opt = torch.optim.AdamW(ref, **KW, foreach=True)
+    ref_opt = torch.optim.AdamW(ref, **KW, fused=True)
     for step in range(5):
         _grads(ours, step), _grads(ref, step)
         opt.step(), ref_opt.step()
@@ -118,7 +118,7 @@ def test_master_weights_keep_fp32_state_and_round_the_copy() -> None:
     master_ref = [p.detach().float().clone().requires_grad_() for p in params]
     opt = PrecisionAdamW(params, **KW, master_weights=True, state_dtype=torch.bfloat16, stochastic_rounding=False,
                          seed=0)  # fmt: skip
-    ref_opt = torch.optim.AdamW(master_ref, **KW, foreach=True)
+    ref_opt = torch.optim.AdamW(master_ref, **KW, fused=True)
     for step in range(5):
         _grads(params, step)
         for r, p in zip(master_ref, params, strict=True):
