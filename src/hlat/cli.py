@@ -29,6 +29,8 @@ commands:
   data      prepare data: `hlat data prepare INPUT... --output DIR`, `hlat data tokenizer --data PATH ...`
             (see `hlat data --help`)
   compare   compare MLflow runs: `hlat compare --experiment NAME | --runs ID... | --sweep DIR [--out DIR]`
+  doctor    pre-flight health check of the configured cluster: per rank, device, matmul TFLOP/s, all-reduce /
+            all-gather bandwidth and latency; names the failing nodes: `hlat doctor [overrides]` (docs/health.md)
   bench     `hlat bench peak`: measure this host's matmul peak FLOP/s (the CPU MFU denominator) and cache it
   eval      lm-evaluation-harness on checkpoints: `hlat eval checkpoint=PATH tasks=local|hlat_suite|truthfulness`
   export    `hlat export CHECKPOINT --out DIR`: the Hugging Face LLaMA layout (config.json, safetensors, tokenizer)
@@ -207,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(hf_main(argv))
     if argv and argv[0] == "eval":
         raise SystemExit(_eval(argv[1:]))
+    if argv and argv[0] == "doctor":
+        from hlat.health.doctor import main as doctor_main
+
+        raise SystemExit(doctor_main(argv[1:]))
     if argv and argv[0] == "plan":
         from hlat.plan_report import main as plan_main
 

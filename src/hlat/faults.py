@@ -1,9 +1,10 @@
 """Fault injection (``conf/fault/``): the failures HLAT's automatic recovery had to survive, on demand.
 
 A killed process (SIGKILL after a step), a crash in the middle of a checkpoint write, a corrupted newest
-checkpoint, a full disk (ENOSPC) while saving, and non-finite gradients. Each fault fires once per job: before
-firing, a marker file is written under ``<checkpoint dir>/faults/``, so the restarted process (which replays the
-steps since the last checkpoint) runs past it.
+checkpoint, a full disk (ENOSPC) while saving, non-finite gradients, and a hang in a collective (one rank enters an
+all-reduce the others never join, so every rank blocks: what the health watchdog must catch). Each fault fires once
+per job: before firing, a marker file is written under ``<checkpoint dir>/faults/``, so the restarted process (which
+replays the steps since the last checkpoint) runs past it.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import logging
 import os
 import random
 import signal
+import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from hlat.config import FaultConfig
+from hlat.config import ConfigError, FaultConfig
 from hlat.loop import StepOutput, TrainState
 
 log = logging.getLogger(__name__)
@@ -38,7 +41,7 @@ def _largest_file(path: Path) -> Path:
 
 
 class FaultInjector:
-    """Fires the faults of ``cfg``: a loop hook (kills), a grad hook (NaN) and a checkpoint callback (save faults).
+    """Fires the faults of ``cfg``: a loop hook (kills, the hang), a grad hook (NaN), a checkpoint callback (saves).
 
     Args:
         cfg: What to inject.
@@ -50,10 +53,23 @@ class FaultInjector:
     def __init__(self, cfg: FaultConfig, steps: int, markers: Path, rank: int = 0) -> None:
         self.cfg, self.markers, self.rank = cfg, markers, rank
         self.kills = set(kill_steps(cfg, steps))
+        self.hang_group = self._hang_group(cfg)
         if cfg.active:
             log.warning("fault injection (fault=%s): kill after steps %s, crash in save %s, corrupt %s, disk full "
-                        "%s, NaN gradients at %s", cfg.name, sorted(self.kills), cfg.crash_in_save_at,
-                        cfg.corrupt_at, cfg.disk_full_at, cfg.nonfinite_at)  # fmt: skip
+                        "%s, NaN gradients at %s, hang at %s on rank %d", cfg.name, sorted(self.kills),
+                        cfg.crash_in_save_at, cfg.corrupt_at, cfg.disk_full_at, cfg.nonfinite_at, cfg.hang_at,
+                        cfg.hang_rank)  # fmt: skip
+
+    @staticmethod
+    def _hang_group(cfg: FaultConfig) -> dist.ProcessGroup | None:
+        """A gloo group of its own for the hang (collective: every rank builds the injector at the same point)."""
+        if cfg.hang_at is None:
+            return None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if cfg.hang_rank >= world:
+            raise ConfigError(f"fault.hang_rank={cfg.hang_rank} is not a rank of this {world}-rank job; set "
+                              "fault.hang_rank below the world size (0 in a one-process run)")  # fmt: skip
+        return dist.new_group(backend="gloo") if world > 1 else None
 
     def _once(self, name: str) -> bool:
         """True the first time ``name`` is asked for in this job (a marker file makes it durable)."""
@@ -73,9 +89,21 @@ class FaultInjector:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __call__(self, state: TrainState, out: StepOutput) -> None:
-        """Loop hook (the last one, after the checkpoint hook): kill after the chosen steps."""
+        """Loop hook (the last one, after the checkpoint hook): kill or hang after the chosen steps."""
         if state.step in self.kills and self._once(f"kill-{state.step}"):
             self._kill(f"after step {state.step}")
+        if state.step == self.cfg.hang_at and self.rank == self.cfg.hang_rank and self._once(f"hang-{state.step}"):
+            self._hang(state.step)
+
+    def _hang(self, step: int) -> None:
+        """Block for good: in an all-reduce no other rank joins (they block in the next step's), or on a wait."""
+        log.warning("fault injection: rank %d hangs after step %d %s", self.rank, step,
+                    "in an all-reduce that no other rank joins" if self.hang_group else "on a wait")  # fmt: skip
+        for h in logging.getLogger().handlers:
+            h.flush()
+        if self.hang_group is not None:  # returns only by raising, when the group's collective timeout expires
+            dist.all_reduce(torch.zeros(1), group=self.hang_group)
+        threading.Event().wait()  # what a stuck data worker looks like to the loop
 
     def poison_grads(self, step: int, model: nn.Module) -> None:
         """Grad hook: NaN into the first gradient at the steps of ``nonfinite_at``."""

@@ -22,12 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError, RunConfig
+from hlat.health.report import PreflightError
+from hlat.health.watchdog import HANG_EXIT_CODE
 from hlat.loop import HaltedError
 
 log = logging.getLogger(__name__)
 
-FINAL_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError, HaltedError)
-"""Failures a restart would only repeat: the worker reports them instead of dying, so the agent stops."""
+FINAL_ERRORS: tuple[type[Exception], ...] = (PreflightError, ConfigError, CheckpointError, HaltedError)
+"""Failures a restart would only repeat: the worker reports them instead of dying, so the agent stops. (A node that
+fails the pre-flight check fails it again after a restart onto the same nodes.)"""
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default job_logging format
 
 
@@ -145,8 +148,8 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
     except ChildFailedError as e:
         first = e.get_first_failure()[1]
         raise JobFailedError(
-            f"the trainer failed {restarts + 1} times (cluster.max_restarts={restarts}); last failure: exit code "
-            f"{first.exitcode}{', ' + _failure_text(first.message) if first.message else ''} "
+            f"the trainer failed {restarts + 1} times (cluster.max_restarts={restarts}); last failure: "
+            f"{_exit_text(first.exitcode, run_dir)}{', ' + _failure_text(first.message) if first.message else ''} "
             f"(details in {run_dir / 'elastic'}). "
             f"Rerun the same command with hydra.run.dir={run_dir} to continue from the newest checkpoint"
         ) from None
@@ -154,6 +157,13 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
         if results[rank] is not None:
             kind, message = results[rank]
             raise next(t for t in FINAL_ERRORS if t.__name__ == kind)(message)
+
+
+def _exit_text(exitcode: int, run_dir: Path) -> str:
+    """A worker's exit code, and what it means when hlat chose it (the hang watchdog's)."""
+    if exitcode == HANG_EXIT_CODE:
+        return f"exit code {exitcode} (a hang: the watchdog's stack dumps are in {run_dir / 'hang'})"
+    return f"exit code {exitcode}"
 
 
 def _failure_text(message: object) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +60,102 @@ class StepOutput:
 
 Hook = Callable[[TrainState, StepOutput], None]
 
+PHASES = ("data_wait", "forward", "backward", "optimizer", "logging", "checkpoint")
+"""The phases of a step that ``train.step_breakdown`` times (``time/<phase>_s``); the rest of the step is "other"."""
+
+
+class StepTimer:
+    """Host seconds spent in each phase of the training step, summed until ``take`` (``train.step_breakdown``).
+
+    ``sync`` (the device's synchronize, or None on a synchronous device such as the CPU) runs at both ends of every
+    phase, so a phase's time includes the device work it queued. That stalls an accelerator's queue: hence off by
+    default. On a lazy device (XLA) the phases time the host's graph tracing, not the device.
+    """
+
+    enabled = True
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.sync = sync
+        self._totals: defaultdict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block under ``name``."""
+        if self.sync is not None:
+            self.sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync is not None:
+                self.sync()
+            self._totals[name] += time.perf_counter() - t0
+
+    def add(self, name: str, seconds: float) -> None:
+        """Count ``seconds`` measured elsewhere (the loader wait) under ``name``."""
+        self._totals[name] += seconds
+
+    def take(self) -> dict[str, float]:
+        """The seconds per phase since the last ``take`` (phases never entered are absent); starts a new sum."""
+        totals, self._totals = dict(self._totals), defaultdict(float)
+        return totals
+
+
+class NullTimer:
+    """The timer when ``train.step_breakdown`` is off: no clock, no synchronization."""
+
+    enabled = False
+    _NULL = contextlib.nullcontext()
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        return self._NULL
+
+    def add(self, name: str, seconds: float) -> None:
+        pass
+
+    def take(self) -> dict[str, float]:
+        return {}
+
+
+NULL_TIMER = NullTimer()
+
+
+def device_sync(device: torch.device) -> Callable[[], None] | None:
+    """What ``StepTimer`` must call to wait for ``device``: CUDA's synchronize; None for the CPU (and XLA, lazy)."""
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return None
+
+
+def timed_hook(timer: StepTimer | NullTimer, name: str, hook: Hook) -> Hook:
+    """``hook`` with its calls timed as the phase ``name`` (``logging``, ``checkpoint``)."""
+
+    def run(state: TrainState, out: StepOutput) -> None:
+        with timer.phase(name):
+            hook(state, out)
+
+    return run
+
+
+class MicroBatches:
+    """The ``n`` micro-batches of one step, drawn from the loader as the backend asks for them.
+
+    ``waits`` collects the seconds each draw took; ``timer`` is the step's phase timer, for the backend to time
+    forward and backward with (``timer.phase("forward")``) without knowing whether timing is on.
+    """
+
+    def __init__(self, data: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int,
+                 timer: StepTimer | NullTimer = NULL_TIMER) -> None:  # fmt: skip
+        self.data, self.n, self.timer = data, n, timer
+        self.waits: list[float] = []
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            batch = next(self.data)
+            self.waits.append(time.perf_counter() - t0)
+            yield batch
+
 
 def fit(
     state: TrainState,
@@ -73,6 +172,7 @@ def fit(
     hooks: Sequence[Hook] = (),
     grad_hooks: Sequence[Callable[[int, nn.Module], None]] = (),
     skip_nonfinite: bool = False,
+    timer: StepTimer | NullTimer = NULL_TIMER,
 ) -> TrainState:
     """Train from ``state.step`` to ``steps``; returns the final state.
 
@@ -84,6 +184,9 @@ def fit(
     Before a step listed in ``state.discarded_batches`` its global batch is drawn and thrown away. With
     ``skip_nonfinite`` a step whose gradient norm is not finite makes no update (``state.skipped_updates``); that
     test reads one flag on the host per step, the only per-step synchronisation in the loop.
+
+    ``timer`` (``train.step_breakdown``) times the loader wait, the update (clip, step and ``zero_grad``) and, through
+    the micro-batches it hands the backend, forward and backward; hooks are timed by wrapping them (``timed_hook``).
     """
     model.train()
     discard = set(state.discarded_batches)
@@ -94,28 +197,20 @@ def fit(
         lr = lr_fn(state.step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        waits: list[float] = []
-        loss = backend.forward_backward(model, _draw(data, grad_accum, waits), grad_accum)
+        batches = MicroBatches(data, grad_accum, timer)
+        loss = backend.forward_backward(model, batches, grad_accum)
+        timer.add("data_wait", sum(batches.waits))
         for grad_hook in grad_hooks:
             grad_hook(state.step + 1, model)
-        grad_norm, applied = backend.update(model, optimizer, clip_grad_norm, skip_nonfinite=skip_nonfinite)
+        with timer.phase("optimizer"):
+            grad_norm, applied = backend.update(model, optimizer, clip_grad_norm, skip_nonfinite=skip_nonfinite)
+            optimizer.zero_grad(set_to_none=True)
         if not applied:
             state.skipped_updates += 1
-        optimizer.zero_grad(set_to_none=True)
         backend.step_end()
         state.step += 1
         state.tokens_seen += tokens_per_step
-        out = StepOutput(loss=loss, grad_norm=grad_norm, lr=lr, data_wait_s=sum(waits))
+        out = StepOutput(loss=loss, grad_norm=grad_norm, lr=lr, data_wait_s=sum(batches.waits))
         for hook in hooks:
             hook(state, out)
     return state
-
-
-def _draw(data: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int,
-          waits: list[float]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """Yield ``n`` batches from ``data`` as they are asked for, appending to ``waits`` the seconds each took."""
-    for _ in range(n):
-        t0 = time.perf_counter()
-        batch = next(data)
-        waits.append(time.perf_counter() - t0)
-        yield batch

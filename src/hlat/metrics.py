@@ -18,7 +18,7 @@ from torch import nn
 
 from hlat.backends.base import Backend
 from hlat.config import ClusterConfig
-from hlat.loop import StepOutput, TrainState
+from hlat.loop import PHASES, NullTimer, StepOutput, StepTimer, TrainState
 from hlat.precision import global_norm, grad_of
 
 Rows = list[tuple[int, dict[str, float]]]
@@ -226,6 +226,11 @@ class MetricsLogger:
     end, plus whatever host values ``extra`` returns (the data loader's ``data/*`` statistics). All of it is computed
     on the host from the fetched values: telemetry adds no device synchronisation. ``first_nonfinite`` is the
     first step whose fetched loss or gradient norm was not finite (None so far).
+
+    With a ``timer`` (``train.step_breakdown``) the last row also carries ``time/<phase>_s``, the seconds per step
+    of each phase over the interval, and ``time/other_s``, the rest of ``perf/step_time_s``. After ``start``, the
+    first row this process logs carries ``perf/startup_s`` (from the process's start to its first step) and
+    ``perf/first_step_s`` (that step, compilation included).
     """
 
     def __init__(
@@ -244,6 +249,7 @@ class MetricsLogger:
         throughput: Throughput | None = None,
         uptime: Uptime | None = None,
         layer_norms_every: int = 0,
+        timer: StepTimer | NullTimer | None = None,
     ) -> None:
         self.backend, self.model, self.sink, self.extra = backend, model, sink, extra
         self.every, self.last_step, self.tokens_per_step, self.seq_len = every, last_step, tokens_per_step, seq_len
@@ -257,8 +263,23 @@ class MetricsLogger:
         self._wait = 0.0
         self._t0 = time.perf_counter()
         self.first_nonfinite: int | None = None
+        self.timer = timer
+        self._startup: dict[str, float] = {}
+        self._loop_start: float | None = None
+
+    def start(self, process_start: float) -> None:
+        """The loop starts now: restart the interval clock.
+
+        Args:
+            process_start: When this process began, in epoch seconds (``perf/startup_s`` counts from it).
+        """
+        self._t0 = self._loop_start = time.perf_counter()
+        self._startup = {"perf/startup_s": time.time() - process_start}
 
     def __call__(self, state: TrainState, out: StepOutput) -> None:
+        if self._loop_start is not None:  # the first step of this process has just ended
+            self._startup["perf/first_step_s"] = time.perf_counter() - self._loop_start
+            self._loop_start = None
         self._steps.append(state.step)
         self._loss.append(out.loss)
         self._grad_norm.append(out.grad_norm)
@@ -307,6 +328,8 @@ class MetricsLogger:
         faults = {"fault/skipped_updates": float(state.skipped_updates), "fault/rollbacks": float(state.rollbacks),
                   "fault/discarded_batches": float(len(state.discarded_batches))}  # fmt: skip
         host = self.extra() if self.extra is not None else {}
+        phases = self.timer.take() if self.timer is not None else {}
+        startup, self._startup = self._startup, {}  # flushed after a step: the first one has ended
 
         def emit(values: dict[str, list[float]]) -> None:
             # Runs once the values are on the host, so the clock covers the device work of the interval.
@@ -329,7 +352,10 @@ class MetricsLogger:
             last.update({"train/param_norm": values["param_norm"][0], "train/tokens_seen": float(tokens_seen)})
             last.update(faults)
             last.update(self._interval_metrics(len(steps), elapsed, wait))
+            if self.timer is not None and self.timer.enabled:
+                last.update(phase_metrics(phases, len(steps), elapsed))
             last.update(host)
+            rows[0][1].update(startup)
             every = self.spike_summary_every
             summary_due = steps[-1] == self.last_step or (every and steps[-1] // every > (steps[0] - 1) // every)
             if self.spikes is not None and summary_due:
@@ -349,3 +375,13 @@ class MetricsLogger:
         self.discard()
         self.first_nonfinite = None
         self._t0 = time.perf_counter()
+
+
+def phase_metrics(seconds: dict[str, float], n_steps: int, elapsed: float) -> dict[str, float]:
+    """Seconds per step of each phase (``time/<phase>_s``) from a ``StepTimer``'s totals over an interval.
+
+    ``time/other_s`` is what no phase covers: the hooks other than logging and checkpointing, the loop itself.
+    """
+    out = {f"time/{name}_s": seconds.get(name, 0.0) / n_steps for name in PHASES}
+    out["time/other_s"] = max(0.0, elapsed / n_steps - sum(out.values()))
+    return out

@@ -8,11 +8,11 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,14 +22,17 @@ from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
 from hlat.eval_run import EvalScheduler
 from hlat.faults import FaultInjector
-from hlat.loop import HaltedError, NonFiniteError, TrainState, fit
-from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, Uptime, flops_per_token, resolve_peak_flops
+from hlat.health.monitors import Monitors
+from hlat.health.preflight import log_preflight, preflight
+from hlat.loop import NULL_TIMER, HaltedError, NonFiniteError, StepTimer, TrainState, device_sync, fit, timed_hook
+from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, flops_per_token, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan import GiB, check_fits, check_world, estimate_memory, planned_budget
 from hlat.precision import bytes_per_param
 from hlat.provenance import write_provenance
+from hlat.resume import job_record, restore, rollback
 from hlat.trackers import History, ProgressBar, SeriesRecorder, build_tracker
 
 log = logging.getLogger(__name__)
@@ -82,22 +85,6 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
 PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
 
 
-def _restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) -> tuple[TrainState, dict]:
-    """Load a checkpoint into the built model, optimizer, loader and spike statistics.
-
-    Returns:
-        The saved progress, and the job record (MLflow run id, uptime accounting; empty in older checkpoints).
-    """
-    extra = backend.load(path, model, optimizer)
-    data.load_state_dict(extra["data"])
-    if "spikes" in extra:
-        spikes.load_state_dict(extra["spikes"])
-    torch.set_rng_state(extra["rng"])
-    state = TrainState(**extra["train_state"])
-    log.info("resumed from %s at step %d", path, state.step)
-    return state, extra.get("job", {})
-
-
 def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: dict[str, str], rank: int,
                     extra: list, derived: dict[str, Any], run_id: str | None) -> tuple:  # fmt: skip
     """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files.
@@ -139,7 +126,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, t)
     n_params, est = estimate_memory(cfg, dims)
     log.info("%s", summary(cfg, dims, n_params, est, env.memory_budget_bytes))
-    check_fits(est, env.memory_budget_bytes, cfg)  # before any allocation
+    check_fits(est, env.memory_budget_bytes, cfg, dims=dims)  # before any allocation
     if cfg.model.mask_leak:
         log.warning("model.mask_leak=%d: attention sees %d future token(s); this run demonstrates the information "
                     "leak and its loss means nothing", cfg.model.mask_leak, cfg.model.mask_leak)  # fmt: skip
@@ -151,6 +138,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, config)  # before anything is built, or any directory made
     checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or est.params + est.optimizer)
+    # Measure the devices and links before anything is built; a bad node fails every rank alike (PreflightError).
+    health = preflight(cfg, env, out_dir=run_dir / "health", sync=backend.synchronize)
     # One trainer per checkpoint directory. Taken after the read-only checks above, which a live trainer's
     # directory cannot fool: if another trainer holds it, this raises before anything is built.
     lock = checkpoint.hold_lock(root) if env.rank == 0 else None
@@ -163,8 +152,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     model = backend.build_model(functools.partial(Transformer, cfg.model), dims, cfg.parallelism, init_state)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
     spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
-    state, job = _restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else (TrainState(), {})
-    uptime, job_run_id = _job(job, checkpoint.read_job(root) if resume != "never" else {}, launched)
+    state, job = restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else (TrainState(), {})
+    uptime, job_run_id = job_record(job, checkpoint.read_job(root) if resume != "never" else {}, launched)
 
     progress = ProgressBar(total=t.steps, initial=state.step) if env.rank == 0 else None
     tags = {
@@ -192,12 +181,15 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         checkpoint.write_job(root, {"mlflow_run_id": run_id, "uptime": uptime.state_dict()})
     if throughput.peak_flops is None:
         log.info("no MFU metric: %s", peak_source)
+    if health is not None and env.rank == 0:
+        log_preflight(health, tracker, run_dir / "health" / "preflight.md")
 
     tokens_per_step = t.global_batch_size * t.seq_len
+    timer = StepTimer(device_sync(env.device)) if t.step_breakdown else NULL_TIMER
     logger = MetricsLogger(
         backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps, tokens_per_step=tokens_per_step,
         seq_len=t.seq_len, extra=data.stats, spikes=spikes, spike_summary_every=cfg.tracker.spike_summary_every,
-        throughput=throughput, uptime=uptime, layer_norms_every=cfg.tracker.layer_grad_norms_every,
+        throughput=throughput, uptime=uptime, layer_norms_every=cfg.tracker.layer_grad_norms_every, timer=timer,
     )  # fmt: skip
 
     def guard(s: TrainState, out: Any = None) -> None:
@@ -220,25 +212,30 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         meta={"config": config, "config_hash": checkpoint.config_hash(config)},
         async_save=t.async_checkpoint, fault=faults.on_save if faults else None, rank=env.rank, on_saved=evals,
     )  # fmt: skip
+    monitors = Monitors(cfg, env, model, run_dir, tracker.log_metrics)
+    hooks = [progress, timed_hook(timer, "logging", logger), guard, timed_hook(timer, "checkpoint", saver),
+             *monitors.hooks, faults]  # fmt: skip
     train = functools.partial(
         fit, model=model, optimizer=optimizer, data=iter(data), backend=backend,
         steps=t.steps, grad_accum=dims.grad_accum(t), clip_grad_norm=cfg.optimizer.clip_grad_norm,
         tokens_per_step=tokens_per_step, lr_fn=functools.partial(lr_at, cfg=cfg.optimizer, total_steps=t.steps),
-        hooks=[h for h in (progress, logger, guard, saver, faults) if h is not None],
+        hooks=[h for h in hooks if h is not None],
         grad_hooks=([logger.capture_grads] if cfg.tracker.layer_grad_norms_every else [])
         + ([faults.poison_grads] if faults else []),
-        skip_nonfinite=t.on_nonfinite == "skip_step",
+        skip_nonfinite=t.on_nonfinite == "skip_step", timer=timer,
     )  # fmt: skip
     status = "FAILED"
     try:
+        monitors.start()
+        logger.start(psutil.Process().create_time())
         while True:
             try:
                 state = train(state)
                 break
             except NonFiniteError as e:
-                state = _rollback(e, state, t.on_nonfinite, saver, root, logger, uptime,
-                                  functools.partial(_restore, backend, model=model, optimizer=optimizer, data=data,
-                                                    spikes=spikes))  # fmt: skip
+                state = rollback(e, state, t.on_nonfinite, saver, root, logger, uptime,
+                                 functools.partial(restore, backend, model=model, optimizer=optimizer, data=data,
+                                                   spikes=spikes))  # fmt: skip
                 if progress is not None:
                     progress.bar.reset(total=t.steps)
         saver.close()
@@ -249,6 +246,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         status = "KILLED"
         raise
     finally:
+        monitors.close()
         if status != "FINISHED":
             try:  # let a save in flight complete: it is the state a restart resumes from
                 saver.close()
@@ -308,59 +306,6 @@ def _eval_scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> E
     overrides += [f"eval.device={e.device}"] if e.device else []
     first = (tokens_seen // e.every_tokens + 1) * e.every_tokens  # a resumed run evaluates from where it is
     return EvalScheduler(e, tokens_per_step, overrides, next_tokens=first)
-
-
-def _job(saved: dict, latest: dict, launched: float) -> tuple[Uptime, str | None]:
-    """The job's uptime accounting and MLflow run id, from the resumed checkpoint and the job record.
-
-    ``saved`` (the checkpoint's copy) holds the productive time up to that checkpoint; ``latest`` (``job.json``,
-    rewritten at every start) knows restarts that died before a newer checkpoint, and a job killed before its first
-    checkpoint. Both empty: a new job started at ``launched``.
-    """
-    base = saved.get("uptime") or latest.get("uptime")
-    uptime = Uptime.resumed(base) if base else Uptime(launched)
-    if "uptime" in latest:
-        uptime.start = min(uptime.start, latest["uptime"]["start"])
-        uptime.restarts = max(uptime.restarts, latest["uptime"]["restarts"] + 1)
-    return uptime, saved.get("mlflow_run_id") or latest.get("mlflow_run_id")
-
-
-MAX_DISCARDS_PER_STEP = 3
-"""Rollbacks that may discard a batch at the same step before the run halts (the instability is not one batch)."""
-
-
-def _rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoint.Checkpointer, root: Path,
-              logger: MetricsLogger, uptime: Uptime,
-              restore: Callable[..., tuple[TrainState, dict]]) -> TrainState:  # fmt: skip
-    """on_nonfinite=rollback: reload the newest valid checkpoint and discard the offending step's batch.
-
-    Raises:
-        HaltedError: The policy is halt, there is no checkpoint to go back to, or the same step went non-finite
-            ``MAX_DISCARDS_PER_STEP`` times.
-    """
-    saver.wait()
-    ckpt = checkpoint.latest(root)
-    where = f"the newest valid checkpoint is {ckpt}" if ckpt else f"there is no checkpoint in {root}"
-    why = None
-    if policy == "halt":
-        why = "train.on_nonfinite=halt"
-    elif ckpt is None:
-        why = "train.on_nonfinite=rollback has no checkpoint to go back to"
-    elif state.discarded_batches.count(e.step) >= MAX_DISCARDS_PER_STEP:
-        why = f"{MAX_DISCARDS_PER_STEP} batches in a row went non-finite at this step: the run is unstable"
-    if why is not None:
-        raise HaltedError(f"{e} ({why}); nothing non-finite was checkpointed and {where}. Lower optimizer.lr or raise "
-                     "optimizer.warmup_steps, or set train.on_nonfinite=rollback / skip_step, then continue from "
-                     "that checkpoint in the same run directory (train.resume=auto)") from None  # fmt: skip
-    restored, job = restore(ckpt)
-    restored.discarded_batches = [*state.discarded_batches, e.step]
-    restored.rollbacks = state.rollbacks + 1
-    if "uptime" in job:  # the work since the checkpoint is lost: productive time goes back to its value there
-        uptime.productive_s = job["uptime"]["productive_s"]
-    logger.rewind()
-    log.warning("%s: rolled back to %s (rollback %d); the batch of step %d will be discarded",
-                e, ckpt, restored.rollbacks, e.step)  # fmt: skip
-    return restored
 
 
 def _throughput(cfg: RunConfig, n_params: int, world_size: int) -> tuple[Throughput, str]:

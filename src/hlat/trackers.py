@@ -74,6 +74,8 @@ class ProgressBar(NoopTracker):
 
     def log_metrics(self, rows: Rows) -> None:
         _, last = rows[-1]
+        if "train/loss" not in last:  # rows of other sources (pre-flight, straggler reports) carry no loss
+            return
         self.bar.set_postfix(
             loss=f"{last['train/loss']:.3f}", tok_s=f"{last.get('perf/tokens_per_s', 0):,.0f}", refresh=False
         )

@@ -407,6 +407,9 @@ class FakeNeuronApi:
         for fn, args in closures:
             fn(*args)
 
+    def wait_device_ops(self, devices: list | None = None) -> None:
+        self.record("xm.wait_device_ops")
+
     def add_step_closure(self, fn: Callable, args: tuple = ()) -> None:
         self.record("xm.add_step_closure", fn, args)
         self.closures.append((fn, args))
@@ -517,7 +520,7 @@ class FakeNeuronApi:
             "torch_xla.core.xla_model": {
                 "REDUCE_SUM": "sum", "xla_device": self.xla_device, "mark_step": self.mark_step,
                 "add_step_closure": self.add_step_closure, "all_reduce": self.all_reduce,
-                "rendezvous": self.rendezvous,
+                "rendezvous": self.rendezvous, "wait_device_ops": self.wait_device_ops,
             },
             "torch_xla.distributed": {},
             "torch_xla.distributed.xla_backend": {},

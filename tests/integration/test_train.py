@@ -131,7 +131,9 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
 def test_runs_are_deterministic(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     overrides = [*SMALL_RUN, "train.steps=6", "train.log_every=3", f"data.cache_dir={cache_dir}", "tracker=console"]
-    a = main(compose_cfg(*overrides), run_dir=tmp_path / "a").history.series("train/loss")
+    history = main(compose_cfg(*overrides), run_dir=tmp_path / "a").history
+    a = history.series("train/loss")
+    assert not any(k.startswith("time/") for _, row in history.rows for k in row)  # no step_breakdown: no timing
     b = main(compose_cfg(*overrides), run_dir=tmp_path / "b").history.series("train/loss")
     assert a == b and len(a) == 6
 

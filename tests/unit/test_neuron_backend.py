@@ -19,6 +19,7 @@ from hlat.backends import get_backend
 from hlat.backends.neuron import EXTRA, neuron_env
 from hlat.config import (
     ClusterConfig,
+    ConfigError,
     ModelConfig,
     OptimizerConfig,
     ParallelismConfig,
@@ -111,6 +112,8 @@ def test_calls_the_api_in_order_with_the_reference_arguments(fake, tmp_path) -> 
              "NxDOptimizer.step", "save_checkpoint"]  # fmt: skip
     assert [fake.index(n) for n in order] == sorted(fake.index(n) for n in order)
     assert fake.first("dist.init_process_group").args == ("xla",)
+    timeout = fake.first("dist.init_process_group").kwargs["timeout"]  # health.collective_timeout_s, not torch's 30 min
+    assert timeout.total_seconds() == cfg.health.collective_timeout_s == 900
     assert fake.first("model_parallel_xla_manual_seed").args == (cfg.train.seed,)
     # The model comes from a zero-argument closure: NxD >= 0.10's include_buffers positional stays at its default.
     build = fake.first("initialize_parallel_model")
@@ -173,4 +176,22 @@ def test_refuses_before_importing_anything(fake) -> None:
     backend = get_backend("neuron", cfg)
     with pytest.raises(Exception, match="skip_step cannot be honoured"):
         backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+    assert fake.names() == []
+
+
+def test_synchronize_runs_the_traced_graph_then_waits_for_the_device(fake) -> None:
+    """Backend.synchronize (the pre-flight check's timer): mark_step first, or wait_device_ops waits for nothing."""
+    cfg = run_config()
+    backend = get_backend("neuron", cfg)
+    backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+    start = len(fake.names())
+    backend.synchronize()
+    assert fake.names()[start:] == ["xm.mark_step", "xm.wait_device_ops"]
+
+
+def test_train_compile_is_refused_before_importing_anything(fake) -> None:
+    """torch.compile is the torch backend's: on trn1 neuronx-cc compiles the traced step anyway."""
+    cfg = dataclasses.replace(run_config(), train=dataclasses.replace(run_config().train, compile=True))
+    with pytest.raises(ConfigError, match=r"train\.compile=true is for the torch backend"):
+        get_backend("neuron", cfg).setup(cfg.cluster, cfg.precision, cfg.train.seed)
     assert fake.names() == []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hlat.config import TrackerConfig
-from hlat.trackers import History, MLflowTracker, NoopTracker, build_tracker
+from hlat.trackers import History, MLflowTracker, NoopTracker, ProgressBar, build_tracker
 
 
 def test_off_rank_zero_everything_is_a_noop(tmp_path: Path) -> None:
@@ -105,3 +105,14 @@ def test_logging_does_not_wait_for_a_slow_server_and_retries_failures(tmp_path: 
     client = MlflowClient(tracking_uri=cfg.uri)
     assert sorted(m.step for m in client.get_metric_history(ml.run_id, "train/loss")) == list(range(1, 201))
     assert failures == [1]
+
+
+def test_the_progress_bar_shows_the_loss_and_ignores_rows_without_one() -> None:
+    """Rows of the pre-flight record and the straggler reports reach every tracker; they carry no loss."""
+    bar = ProgressBar(total=10)
+    bar.log_metrics([(0, {"preflight/passed": 1.0})])
+    bar.log_metrics([(2, {"health/slowest_rank": 1.0})])
+    assert not bar.bar.postfix  # nothing was set, and nothing raised
+    bar.log_metrics([(1, {"train/loss": 9.0}), (2, {"train/loss": 8.5, "perf/tokens_per_s": 1234.0})])
+    assert "loss=8.500" in bar.bar.postfix and "tok_s=1,234" in bar.bar.postfix
+    bar.finish()

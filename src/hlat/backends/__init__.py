@@ -18,12 +18,13 @@ def get_backend(name: str, cfg: RunConfig | None = None) -> Backend:
 
     Args:
         name: ``torch`` (CPU/CUDA) or ``neuron`` (trn1; torch_xla and NxD are imported by its ``setup``).
-        cfg: The run config; the neuron backend needs it (its environment and NxD config depend on several groups).
+        cfg: The run config; the neuron backend needs it (its environment and NxD config depend on several groups),
+            the torch backend reads ``train.compile`` and ``health.collective_timeout_s`` from it.
     """
     if name == "torch":
         from hlat.backends.torch import TorchBackend
 
-        return TorchBackend()
+        return TorchBackend(cfg)
     if name == "neuron":
         from hlat.backends.neuron import build_backend
 

@@ -86,6 +86,14 @@ class Backend(Protocol):
         """End-of-step barrier for lazy devices (``xm.mark_step`` on XLA); a no-op on eager PyTorch."""
         ...
 
+    def synchronize(self) -> None:
+        """Wait until the device has finished the work queued so far (timing the device: ``hlat doctor``).
+
+        CUDA: ``torch.cuda.synchronize``; XLA: ``xm.mark_step`` then ``xm.wait_device_ops``; CPU: nothing (eager).
+        Never inside a training step: on XLA it cuts the step's graph.
+        """
+        ...
+
     def fetch(self, tensors: dict[str, torch.Tensor], fn: Callable[[dict[str, list[float]]], None]) -> None:
         """Move ``tensors`` to the host in one transfer and call ``fn`` with each flattened to a list of floats.
 

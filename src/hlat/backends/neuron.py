@@ -35,6 +35,7 @@ picking up the ``xla`` autocast state.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -148,6 +149,11 @@ class NeuronBackend:
         ranks = Ranks.from_env()  # RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them
         # Validate everything before the runtime starts or anything compiles.
         self.dims = ParallelDims.build(cfg.parallelism, ranks.world_size, cfg.model, cfg.train)
+        if cfg.train.compile:
+            raise ConfigError(
+                "train.compile=true is for the torch backend (torch.compile); on the neuron backend torch_xla traces "
+                "the step and neuronx-cc compiles the whole graph anyway: set train.compile=false"
+            )
         if cfg.model.mask_leak:
             raise ConfigError(
                 f"model.mask_leak={cfg.model.mask_leak} (the information-leak demonstration) runs on the torch backend "
@@ -155,8 +161,8 @@ class NeuronBackend:
             )
         apply_env(neuron_env(cfg))
         self._api = api = _import_api()
-        if not dist.is_initialized():
-            dist.init_process_group("xla")
+        if not dist.is_initialized():  # the timeout bounds every collective's wait (health.collective_timeout_s)
+            dist.init_process_group("xla", timeout=datetime.timedelta(seconds=cfg.health.collective_timeout_s))
         # Initializes NxD's tensor/pipeline/data-parallel groups (the process group exists: reference §1.2).
         self.nxd_config = api.nxd.neuronx_distributed_config(
             **nxd_config_kwargs(cfg, param_init_fn=ModuleInit(cfg.model), world_size=ranks.world_size)
@@ -227,6 +233,10 @@ class NeuronBackend:
 
     def step_end(self) -> None:
         self.api.xm.mark_step()
+
+    def synchronize(self) -> None:
+        self.api.xm.mark_step()  # run what was traced so far, then wait for the device to finish it
+        self.api.xm.wait_device_ops()
 
     def fetch(self, tensors: dict[str, torch.Tensor], fn: Callable[[dict[str, list[float]]], None]) -> None:
         xm = self.api.xm

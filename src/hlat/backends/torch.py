@@ -35,7 +35,8 @@ from hlat.backends.torch_dist import (
     mean_over_ranks,
     tensor_parallel,
 )
-from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig
+from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
+from hlat.loop import NULL_TIMER
 from hlat.parallel import ParallelDims
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
 from hlat.recompute import apply_activation_checkpointing
@@ -46,7 +47,11 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: RunConfig | None = None) -> None:
+        self.compile = cfg is not None and cfg.train.compile
+        """``train.compile``: ``build_model`` compiles each transformer block."""
+        self.collective_timeout_s = cfg.health.collective_timeout_s if cfg is not None else None
+        """``health.collective_timeout_s``: how long a collective may wait (None: torch's default)."""
         self.device = torch.device("cpu")
         self.precision = PrecisionConfig()
         self.seed = 0
@@ -68,7 +73,7 @@ class TorchBackend:
             threads = max(1, (os.cpu_count() or 1) // ranks.local_world_size)  # processes share the cores
         if threads is not None:
             torch.set_num_threads(threads)
-        self.ckpt_group = init_process_group(ranks, self.device)
+        self.ckpt_group = init_process_group(ranks, self.device, self.collective_timeout_s)
         torch.manual_seed(seed)  # the same on every rank: replicas start from the same weights
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -102,11 +107,13 @@ class TorchBackend:
         self.fp32_accum, self.fp32_dp = fp32_accum, fp32_accum and dims.dp > 1
         self.zero1 = par.zero1 and dims.dp > 1 and dims.tp == 1  # with TP, FSDP2 shards the AdamW state anyway
         apply_activation_checkpointing(model, par.activation_checkpointing)  # names unchanged: before TP and DP
-        if dims.tp > 1:
-            mesh = device_mesh(self.device, dims.dp, dims.tp)
+        mesh = device_mesh(self.device, dims.dp, dims.tp) if dims.tp > 1 else None
+        if mesh is not None:
             tensor_parallel(model, mesh["tp"], par.sequence_parallel, fp32_reduce=p.fp32_reduce)
-            if dims.dp > 1:  # DDP takes no DTensor parameters: FSDP2 over dp (torchtitan's 2-D layout)
-                fully_shard_dp(model, mesh["dp"], fp32_reduce=p.fp32_reduce)
+        if self.compile:  # torchtitan's order: after activation checkpointing and TP, before FSDP / DDP
+            compile_blocks(model)
+        if mesh is not None and dims.dp > 1:  # DDP takes no DTensor parameters: FSDP2 over dp (torchtitan's 2-D)
+            fully_shard_dp(model, mesh["dp"], fp32_reduce=p.fp32_reduce)
         elif self.fp32_dp:
             broadcast_parameters(model)
         elif dims.dp > 1:
@@ -146,6 +153,10 @@ class TorchBackend:
 
     def step_end(self) -> None:
         pass
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def fetch(self, tensors: dict[str, torch.Tensor], fn: Callable[[dict[str, list[float]]], None]) -> None:
         # One device->host copy for everything: flatten and concatenate, a single .tolist() sync, split back.
@@ -193,14 +204,18 @@ class TorchBackend:
         if self.fp32_accum:  # a fresh fp32 sum per step (ZeRO-1's zero_grad clears only .grad, not every main_grad)
             for q in model.parameters():
                 q.main_grad = None
+        timer = getattr(batches, "timer", NULL_TIMER)  # hlat.loop.MicroBatches carries the step's phase timer
         total: torch.Tensor | None = None
         for inputs, targets in batches:  # (inputs, targets) pairs, drawn one micro-batch at a time
-            loss = self.loss(model, inputs, targets) / n
-            loss.backward()
+            with timer.phase("forward"):
+                loss = self.loss(model, inputs, targets) / n
+            with timer.phase("backward"):
+                loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None, "a step has at least one micro-batch"
         if self.fp32_dp:
-            average_over_ranks([q.main_grad for q in model.parameters() if q.main_grad is not None])
+            with timer.phase("backward"):  # the gradient all-reduce DDP would have overlapped with backward
+                average_over_ranks([q.main_grad for q in model.parameters() if q.main_grad is not None])
         return total
 
     def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, *,
@@ -227,6 +242,20 @@ def _check_supported(dims: ParallelDims, kv_heads: int) -> None:
             f"the torch backend does not implement {'; '.join(todo)} yet (the neuron backend is "
             "the target for these layouts); lower the degrees or use parallelism=single, dp or tp2"
         )
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` the forward of each transformer block in place, as torchtitan compiles per block.
+
+    The block's ``forward`` is replaced by its compiled version on the instance, so no ``OptimizedModule`` wraps
+    it: parameter and buffer names (checkpoints, per-layer metrics) stay as they are. Module hooks stay outside
+    the graph and eager, as with torchtitan's wrapper: FSDP2's all-gather hooks added later on the block. Each block
+    is one graph (``fullgraph``: a graph break is an error, not a silent slowdown) with static shapes: training
+    feeds one shape. Dynamo treats the block's parameters as graph inputs, so every block reuses the first block's
+    compiled code and the compile cost is paid once per model. Embedding, final norm, head and loss stay eager.
+    """
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
 
 
 def _split_dtensor_groups(groups: list[dict]) -> list[dict]:

@@ -8,6 +8,7 @@ communication hook for fp32 reduction of low-precision gradients.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -35,19 +36,27 @@ class Ranks:
                    int(env.get("LOCAL_WORLD_SIZE", str(world))))  # fmt: skip
 
 
-def init_process_group(ranks: Ranks, device: torch.device) -> dist.ProcessGroup | None:
+def init_process_group(ranks: Ranks, device: torch.device,
+                       timeout_s: float | None = None) -> dist.ProcessGroup | None:  # fmt: skip
     """Join the job's default process group (env:// rendezvous); returns a gloo group for checkpoint I/O.
 
     Asynchronous checkpoints run collectives from a background thread, so they get a group of their own: two
     threads interleaving collectives on one group would deadlock or mix up their messages.
+
+    Args:
+        ranks: This process's place in the job.
+        device: cpu (gloo) or cuda (NCCL, plus gloo for CPU tensors).
+        timeout_s: Seconds a collective of either group may wait before it raises (``health.collective_timeout_s``;
+            NCCL's watchdog then aborts the process); None: torch's default (30 minutes for gloo).
     """
     if ranks.world_size == 1:
         return None
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     if not dist.is_initialized():
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                                 store=_attempt_store(ranks), rank=ranks.rank, world_size=ranks.world_size,
-                                device_id=device if device.type == "cuda" else None)  # fmt: skip
-    return dist.new_group(backend="gloo")
+                                device_id=device if device.type == "cuda" else None, timeout=timeout)  # fmt: skip
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def _attempt_store(ranks: Ranks) -> dist.Store:

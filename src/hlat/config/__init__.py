@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hlat.config.base import DTYPES, ConfigError, _check, _Frozen
+from hlat.config.health import HealthConfig
 from hlat.config.ops import ClusterConfig, EvalConfig, EvalTask, FaultConfig, TrackerConfig
 from hlat.config.train import (
     DataConfig,
@@ -22,9 +23,9 @@ from hlat.config.train import (
 )
 
 __all__ = [
-    "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalTask", "FaultConfig", "ModelConfig",
-    "OptimizerConfig", "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig", "TrainConfig",
-    "register_configs",
+    "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalTask", "FaultConfig", "HealthConfig",
+    "ModelConfig", "OptimizerConfig", "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig",
+    "TrainConfig", "register_configs",
 ]  # fmt: skip
 
 
@@ -42,6 +43,7 @@ class RunConfig(_Frozen):
     train: TrainConfig = field(default_factory=TrainConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
         t, m, o = self.train, self.model, self.optimizer

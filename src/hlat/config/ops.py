@@ -180,11 +180,17 @@ class FaultConfig(_Frozen):
     """Writing the checkpoint of this step fails with ENOSPC (no space left on device) halfway through."""
     nonfinite_at: list[int] = field(default_factory=list)
     """Poison the gradients of these steps with NaN (exercises ``train.on_nonfinite``)."""
+    hang_at: int | None = None
+    """After this step, rank ``hang_rank`` enters an all-reduce that no other rank joins: every rank blocks in a
+    collective (exercises the hang watchdog, ``health.watchdog*``). A one-process run blocks on a wait instead."""
+    hang_rank: int = 1
+    """The rank that hangs at ``hang_at`` (must be a rank of the job: 0 in a one-process run)."""
 
     def __post_init__(self) -> None:
         steps = [*self.kill_at, *self.nonfinite_at]
-        steps += [s for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at) if s is not None]
+        steps += [s for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at) if s is not None]
         _check(all(s >= 1 for s in steps), f"fault: steps must be >= 1, got {sorted(steps)}")
+        _check(self.hang_rank >= 0, f"fault.hang_rank={self.hang_rank} must be a rank (>= 0)")
         _check(self.kill_random >= 0, f"fault.kill_random={self.kill_random} must be >= 0")
         self._freeze()
 
@@ -192,7 +198,7 @@ class FaultConfig(_Frozen):
     def active(self) -> bool:
         """Whether anything is injected."""
         return bool(self.kill_at or self.kill_random or self.nonfinite_at) or any(
-            s is not None for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at)
+            s is not None for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at)
         )
 
 

@@ -300,6 +300,16 @@ class TrainConfig(_Frozen):
     host). Skipped steps are counted in ``train/skipped_steps``, rollbacks in ``fault/rollbacks``."""
     dry_run: bool = False
     """Validate, build on the meta device, print the summary and the memory estimate, then exit."""
+    compile: bool = False
+    """torch backend: compile each transformer block with ``torch.compile`` (inductor), after activation
+    checkpointing and tensor parallelism and before data-parallel wrapping, as torchtitan does; parameter names,
+    checkpoints and metrics are unchanged. The first step pays the compilation (tens of seconds on a CPU, cached
+    afterwards). The neuron backend refuses it: XLA compiles the whole step graph anyway."""
+    step_breakdown: bool = False
+    """Log where each step's time goes, averaged per log interval: ``time/data_wait_s``, ``time/forward_s``,
+    ``time/backward_s``, ``time/optimizer_s`` (clip + step + zero_grad), ``time/logging_s`` (the metrics hook),
+    ``time/checkpoint_s`` (how long the checkpoint hook blocks the loop) and ``time/other_s`` (the rest of
+    ``perf/step_time_s``). Off by default: on an accelerator it synchronizes the device at every phase boundary."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):

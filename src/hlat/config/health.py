@@ -1,0 +1,110 @@
+"""Schema of cluster health (``conf/health/``): the pre-flight check, the hang watchdog, straggler detection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hlat.config.base import _check, _check_choice, _Frozen
+
+PREFLIGHT_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class HealthConfig(_Frozen):
+    """Cluster health (``conf/health/``, ``hlat.health``): catch a bad node before the job, a hung job in minutes.
+
+    ``hlat doctor`` runs the pre-flight checks on their own; ``python train.py`` runs them right after the process
+    group is up, before any data or model is built. The watchdog and the straggler monitor are loop hooks.
+    """
+
+    name: str = "default"
+    """Preset name."""
+    preflight: str = "auto"
+    """Pre-flight burn-in of ``python train.py``: auto (on for multi-process runs, off for one process), on or off.
+    Quote it in YAML (``preflight: 'off'``): bare on/off are booleans there."""
+    matmul_size: int | None = None
+    """Side n of the square matmuls timed per rank; null: 1024 on CPU, 8192 on an accelerator (small matrices do not
+    fill an accelerator and read as a slow device)."""
+    matmul_seconds: float = 0.25
+    """Length in seconds of each timed matmul window (``hlat.peak.measure_matmul_flops``)."""
+    matmul_repeats: int = 3
+    """Timed matmul windows per rank; the best one counts (the peak a device can reach)."""
+    min_matmul_fraction: float = 0.5
+    """A rank fails when its matmul FLOP/s is below this fraction of the expected per-device peak
+    (``cluster.peak_tflops``, the device's published figure, or on CPU this host's ``hlat bench peak`` at the same
+    thread count; no absolute check where none is known)."""
+    min_relative_fraction: float = 0.6
+    """A rank fails when its matmul FLOP/s is below this fraction of the median over all ranks, and a node fails when
+    its intra-node bus bandwidth is below this fraction of the median over nodes: the check that needs no datasheet
+    (0 turns it off)."""
+    collective_mib: float = 32.0
+    """MiB of the all-reduce and all-gather whose bus bandwidth is measured (nccom-test's default size)."""
+    collective_iters: int = 5
+    """Timed repetitions of each collective (after 2 untimed ones); latency uses 4x as many 1-element all-reduces."""
+    expected_busbw_gbps_intra: float | None = None
+    """Expected all-reduce bus bandwidth within a node in GB/s (e.g. from ``hlat doctor`` on a known-good node);
+    null: no absolute check within nodes."""
+    expected_busbw_gbps_world: float | None = None
+    """Expected all-reduce bus bandwidth over the whole job in GB/s; null: no absolute check over the world."""
+    min_bandwidth_fraction: float = 0.5
+    """A node (intra-node figure) or the job (world figure) fails below this fraction of the expected bandwidth."""
+    watchdog: bool = True
+    """Hang watchdog: a thread that dumps every thread's stack into ``<run dir>/hang/rank<N>.txt`` and exits the
+    trainer with code 75 (``hlat.health.watchdog.HANG_EXIT_CODE``) when a step takes far longer than usual, so that
+    torch elastic restarts it from the newest checkpoint (``cluster.max_restarts``)."""
+    watchdog_factor: float = 10.0
+    """A step hangs when it runs longer than this many times the median of the recent steps (or the floor)."""
+    watchdog_floor_s: float = 600.0
+    """Seconds a step may always take: must exceed the slowest legitimate step, a synchronous checkpoint save and a
+    rollback included (the time between two steps counts the hooks that run after a step)."""
+    watchdog_first_step_s: float = 3600.0
+    """Seconds the first two steps of a (re)started trainer may take: compilation (Neuron, torch.compile) and the
+    restore from a checkpoint happen there."""
+    watchdog_grace_s: float = 10.0
+    """After dumping its stacks a rank waits max(this, 2 x the median step) before it exits, so the other ranks,
+    blocked in the same collective, dump theirs before torch elastic stops them."""
+    collective_timeout_s: float = 900.0
+    """Timeout of torch.distributed collectives in seconds (torch's default is 30 minutes): a collective that waits
+    longer raises, and the trainer fails (and is restarted). Must exceed the longest wait of one rank for another in
+    a collective: a checkpoint write, the first step's compilation."""
+    straggler_every: int = 100
+    """Every this many steps, gather each rank's mean step time and local time (forward + data wait) over the
+    interval and log the slowest rank and its lag (``health/*``); 0: off. One tiny host all-gather per interval."""
+    straggler_warn_ratio: float = 1.25
+    """Log a warning naming the slowest rank when its local time exceeds this multiple of the median rank's."""
+    inject_slow_rank: int | None = None
+    """TEST HOOK: this rank's pre-flight matmuls are slowed to ``inject_slow_factor`` of their speed (a sleep after
+    each one), as a failing device would be; null in real runs."""
+    inject_slow_factor: float = 0.1
+    """TEST HOOK: the speed, as a fraction, of the matmuls of ``inject_slow_rank``."""
+
+    def __post_init__(self) -> None:
+        _check_choice("health.preflight", self.preflight, PREFLIGHT_MODES)
+        _check(self.matmul_size is None or self.matmul_size >= 16,
+               f"health.matmul_size={self.matmul_size} must be >= 16 or null (by device)")  # fmt: skip
+        _check(self.matmul_seconds > 0, f"health.matmul_seconds={self.matmul_seconds} must be > 0")
+        _check(self.matmul_repeats >= 1, f"health.matmul_repeats={self.matmul_repeats} must be >= 1")
+        for key in ("min_matmul_fraction", "min_relative_fraction", "min_bandwidth_fraction"):
+            value = getattr(self, key)
+            _check(0 <= value <= 1, f"health.{key}={value} must lie in [0, 1] (0 turns the check off)")
+        _check(self.collective_mib > 0, f"health.collective_mib={self.collective_mib} must be > 0")
+        _check(self.collective_iters >= 1, f"health.collective_iters={self.collective_iters} must be >= 1")
+        for key in ("expected_busbw_gbps_intra", "expected_busbw_gbps_world"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"health.{key}={value} must be > 0 or null (no absolute check)")
+        _check(self.watchdog_factor > 1, f"health.watchdog_factor={self.watchdog_factor} must be > 1")
+        for key in ("watchdog_floor_s", "watchdog_first_step_s", "collective_timeout_s"):
+            value = getattr(self, key)
+            _check(value > 0, f"health.{key}={value} must be > 0 seconds")
+        _check(self.watchdog_grace_s >= 0, f"health.watchdog_grace_s={self.watchdog_grace_s} must be >= 0")
+        _check(self.straggler_every >= 0, f"health.straggler_every={self.straggler_every} must be >= 0 (0: off)")
+        _check(self.straggler_warn_ratio >= 1, f"health.straggler_warn_ratio={self.straggler_warn_ratio} must be >= 1")
+        _check(self.inject_slow_rank is None or self.inject_slow_rank >= 0,
+               f"health.inject_slow_rank={self.inject_slow_rank} must be a rank (>= 0) or null")  # fmt: skip
+        _check(0 < self.inject_slow_factor <= 1,
+               f"health.inject_slow_factor={self.inject_slow_factor} must lie in (0, 1]")  # fmt: skip
+        self._freeze()
+
+    def preflight_enabled(self, world_size: int) -> bool:
+        """Whether ``python train.py`` runs the pre-flight check: ``auto`` means for more than one process."""
+        return self.preflight == "on" or (self.preflight == "auto" and world_size > 1)

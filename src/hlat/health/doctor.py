@@ -1,0 +1,185 @@
+"""``hlat doctor [overrides]``: the pre-flight burn-in of the configured cluster, on its own.
+
+It takes the same Hydra overrides as ``python train.py`` and checks the processes that run would start: with
+``cluster.nproc_per_node > 1`` it starts them on this node through torch elastic (as ``python train.py`` does);
+under an external ``torchrun`` (several nodes: ``torchrun --nnodes N ... -m hlat.health.doctor <overrides>`` on
+every node) it is one of them. Each process sets up its backend exactly as training does (device, threads, the
+process group: gloo, NCCL, or XLA on trn1), and local rank 0 of each node first runs ``neuron-ls`` and
+``nccom-test`` when they are installed (before any process claims the NeuronCores). It prints a table per rank and
+the failing nodes, logs the result to MLflow (experiment ``<tracker.experiment>-health``, one run per check), and
+exits 0 (healthy), 1 (a node failed) or 2 (configuration error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from hlat.config import ConfigError, RunConfig
+from hlat.health.neuron_tools import ToolResult, nccom_test, neuron_ls
+from hlat.health.report import HealthReport
+
+log = logging.getLogger(__name__)
+
+USAGE = """hlat doctor [hydra overrides...]
+
+Pre-flight health check of the cluster the overrides configure (the same overrides as `python train.py`): per rank,
+the device computes a known matmul correctly, matmul TFLOP/s against the expected peak and the median rank, and
+all-reduce / all-gather bus bandwidth and latency within each node and over the job; neuron-ls and nccom-test where
+installed. Thresholds: health.min_matmul_fraction, health.min_relative_fraction, health.expected_busbw_gbps_intra /
+_world, health.min_bandwidth_fraction. Exit 0: healthy, 1: a node failed (named), 2: configuration error.
+
+examples:
+  hlat doctor cluster=cpu_x2
+  hlat doctor cluster=gpu_8x health.expected_busbw_gbps_intra=150
+  torchrun --nnodes 4 --nproc-per-node 32 ... -m hlat.health.doctor cluster=trn1_x4
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hlat doctor``: check, print the table, log to MLflow; returns the exit status (0, 1 or 2)."""
+    from hlat.launch import LOG_FORMAT, JobFailedError, global_rank
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        from hlat.cli import compose_run_config
+
+        cfg = compose_run_config(argv)
+        report = check(cfg, argv)
+    except ConfigError as e:
+        print(f"hlat: configuration error: {e}", file=sys.stderr)
+        return 2
+    except JobFailedError as e:
+        print(f"hlat doctor: {e}", file=sys.stderr)
+        return 1
+    if global_rank() == 0:  # under an external torchrun every rank has the report; one prints it
+        print(report.table())
+        _log_to_mlflow(cfg, report)
+        if report.passed:
+            print(f"hlat doctor: all {len(report.ranks)} rank(s) on {report.nodes} node(s) passed")
+        else:
+            print(f"hlat doctor: {report.failure_message()}", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+def check(cfg: RunConfig, overrides: list[str]) -> HealthReport:
+    """Run the checks over the configured processes of this node (or as one rank of an external torchrun).
+
+    Raises:
+        ConfigError: Several nodes without an external launcher; a bad ``health`` value for this job.
+        JobFailedError: A checking process died.
+    """
+    from hlat.launch import under_elastic
+
+    c = cfg.cluster
+    if under_elastic() or (c.nproc_per_node == 1 and c.nodes == 1):
+        return _worker(overrides, configure_logging=False)
+    if c.nodes > 1:
+        raise ConfigError(
+            f"cluster={c.name} spans {c.nodes} nodes, but `hlat doctor` starts the processes of this node only; run "
+            f"`torchrun --nnodes {c.nodes} --nproc-per-node {c.nproc_per_node} --rdzv-backend c10d --rdzv-endpoint "
+            "HOST:29400 -m hlat.health.doctor <same overrides>` on every node"
+        )
+    return _launch(cfg, overrides)
+
+
+def _launch(cfg: RunConfig, overrides: list[str]) -> HealthReport:
+    """``cluster.nproc_per_node`` checking processes on this node under torch elastic (no restarts)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from hlat.launch import JobFailedError
+
+    logs = tempfile.mkdtemp(prefix="hlat-doctor-")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=cfg.cluster.nproc_per_node, run_id=f"doctor-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+        start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
+    )  # fmt: skip
+    try:
+        results = elastic_launch(config, _worker)(overrides)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise JobFailedError(f"checking process {rank} failed with exit code {failure.exitcode} "
+                             f"({failure.message or 'no message'}); logs in {logs}") from None  # fmt: skip
+    report = results[min(results)]
+    if isinstance(report, str):  # a ConfigError inside the workers, reported as text
+        raise ConfigError(report)
+    return report
+
+
+def _worker(overrides: list[str], configure_logging: bool = True) -> HealthReport | str:
+    """One checking process: node tools (local rank 0), backend setup as in training, the checks.
+
+    Returns:
+        The report (every rank has all of it), or a ConfigError's message (the agent re-raises it).
+    """
+    import torch.distributed as dist
+
+    from hlat.backends import get_backend
+    from hlat.backends.torch_dist import Ranks
+    from hlat.cli import compose_run_config
+    from hlat.health.preflight import run_checks
+    from hlat.launch import LOG_FORMAT
+
+    if configure_logging:  # a spawned process: log like the agent
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)
+    try:
+        cfg = compose_run_config(overrides)
+        ranks = Ranks.from_env()
+        tools = node_tools(cfg, ranks.local_world_size) if ranks.local_rank == 0 else []
+        backend = get_backend(cfg.cluster.backend, cfg)
+        env = backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+        try:
+            return run_checks(cfg, env, tools=tools, sync=backend.synchronize)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except ConfigError as e:
+        if not configure_logging:
+            raise
+        return str(e)
+
+
+def node_tools(cfg: RunConfig, nproc: int) -> list[ToolResult]:
+    """``neuron-ls`` and ``nccom-test`` (all-reduce, all-gather over this node's ``nproc`` ranks), where installed.
+
+    Run before this node's processes claim their devices: nccom-test needs the NeuronCores free.
+    """
+    h, host = cfg.health, socket.gethostname()
+    nbytes = int(h.collective_mib * 2**20)
+    want = h.expected_busbw_gbps_intra * h.min_bandwidth_fraction if h.expected_busbw_gbps_intra else None
+    found = [neuron_ls(host, nproc)]
+    if nproc > 1:
+        found += [nccom_test(host, "allr", nproc, nbytes, want), nccom_test(host, "allg", nproc, nbytes)]
+    return [t for t in found if t is not None]
+
+
+def _log_to_mlflow(cfg: RunConfig, report: HealthReport) -> None:
+    """One MLflow run in experiment ``<tracker.experiment>-health``: ``preflight/*`` metrics and the table."""
+    if cfg.tracker.kind != "mlflow":
+        return
+    from hlat.health.preflight import log_preflight
+    from hlat.trackers import MLflowTracker
+
+    tcfg = dataclasses.replace(cfg.tracker, experiment=f"{cfg.tracker.experiment}-health", system_metrics=False)
+    tags = {"hlat.kind": "doctor", "cluster": cfg.cluster.name, "passed": str(report.passed)}
+    tracker = MLflowTracker(tcfg, run_name=f"doctor-{cfg.cluster.name}", tags=tags)
+    with tempfile.TemporaryDirectory() as d:
+        log_preflight(report, tracker, Path(d) / "doctor.md")
+    tracker.finish("FINISHED" if report.passed else "FAILED")
+    print(tracker.ui_hint())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

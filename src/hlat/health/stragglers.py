@@ -1,0 +1,163 @@
+"""Straggler detection: which rank slows the job down, and by how much.
+
+In synchronous data parallelism every rank's step takes as long as the slowest one's, because the gradient
+all-reduce waits for it: step times alone cannot name the straggler. Each rank therefore also measures its *local*
+time, the part of a step that does not wait for other ranks: the model's forward passes (a forward pre-hook and
+hook on the root module; on CUDA timed with CUDA events, read only at the report) plus the time spent waiting for
+batches (``StepOutput.data_wait_s``). Every ``health.straggler_every`` steps the ranks all-gather three floats (mean
+step time, mean local time, mean data wait over the interval) over a gloo group, and rank 0 logs
+
+- ``health/slowest_rank``: the rank with the longest local time,
+- ``health/straggler_lag_s``: its local time minus the median rank's, per step,
+- ``health/straggler_ratio``: its local time over the median rank's,
+- ``health/step_time_s`` and ``health/local_time_median_s``: the job's mean step and the median local time,
+
+and warns when the ratio passes ``health.straggler_warn_ratio``. Between reports nothing syncs: two host clock reads
+per forward and one per step. Under tensor parallelism or FSDP the forward holds collectives, so the local time
+includes waits inside the tensor-parallel group; on the neuron backend (lazy XLA tensors) forward time is tracing
+time, and the figure reduces to the data wait (not run on trn1).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hlat.health.checks import all_gather_flat
+
+log = logging.getLogger(__name__)
+
+Rows = list[tuple[int, dict[str, float]]]
+
+
+class _ForwardTimer:
+    """Seconds spent in ``model.forward`` since the last read: host clock on CPU, CUDA events on CUDA."""
+
+    def __init__(self, model: nn.Module) -> None:
+        p = next(model.parameters(), None)
+        self.cuda = p is not None and p.device.type == "cuda"
+        self.host_s = 0.0
+        self.t0 = 0.0
+        self.events: list[tuple[Any, Any]] = []
+        self.handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.events.append((start, None))
+        else:
+            self.t0 = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events[-1] = (self.events[-1][0], end)
+        else:
+            self.host_s += time.perf_counter() - self.t0
+
+    def read(self) -> float:
+        """Forward seconds since the last read (on CUDA: waits for the last recorded forward to finish)."""
+        if self.cuda:
+            done = [(s, e) for s, e in self.events if e is not None]
+            if done:
+                done[-1][1].synchronize()  # once per report: the events of earlier steps are long complete
+            seconds = sum(s.elapsed_time(e) for s, e in done) / 1e3
+            self.events = []
+            return seconds
+        seconds, self.host_s = self.host_s, 0.0
+        return seconds
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class StragglerMonitor:
+    """Loop hook: every ``every`` steps, gather per-rank times and log the slowest rank (on rank 0).
+
+    Construct it on every rank at the same point (it creates a gloo process group, a collective call).
+
+    Args:
+        every: Steps per report (``health.straggler_every``).
+        log_metrics: The run's ``tracker.log_metrics`` (a no-op off rank 0).
+        model: The trained module; its forward passes are timed. None: local time is the data wait only.
+        warn_ratio: ``health.straggler_warn_ratio``.
+        hosts: Host name of each rank, for the warning (default: gathered once here).
+    """
+
+    def __init__(self, every: int, log_metrics: Callable[[Rows], None], model: nn.Module | None = None, *,
+                 warn_ratio: float = 1.25, hosts: list[str] | None = None) -> None:  # fmt: skip
+        self.every, self.log_metrics, self.warn_ratio = every, log_metrics, warn_ratio
+        self.group = dist.new_group(backend="gloo")  # host floats, whatever the device backend (NCCL, XLA)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.hosts = hosts or _gather_hosts(self.group, self.world)
+        self.timer = _ForwardTimer(model) if model is not None else None
+        self.steps = 0
+        self.data_wait_s = 0.0
+        self.t_last = time.perf_counter()
+        self.last: list[tuple[float, float, float]] = []
+        """The last report's (step_s, local_s, data_wait_s) per rank."""
+
+    def __call__(self, state: Any, out: Any) -> None:
+        """Loop hook: count the step; every ``every`` steps, the all-gather and the report."""
+        self.steps += 1
+        self.data_wait_s += out.data_wait_s
+        if state.step % self.every:
+            return
+        now = time.perf_counter()
+        n = max(self.steps, 1)
+        forward_s = self.timer.read() if self.timer is not None else 0.0
+        mine = torch.tensor([(now - self.t_last) / n, (forward_s + self.data_wait_s) / n, self.data_wait_s / n],
+                            dtype=torch.float64)  # fmt: skip
+        gathered = torch.empty(self.world * 3, dtype=torch.float64)
+        all_gather_flat(gathered, mine, self.group)
+        self.last = [tuple(row) for row in gathered.view(self.world, 3).tolist()]  # host tensors: no device sync
+        self.steps, self.data_wait_s, self.t_last = 0, 0.0, time.perf_counter()
+        metrics = straggler_metrics(self.last)
+        ratio, slow = metrics["health/straggler_ratio"], int(metrics["health/slowest_rank"])
+        if self.rank == 0 and ratio > self.warn_ratio:
+            log.warning("straggler: rank %d on %s takes %.2fx the median rank's local time per step (%.4fs behind, "
+                        "steps %d-%d); check that host (hlat doctor)", slow, self.hosts[slow], ratio,
+                        metrics["health/straggler_lag_s"], state.step - self.every + 1, state.step)  # fmt: skip
+        self.log_metrics([(state.step, metrics)])
+
+    def close(self) -> None:
+        """Remove the forward hooks and the process group."""
+        if self.timer is not None:
+            self.timer.remove()
+        dist.destroy_process_group(self.group)
+
+
+def straggler_metrics(rows: list[tuple[float, float, float]]) -> dict[str, float]:
+    """``health/*`` metrics from each rank's mean (step_s, local_s, data_wait_s) over an interval.
+
+    The slowest rank is the one with the longest local time (ties: the lowest rank); lag and ratio compare it with
+    the median over ranks (for two ranks, their mean).
+    """
+    local = [r[1] for r in rows]
+    slow = max(range(len(rows)), key=lambda i: (local[i], -i))
+    median = statistics.median(local)
+    return {
+        "health/slowest_rank": float(slow),
+        "health/straggler_lag_s": local[slow] - median,
+        "health/straggler_ratio": local[slow] / median if median > 0 else 1.0,
+        "health/step_time_s": max(r[0] for r in rows),
+        "health/local_time_median_s": median,
+    }
+
+
+def _gather_hosts(group: Any, world: int) -> list[str]:
+    import socket
+
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return [str(h) for h in hosts]

@@ -1,0 +1,189 @@
+"""The hang watchdog: a step that takes far longer than usual dumps every thread's stack and ends the trainer.
+
+A hung collective (a rank that never arrives), a stuck data worker or a deadlock do not raise: the job just stops
+making progress until torch.distributed's timeout, 30 minutes by default. :class:`HangWatchdog` is a loop hook that
+records when each step ends, and a daemon thread that wakes a few times per threshold. When the current step has run
+longer than ``max(health.watchdog_factor x median recent step, health.watchdog_floor_s)`` (the first two steps of a
+process get ``health.watchdog_first_step_s``: compilation, the restore), it
+
+1. appends the stacks of all threads (``faulthandler``), and ``py-spy dump`` of the process when py-spy is on the
+   PATH, to ``<run dir>/hang/rank<N>.txt``;
+2. logs one line naming the step, the time and the file;
+3. waits ``max(health.watchdog_grace_s, 2 x median step)``, so that the other ranks, blocked in the same collective,
+   dump their stacks too before torch elastic stops them;
+4. exits with :data:`HANG_EXIT_CODE` (``os._exit``: the main thread is stuck and cannot unwind). Torch elastic treats
+   a non-zero exit as a failure and restarts the workers (``cluster.max_restarts``), which resume from the newest
+   checkpoint.
+
+The thread needs the GIL: a hang inside C code that holds it (rare; collectives and sleeps release it) is not seen
+here, and the collective timeout (``health.collective_timeout_s``) is the backstop.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import faulthandler
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hlat.config import HealthConfig
+
+log = logging.getLogger(__name__)
+
+HANG_EXIT_CODE = 75
+"""Exit code of a trainer the watchdog ended (EX_TEMPFAIL: a temporary failure, retrying may work). Torch elastic
+restarts a worker group on any non-zero exit; ``hlat.launch`` names this one in its report."""
+WINDOW = 50
+"""Recent step durations whose median sets the threshold."""
+PY_SPY_TIMEOUT_S = 60.0
+
+
+class HangWatchdog:
+    """Loop hook plus daemon thread: detects a step that runs far longer than the recent median.
+
+    Args:
+        cfg: ``health.watchdog_*``.
+        dump_dir: Where ``rank<N>.txt`` goes (``<run dir>/hang``); created on the first hang only.
+        rank: This process's global rank.
+        last_step: ``train.steps``: after that step the watchdog stands down (the final save, plots and evaluations
+            that follow are not steps).
+        exit_fn: What ends the process (``os._exit``; tests pass a recorder).
+        clock: Monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, cfg: HealthConfig, dump_dir: Path, rank: int, last_step: int, *,
+                 exit_fn: Callable[[int], Any] = os._exit,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.cfg, self.dump_dir, self.rank, self.last_step = cfg, Path(dump_dir), rank, last_step
+        self.exit_fn, self.clock = exit_fn, clock
+        self.durations: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.beats = 0
+        self.step = 0  # the last completed step
+        self.last_beat = clock()
+        self.fired = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> HangWatchdog:
+        """Start the watching thread; the clock of the first step starts now. Returns self."""
+        with self._lock:
+            self.last_beat = self.clock()
+        self._thread = threading.Thread(target=self._run, name="hlat-hang-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread (idempotent); call it when training ends, however it ends."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def __call__(self, state: Any, out: Any = None) -> None:
+        """Loop hook: step ``state.step`` is done (host clock only, no device access)."""
+        now = self.clock()
+        with self._lock:
+            if self.beats >= 1:  # the first interval holds start-up and compilation: not a typical step
+                self.durations.append(now - self.last_beat)
+            self.beats += 1
+            self.step, self.last_beat = state.step, now
+        if state.step >= self.last_step:
+            self.close()
+
+    def median(self) -> float | None:
+        """Median duration in seconds of the recent steps (None before the second step has ended)."""
+        with self._lock:
+            return statistics.median(self.durations) if self.durations else None
+
+    def threshold(self) -> float:
+        """Seconds the current step may run before it counts as hung."""
+        median = self.median()
+        if self.beats < 2 or median is None:
+            return self.cfg.watchdog_first_step_s
+        return max(self.cfg.watchdog_factor * median, self.cfg.watchdog_floor_s)
+
+    def check(self) -> bool:
+        """Fire if the current step has run past the threshold; returns whether it fired (one check of the thread)."""
+        if self.fired or self._stop.is_set():
+            return self.fired
+        with self._lock:
+            elapsed, step = self.clock() - self.last_beat, self.step + 1
+        limit = self.threshold()
+        if elapsed > limit:
+            self.fire(step, elapsed, limit)
+        return self.fired
+
+    def _run(self) -> None:
+        # Poll often enough to fire within ~5% of the threshold, at most once a second.
+        while not self._stop.wait(min(1.0, max(0.05, self.threshold() / 20))):
+            if self.check():
+                return
+
+    def fire(self, step: int, elapsed: float, limit: float) -> None:
+        """Dump the stacks, say what happened, wait for the other ranks to dump theirs, then exit."""
+        self.fired = True
+        path = self.dump_dir / f"rank{self.rank}.txt"
+        median = self.median()
+        why = (f"step {step} has run {elapsed:.1f}s, more than the watchdog's {limit:.1f}s "
+               f"(max(health.watchdog_factor={self.cfg.watchdog_factor:g} x median step "
+               f"{'n/a' if median is None else f'{median:.3f}s'}, health.watchdog_floor_s="
+               f"{self.cfg.watchdog_floor_s:g}) or health.watchdog_first_step_s={self.cfg.watchdog_first_step_s:g} "
+               "for the first steps)")  # fmt: skip
+        try:
+            dump_stacks(path, f"rank {self.rank}, pid {os.getpid()}: {why}")
+        except OSError as e:  # a full or unreachable disk must not stop the exit that lets elastic restart us
+            log.error("could not write the stacks to %s: %s", path, e)
+        log.error("hang detected on rank %d: %s; stacks of every thread in %s. Exiting with code %d so that torch "
+                  "elastic restarts the job from its newest checkpoint (cluster.max_restarts)",
+                  self.rank, why, path, HANG_EXIT_CODE)  # fmt: skip
+        for h in logging.getLogger().handlers:
+            h.flush()
+        grace = max(self.cfg.watchdog_grace_s, 2 * (median or 0.0))
+        self._stop.wait(grace)
+        self.exit_fn(HANG_EXIT_CODE)
+
+
+def dump_stacks(path: Path, header: str) -> None:
+    """Append ``header``, every thread's Python stack (faulthandler) and, if installed, ``py-spy dump`` to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {header}\n--- faulthandler (all threads)\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.write(py_spy_dump(os.getpid()))
+        f.write("\n")
+
+
+def py_spy_dump(pid: int) -> str:
+    """``py-spy dump --pid pid`` (native frames too) when py-spy is on the PATH; a note why not otherwise."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return "--- py-spy: not installed (pip install py-spy for native frames)\n"
+    _allow_ptrace_by_children()
+    try:
+        r = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                           timeout=PY_SPY_TIMEOUT_S, check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"--- py-spy dump failed: {e}\n"
+    return f"--- py-spy dump (exit {r.returncode})\n{r.stdout}{r.stderr}"
+
+
+def _allow_ptrace_by_children() -> None:
+    """Let a child (py-spy) read this process's memory where Yama restricts ptrace to ancestors (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, ctypes.c_ulong(-1)
+    with contextlib.suppress(OSError, AttributeError):  # no prctl: py-spy then needs CAP_SYS_PTRACE
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, pr_set_ptracer_any, 0, 0, 0)

@@ -1,0 +1,84 @@
+"""Continuing a run: a checkpoint back into the built objects, the job's record, and the rollback policy."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hlat import checkpoint
+from hlat.loop import HaltedError, NonFiniteError, TrainState
+from hlat.metrics import MetricsLogger, SpikeDetector, Uptime
+
+log = logging.getLogger(__name__)
+
+
+def restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) -> tuple[TrainState, dict]:
+    """Load a checkpoint into the built model, optimizer, loader and spike statistics.
+
+    Returns:
+        The saved progress, and the job record (MLflow run id, uptime accounting; empty in older checkpoints).
+    """
+    extra = backend.load(path, model, optimizer)
+    data.load_state_dict(extra["data"])
+    if "spikes" in extra:
+        spikes.load_state_dict(extra["spikes"])
+    torch.set_rng_state(extra["rng"])
+    state = TrainState(**extra["train_state"])
+    log.info("resumed from %s at step %d", path, state.step)
+    return state, extra.get("job", {})
+
+
+def job_record(saved: dict, latest: dict, launched: float) -> tuple[Uptime, str | None]:
+    """The job's uptime accounting and MLflow run id, from the resumed checkpoint and the job record.
+
+    ``saved`` (the checkpoint's copy) holds the productive time up to that checkpoint; ``latest`` (``job.json``,
+    rewritten at every start) knows restarts that died before a newer checkpoint, and a job killed before its first
+    checkpoint. Both empty: a new job started at ``launched``.
+    """
+    base = saved.get("uptime") or latest.get("uptime")
+    uptime = Uptime.resumed(base) if base else Uptime(launched)
+    if "uptime" in latest:
+        uptime.start = min(uptime.start, latest["uptime"]["start"])
+        uptime.restarts = max(uptime.restarts, latest["uptime"]["restarts"] + 1)
+    return uptime, saved.get("mlflow_run_id") or latest.get("mlflow_run_id")
+
+
+MAX_DISCARDS_PER_STEP = 3
+"""Rollbacks that may discard a batch at the same step before the run halts (the instability is not one batch)."""
+
+
+def rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoint.Checkpointer, root: Path,
+             logger: MetricsLogger, uptime: Uptime,
+             restore: Callable[..., tuple[TrainState, dict]]) -> TrainState:  # fmt: skip
+    """on_nonfinite=rollback: reload the newest valid checkpoint and discard the offending step's batch.
+
+    Raises:
+        HaltedError: The policy is halt, there is no checkpoint to go back to, or the same step went non-finite
+            ``MAX_DISCARDS_PER_STEP`` times.
+    """
+    saver.wait()
+    ckpt = checkpoint.latest(root)
+    where = f"the newest valid checkpoint is {ckpt}" if ckpt else f"there is no checkpoint in {root}"
+    why = None
+    if policy == "halt":
+        why = "train.on_nonfinite=halt"
+    elif ckpt is None:
+        why = "train.on_nonfinite=rollback has no checkpoint to go back to"
+    elif state.discarded_batches.count(e.step) >= MAX_DISCARDS_PER_STEP:
+        why = f"{MAX_DISCARDS_PER_STEP} batches in a row went non-finite at this step: the run is unstable"
+    if why is not None:
+        raise HaltedError(f"{e} ({why}); nothing non-finite was checkpointed and {where}. Lower optimizer.lr or raise "
+                     "optimizer.warmup_steps, or set train.on_nonfinite=rollback / skip_step, then continue from "
+                     "that checkpoint in the same run directory (train.resume=auto)") from None  # fmt: skip
+    restored, job = restore(ckpt)
+    restored.discarded_batches = [*state.discarded_batches, e.step]
+    restored.rollbacks = state.rollbacks + 1
+    if "uptime" in job:  # the work since the checkpoint is lost: productive time goes back to its value there
+        uptime.productive_s = job["uptime"]["productive_s"]
+    logger.rewind()
+    log.warning("%s: rolled back to %s (rollback %d); the batch of step %d will be discarded",
+                e, ckpt, restored.rollbacks, e.step)  # fmt: skip
+    return restored

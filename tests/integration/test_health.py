@@ -1,0 +1,140 @@
+"""Cluster health end to end on two gloo ranks: ``hlat doctor``, the trainer's pre-flight check, a hang recovered.
+
+The oracles: the injected slow rank (``health.inject_slow_rank``) is the one named, and nothing else; a hang injected
+in a collective (``fault=hang``) ends with stack dumps of both ranks, exit code 75, a restart from the checkpoint
+before the hang, and a run that finishes every step in one MLflow run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_train import ROOT, SMALL_RUN, cli
+
+pytestmark = pytest.mark.slow
+FAST_CHECKS = ["health.matmul_size=256", "health.matmul_seconds=0.1", "health.collective_mib=1"]
+
+
+def doctor(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``hlat doctor`` as a separate process (``python -m hlat.health.doctor``: the same ``main``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, "-m", "hlat.health.doctor", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def train_in_own_group(*args: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    """``python train.py`` in a process group of its own, killed whole on timeout: the ranks of a job that hangs
+    (without the watchdog) would otherwise outlive the killed agent."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the hung job was not ended within {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def table_rows(text: str) -> dict[int, list[str]]:
+    """The per-rank rows of the doctor's markdown table, by rank."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 3 and cells[1].isdigit():
+            rows[int(cells[1])] = cells
+    return rows
+
+
+def test_doctor_on_two_processes_measures_every_rank_and_names_the_slow_one(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    db = tmp_path / "mlflow.db"
+    r = doctor("cluster=cpu_x2", "health.inject_slow_rank=1", *FAST_CHECKS, f"tracker.uri=sqlite:///{db}",
+               cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = table_rows(r.stdout)
+    assert sorted(rows) == [0, 1]
+    for cells in rows.values():  # matmul TFLOP/s, all-reduce and all-gather GB/s, latency µs: measured, positive
+        assert all(float(cells[i]) > 0 for i in (3, 6, 7, 8)), cells
+    assert rows[0][-1] == "ok" and rows[1][-1] == "FAIL"
+    assert float(rows[1][3]) < float(rows[0][3])  # the throttled rank measured slower
+    failure = next(line for line in r.stderr.splitlines() if line.startswith("hlat doctor: pre-flight check failed"))
+    assert re.search(r"node \S+: rank 1: matmul .* of the ranks' median", failure) and "rank 0" not in failure
+    assert "health.preflight=off" in failure
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("hlat-health").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["hlat.kind"] == "doctor"
+    assert run.data.metrics["preflight/passed"] == 0.0 and run.data.metrics["preflight/slowest_rank"] == 1.0
+    assert run.data.metrics["preflight/world_allreduce_busbw_gbps"] > 0
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"doctor.md"}
+
+
+def common(cache_dir: Path, tmp_path: Path) -> list[str]:
+    return [*SMALL_RUN, "cluster=cpu_x2", "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every=2",
+            "train.checkpoint_every=4", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}",
+            f"tracker.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracker.flush_every_s=0", "tracker.plots=false",
+            "tracker.system_metrics=false", f"hydra.run.dir={tmp_path / 'run'}", *FAST_CHECKS]  # fmt: skip
+
+
+def test_a_slow_rank_stops_training_before_the_model_is_built(tmp_path: Path, cache_dir: Path) -> None:
+    """Needs the health calls in run.py. A failed pre-flight check is not retried: restarting onto the same node
+    would fail again."""
+    r = cli(*common(cache_dir, tmp_path), "train.steps=4", "cluster.max_restarts=2", "health.inject_slow_rank=1",
+            cwd=tmp_path, timeout=200)  # fmt: skip
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"hlat: configuration error: pre-flight check failed on 1 of 1 node\(s\): node \S+: rank 1: "
+                     r"matmul", r.stderr)  # fmt: skip
+    assert "restart 1 of the trainer" not in r.stdout + r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was built, nothing saved
+    table = (tmp_path / "run" / "health" / "preflight.md").read_text()
+    assert table_rows(table)[1][-1] == "FAIL" and table_rows(table)[0][-1] == "ok"
+
+
+def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path, cache_dir: Path) -> None:
+    """Needs the health hooks in run.py. Rank 1 blocks in an all-reduce after step 6, rank 0 in the gradient
+    all-reduce of step 7: both watchdogs fire, dump their stacks and exit 75; elastic restarts the pair from
+    step 4, and the run finishes its 10 steps."""
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "run"
+    r = train_in_own_group(
+        *common(cache_dir, tmp_path), "train.steps=10", "cluster.max_restarts=1", "fault=hang", "fault.hang_at=6",
+        "health.watchdog_factor=5", "health.watchdog_floor_s=3", "health.watchdog_first_step_s=120",
+        "health.watchdog_grace_s=1", "health.straggler_every=2", "health.min_relative_fraction=0.05",
+        cwd=tmp_path, timeout=180,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-5000:]
+
+    log = (run_dir / "train.log").read_text()
+    found = re.search(r"hang detected on rank \d: step 7 has run ([\d.]+)s, more than the watchdog's ([\d.]+)s", log)
+    assert found, log[-5000:]
+    elapsed, limit = map(float, found.groups())
+    assert elapsed >= limit and limit < 120  # the steady-state threshold, not the first-step allowance
+    dumps = {p.name: p.read_text() for p in (run_dir / "hang").glob("rank*.txt")}
+    assert set(dumps) == {"rank0.txt", "rank1.txt"}  # every rank's stacks, not only the first to notice
+    assert "_hang" in dumps["rank1.txt"] and "faults.py" in dumps["rank1.txt"]  # where rank 1 hung
+    assert "torch/autograd" in dumps["rank0.txt"]  # rank 0 waits in the gradient all-reduce inside backward
+    assert all(d.count("hread 0x") >= 2 for d in dumps.values())  # all threads: the stuck one and the watchdog
+    assert "restart 1 of the trainer" in out or "restart 1 of the trainer" in log
+    assert "step_00000004 at step 4" in log  # resumed from the checkpoint before the hang
+    assert (run_dir / "checkpoints" / "step_00000010" / "manifest.json").exists()
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "train/loss")} == set(range(1, 11))
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "preflight/passed")] == [1.0, 1.0]
+    slowest = client.get_metric_history(run.info.run_id, "health/slowest_rank")
+    assert slowest and {m.value for m in slowest} <= {0.0, 1.0}
+    assert "preflight.md" in {a.path for a in client.list_artifacts(run.info.run_id)}
