@@ -2,7 +2,8 @@
 
     python experiments/activation_checkpointing/run.py                 # ~27 min on 2 cores; writes results.json
     python experiments/activation_checkpointing/run.py --batch 1 --seq 128 --rounds 2 --repeats 1   # a quick look
-    python experiments/activation_checkpointing/run.py --report        # the table of the saved results.json
+    python experiments/activation_checkpointing/run.py --report        # the tables of the saved results.json, and
+                                                                         # comparison.png (memory against time)
 
 The model is ``conf/model/small.yaml``, built on the meta device, given ``hlat.recompute`` and materialized (the
 order the torch backend uses), trained in fp32 on the CPU on one fixed random batch of ``--batch`` x ``--seq``
@@ -221,6 +222,34 @@ def table(rows: list[dict]) -> str:
     return "\n".join(mem) + "\n\n" + "\n".join(time_)
 
 
+def plot(rows: list[dict], path: Path) -> Path:
+    """Saved activations against CPU time per step, one point per mode, one series per SDPA kernel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for sdpa, marker, offset in zip(SDPAS, "os", ((6, -14), (6, 5)), strict=False):
+        pts = [r for r in rows if r["sdpa"] == sdpa]
+        if not pts:
+            continue
+        ax.plot([r["cpu_s_median"] for r in pts], [r["saved_mib"] for r in pts], marker=marker, label=f"{sdpa} SDPA")
+        for r in pts:
+            ax.errorbar(r["cpu_s_median"], r["saved_mib"], xerr=[[r["cpu_s_median"] - r["cpu_s_min"]],
+                        [r["cpu_s_max"] - r["cpu_s_median"]]], fmt="none", ecolor="grey", alpha=0.5)  # fmt: skip
+            ax.annotate(r["mode"], (r["cpu_s_median"], r["saved_mib"]), textcoords="offset points", xytext=offset)
+    ax.set_xlabel("CPU s per forward + backward (median, min-max)")
+    ax.set_ylabel("activations saved for backward (MiB)")
+    ax.set_title("model=small, 4 x 512 tokens, fp32: activation checkpointing modes")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     """Measure every (kernel, mode) in fresh processes, write ``--out`` and print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -240,7 +269,9 @@ def main() -> None:
         print(json.dumps(memory(args.mode, args) if args.child == "memory" else timing(args)))
         return
     if args.report:
-        print(table(json.loads(args.out.read_text())["summary"]))
+        rows = json.loads(args.out.read_text())["summary"]
+        print(table(rows))
+        print(f"\n![saved activations against time]({plot(rows, args.out.with_name('comparison.png')).name})")
         return
 
     mem, times = [], []
@@ -259,6 +290,7 @@ def main() -> None:
     machine = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                "python": platform.python_version()}  # fmt: skip
     rows = summarize(mem, times)
+    plot(rows, args.out.with_name("comparison.png"))
     args.out.write_text(json.dumps({"setup": setup, "machine": machine, "summary": rows, "memory": mem,
                                     "timing": times}, indent=1) + "\n")  # fmt: skip
     print(table(rows))
