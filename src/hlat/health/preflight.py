@@ -76,9 +76,11 @@ def preflight(cfg: RunConfig, env: Env, *, out_dir: Path | None = None,
 def log_preflight(report: HealthReport, tracker: Any, path: Path) -> None:
     """Record ``report`` as the run's pre-flight record: ``preflight/*`` metrics at step 0 and the table artifact.
 
-    Metrics rather than params: a restarted job checks again, and MLflow params cannot change.
+    Metrics rather than params: a restarted job checks again, and MLflow params cannot change. The table is written
+    to ``path`` unless :func:`preflight` already wrote it there.
     """
-    write_table(report, path)
+    if not path.exists():
+        write_table(report, path)
     tracker.log_metrics([(0, report.metrics())])
     tracker.log_artifact(path)
 
