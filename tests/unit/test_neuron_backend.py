@@ -189,9 +189,16 @@ def test_synchronize_runs_the_traced_graph_then_waits_for_the_device(fake) -> No
     assert fake.names()[start:] == ["xm.mark_step", "xm.wait_device_ops"]
 
 
-def test_train_compile_is_refused_before_importing_anything(fake) -> None:
-    """torch.compile is the torch backend's: on trn1 neuronx-cc compiles the traced step anyway."""
-    cfg = dataclasses.replace(run_config(), train=dataclasses.replace(run_config().train, compile=True))
-    with pytest.raises(ConfigError, match=r"train\.compile=true is for the torch backend"):
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("compile", r"train\.compile=true is for the torch backend"),
+        ("step_breakdown", r"train\.step_breakdown=true times eager phases"),
+    ],
+)
+def test_torch_only_train_options_are_refused_before_importing_anything(fake, key: str, message: str) -> None:
+    """torch.compile and the eager phase timer are the torch backend's: on trn1 the step is one traced graph."""
+    cfg = dataclasses.replace(run_config(), train=dataclasses.replace(run_config().train, **{key: True}))
+    with pytest.raises(ConfigError, match=message):
         get_backend("neuron", cfg).setup(cfg.cluster, cfg.precision, cfg.train.seed)
     assert fake.names() == []

@@ -154,6 +154,12 @@ class NeuronBackend:
                 "train.compile=true is for the torch backend (torch.compile); on the neuron backend torch_xla traces "
                 "the step and neuronx-cc compiles the whole graph anyway: set train.compile=false"
             )
+        if cfg.train.step_breakdown:
+            raise ConfigError(
+                "train.step_breakdown=true times eager phases of the torch backend; on the neuron backend a step is "
+                "one lazily traced XLA graph, so forward, backward and optimizer cannot be timed apart without "
+                "cutting it: set train.step_breakdown=false (perf/step_time_s is still logged)"
+            )
         if cfg.model.mask_leak:
             raise ConfigError(
                 f"model.mask_leak={cfg.model.mask_leak} (the information-leak demonstration) runs on the torch backend "

@@ -309,7 +309,8 @@ class TrainConfig(_Frozen):
     """Log where each step's time goes, averaged per log interval: ``time/data_wait_s``, ``time/forward_s``,
     ``time/backward_s``, ``time/optimizer_s`` (clip + step + zero_grad), ``time/logging_s`` (the metrics hook),
     ``time/checkpoint_s`` (how long the checkpoint hook blocks the loop) and ``time/other_s`` (the rest of
-    ``perf/step_time_s``). Off by default: on an accelerator it synchronizes the device at every phase boundary."""
+    ``perf/step_time_s``). Off by default: on CUDA it synchronizes the device at every phase boundary. The neuron
+    backend refuses it (a step is one traced XLA graph)."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
