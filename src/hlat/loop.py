@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -67,9 +66,9 @@ PHASES = ("data_wait", "forward", "backward", "optimizer", "logging", "checkpoin
 class StepTimer:
     """Host seconds spent in each phase of the training step, summed until ``take`` (``train.step_breakdown``).
 
-    ``sync`` (the device's synchronize, or None on a synchronous device such as the CPU) runs at both ends of every
-    phase, so a phase's time includes the device work it queued. That stalls an accelerator's queue: hence off by
-    default. On a lazy device (XLA) the phases time the host's graph tracing, not the device.
+    ``sync`` (``Backend.synchronize``: CUDA's synchronize, nothing on the CPU) runs at both ends of every phase, so
+    a phase's time includes the device work it queued. That stalls an accelerator's queue: hence off by default.
+    (The neuron backend refuses it: synchronizing would cut its traced step graph.)
     """
 
     enabled = True
@@ -118,13 +117,6 @@ class NullTimer:
 
 
 NULL_TIMER = NullTimer()
-
-
-def device_sync(device: torch.device) -> Callable[[], None] | None:
-    """What ``StepTimer`` must call to wait for ``device``: CUDA's synchronize; None for the CPU (and XLA, lazy)."""
-    if device.type == "cuda":
-        return functools.partial(torch.cuda.synchronize, device)
-    return None
 
 
 def timed_hook(timer: StepTimer | NullTimer, name: str, hook: Hook) -> Hook:

@@ -24,7 +24,7 @@ from hlat.eval_run import EvalScheduler
 from hlat.faults import FaultInjector
 from hlat.health.monitors import Monitors
 from hlat.health.preflight import log_preflight, preflight
-from hlat.loop import NULL_TIMER, HaltedError, NonFiniteError, StepTimer, TrainState, device_sync, fit, timed_hook
+from hlat.loop import NULL_TIMER, HaltedError, NonFiniteError, StepTimer, TrainState, fit, timed_hook
 from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, flops_per_token, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
@@ -185,7 +185,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         log_preflight(health, tracker, run_dir / "health" / "preflight.md")
 
     tokens_per_step = t.global_batch_size * t.seq_len
-    timer = StepTimer(device_sync(env.device)) if t.step_breakdown else NULL_TIMER
+    timer = StepTimer(backend.synchronize) if t.step_breakdown else NULL_TIMER
     logger = MetricsLogger(
         backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps, tokens_per_step=tokens_per_step,
         seq_len=t.seq_len, extra=data.stats, spikes=spikes, spike_summary_every=cfg.tracker.spike_summary_every,
