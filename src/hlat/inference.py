@@ -233,6 +233,11 @@ def load_weights(path: Path, cfg: ModelConfig, device: torch.device | str = "cpu
     model.to(getattr(torch, dtype))
     model.init_rope()  # fp32 rotary tables whatever the weights' dtype (as the torch backend keeps them)
     read_weights(path, cfg, into=model.state_dict())
+    if dtype == "bfloat16":  # bf16 matmuls as training runs them on this host: native, or emulated in fp32
+        from hlat.bf16_matmul import apply_policy, resolve_policy
+        from hlat.peak import DEFAULT_CACHE_DIR
+
+        apply_policy(model, resolve_policy("auto", torch.device(device), DEFAULT_CACHE_DIR)[0])
     model.eval().requires_grad_(False)
     return model
 

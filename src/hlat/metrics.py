@@ -137,11 +137,13 @@ class Throughput:
         return out
 
 
-def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: str) -> tuple[float | None, str]:
+def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: str,
+                       bf16_matmul: str | None = None) -> tuple[float | None, str]:  # fmt: skip
     """Peak FLOP/s of ONE device at ``compute_dtype`` and where the figure comes from.
 
     In order: ``cluster.peak_tflops``; the published figure for the device (trn1 on the neuron backend, the CUDA
-    device's name); on CPU this host's measured matmul peak cached by ``hlat bench peak``. (None, why) otherwise.
+    device's name); on CPU this host's measured matmul peak cached by ``hlat bench peak``, of the bf16 matmul the
+    run does (``bf16_matmul``: ``emulated`` reads the emulated peak). (None, why) otherwise.
     """
     if cluster.peak_tflops is not None:
         return cluster.peak_tflops * 1e12, "cluster.peak_tflops"
@@ -151,12 +153,14 @@ def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: st
             if key in name and compute_dtype in table:
                 return table[compute_dtype] * 1e12, f"published {key} {compute_dtype} peak"
         return None, f"no published {compute_dtype} peak for {name!r}: set cluster.peak_tflops to get MFU"
-    from hlat.peak import cached_peak
+    from hlat.peak import cached_peak, peak_key
 
-    flops = cached_peak(compute_dtype, cache_dir)
+    key = peak_key(compute_dtype, bf16_matmul)
+    flops = cached_peak(key, cache_dir)
     if flops is None:
-        return None, "this CPU's matmul peak is not measured yet: run `hlat bench peak` once to get MFU"
-    return flops, f"measured {compute_dtype} matmul peak (hlat bench peak)"
+        how = "" if key in ("float32", "bfloat16") else f" --dtypes {key}"
+        return None, f"this CPU's {key} matmul peak is not measured yet: run `hlat bench peak{how}` once to get MFU"
+    return flops, f"measured {key} matmul peak (hlat bench peak)"
 
 
 class Uptime:

@@ -79,6 +79,9 @@ class AttentionCore(nn.Module):
     the only activations that grow with T^2 here, for a small share of the FLOPs.
     """
 
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+    """The attention kernel; ``hlat.bf16_matmul`` sets an instance's to its fp32-emulated bf16 version."""
+
     def __init__(self, gqa: bool, leak: int = 0) -> None:
         super().__init__()
         self.gqa = gqa
@@ -101,20 +104,20 @@ class AttentionCore(nn.Module):
             allowed = causal & key_mask[:, None, :]  # (B, T, S)
             own = torch.arange(T, device=q.device)
             allowed[:, own, own + (S - T)] = True
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=self.gqa)
+            return self.sdpa(q, k, v, attn_mask=allowed[:, None], enable_gqa=self.gqa)
         if S == T and self.leak:  # the information-leak experiment only: query i also sees keys i+1 .. i+leak
             leaky = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(self.leak)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=leaky, enable_gqa=self.gqa)
+            return self.sdpa(q, k, v, attn_mask=leaky, enable_gqa=self.gqa)
         if S == T:
             # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
             # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+            return self.sdpa(q, k, v, is_causal=True, enable_gqa=self.gqa)
         if T == 1:  # one new position sees every cached one: no mask at all
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.gqa)
+            return self.sdpa(q, k, v, enable_gqa=self.gqa)
         # Several new positions after cached ones (is_causal would align the triangle top-left): query i sees
         # keys 0 .. S-T+i. Built here from the shapes, like is_causal's mask.
         allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.gqa)
+        return self.sdpa(q, k, v, attn_mask=allowed, enable_gqa=self.gqa)
 
 
 class LayerKV:

@@ -25,14 +25,23 @@ import torch
 
 DEFAULT_CACHE_DIR = "~/.cache/hlat"
 DEFAULT_DTYPES = ("float32", "bfloat16")
+EMULATED = "_emulated"
+"""Suffix of a dtype name measured the ``hlat.bf16_matmul`` emulated way: ``bfloat16_emulated`` times bf16
+operands upcast, multiplied in fp32 and rounded back, the matmul a run with ``bf16_matmul=emulated`` does."""
 
 
 def _dtype(name: str) -> torch.dtype:
-    """The torch dtype called ``name`` (``"float32"``, ``"bfloat16"``, ...)."""
-    dtype = getattr(torch, name, None)
+    """The torch dtype called ``name`` (``"float32"``, ``"bfloat16"``, ``"bfloat16_emulated"``, ...)."""
+    dtype = getattr(torch, name.removesuffix(EMULATED), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}; use a name such as 'float32' or 'bfloat16'")
+        raise ValueError(f"unknown torch dtype {name!r}; use a name such as 'float32', 'bfloat16' or "
+                         "'bfloat16_emulated'")  # fmt: skip
     return dtype
+
+
+def peak_key(compute_dtype: str, bf16_matmul: str | None) -> str:
+    """The cache key of a run's MFU denominator: ``bfloat16_emulated`` for bf16 under the emulated policy."""
+    return compute_dtype + EMULATED if compute_dtype == "bfloat16" and bf16_matmul == "emulated" else compute_dtype
 
 
 def _sync(device: torch.device) -> None:
@@ -42,7 +51,13 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_matmul_flops(
-    dtype: torch.dtype, *, n: int = 2048, seconds: float = 1.0, device: str = "cpu", repeats: int = 5
+    dtype: torch.dtype,
+    *,
+    n: int = 2048,
+    seconds: float = 1.0,
+    device: str = "cpu",
+    repeats: int = 5,
+    emulated: bool = False,
 ) -> float:
     """Measure the FLOP/s of square ``n×n`` matmuls in ``dtype`` (``2·n³`` FLOPs each).
 
@@ -58,6 +73,7 @@ def measure_matmul_flops(
         seconds: Approximate length of each timed window.
         device: Torch device string, e.g. ``"cpu"`` or ``"cuda"``; on CUDA the timing synchronizes the device.
         repeats: Number of timed windows.
+        emulated: Time ``(a.float() @ b.float()).to(dtype)`` instead: the emulated bf16 matmul (``hlat.bf16_matmul``).
 
     Returns:
         The best window's FLOP/s. A dtype with no fast kernel (fp16 on most CPUs) still gets measured, slowly:
@@ -74,13 +90,21 @@ def measure_matmul_flops(
     b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dtype)
     c = torch.empty(n, n, device=dev, dtype=dtype)
     flops_per_matmul = 2.0 * n**3
+    if emulated:  # the upcasts and the rounding are part of every emulated matmul, so they are timed too
+        c32 = torch.empty(n, n, device=dev)
+
+        def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+            torch.matmul(a.float(), b.float(), out=c32)
+            out.copy_(c32)
+    else:
+        matmul = torch.matmul
 
     # Warm-up, synchronizing each matmul so that the last one gives an honest time per matmul.
     warm_start = time.perf_counter()
     iters, per_matmul = 0, 0.0
     while iters < 2 or time.perf_counter() - warm_start < seconds / 2:
         t0 = time.perf_counter()
-        torch.matmul(a, b, out=c)
+        matmul(a, b, out=c)
         _sync(dev)
         per_matmul = time.perf_counter() - t0
         iters += 1
@@ -92,7 +116,7 @@ def measure_matmul_flops(
         _sync(dev)
         t0 = time.perf_counter()
         for _ in range(per_window):
-            torch.matmul(a, b, out=c)
+            matmul(a, b, out=c)
         _sync(dev)
         elapsed = time.perf_counter() - t0
         best = max(best, per_window * flops_per_matmul / elapsed)
@@ -169,19 +193,29 @@ def measure_and_cache(
         ValueError: If a name is not a torch dtype (before anything is measured), or on bad ``kw`` values.
     """
     resolved = {name: _dtype(name) for name in dtypes}
-    flops = {name: measure_matmul_flops(dtype, **kw) for name, dtype in resolved.items()}
+    flops = {name: measure_matmul_flops(dtype, emulated=name.endswith(EMULATED), **kw)
+             for name, dtype in resolved.items()}  # fmt: skip
     path = cache_path(cache_dir)
+    earlier = {name: cached_peak(name, cache_dir) for name in _cached_names(path)}  # other dtypes measured before
     record = {
         "fingerprint": host_fingerprint(),
         "host": host_info(),
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "flops": flops,
+        "flops": {k: v for k, v in earlier.items() if v is not None} | flops,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return flops
+
+
+def _cached_names(path: Path) -> list[str]:
+    """The dtype names in the cache file at ``path`` (none if it is missing or unreadable)."""
+    try:
+        return [str(k) for k in json.loads(path.read_text(encoding="utf-8"))["flops"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def cached_peak(dtype_name: str, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> float | None:
@@ -227,11 +261,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=2048, help="matrix side n (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each timed window (default: 1.0)")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows per dtype (default: %(default)s)")
-    parser.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES), help="torch dtype names")
+    parser.add_argument("--dtypes", nargs="+", default=None,
+                        help="dtype names, bfloat16_emulated included (default: float32 and bf16 as this host's "
+                             "precision.bf16_matmul=auto runs it)")  # fmt: skip
     args = parser.parse_args(argv)
 
-    flops = measure_and_cache(args.cache_dir, args.dtypes, n=args.size, seconds=args.seconds, repeats=args.repeats)
-    print(f"matmul peak, n={args.size}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
+    dtypes = args.dtypes
+    if dtypes is None:  # bf16 the way training runs it here: native or emulated, whichever the probe found faster
+        from hlat.bf16_matmul import resolve_policy
+
+        policy, why = resolve_policy("auto", torch.device("cpu"), args.cache_dir)
+        dtypes = ["float32", peak_key("bfloat16", policy)]
+        print(f"bf16 matmuls: {policy} ({why})")
+    flops = measure_and_cache(args.cache_dir, dtypes, n=args.size, seconds=args.seconds, repeats=args.repeats)
+    print(f"matmul peak, n={args.size}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}\n")  # fmt: skip
     print("| dtype | GFLOP/s |")
     print("|---|---:|")
     for name, value in flops.items():

@@ -66,14 +66,16 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget: int) -> str:
-    """A few lines describing the run before it starts."""
+def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget: int,
+            bf16_matmul: str | None = None) -> str:  # fmt: skip
+    """A few lines describing the run before it starts (``bf16_matmul``: the backend's bf16 matmul policy)."""
     t = cfg.train
     tokens = t.global_batch_size * t.seq_len
     opt = "AdamW + master" if cfg.precision.master_weights else "AdamW"
+    matmuls = f"bf16 matmuls {bf16_matmul} | " if bf16_matmul else ""
     return (
         f"model={cfg.model.name}: {n_params / 1e6:,.1f}M parameters | precision={cfg.precision.name} "
-        f"({bytes_per_param(cfg.precision).total} bytes/parameter) | "
+        f"({bytes_per_param(cfg.precision).total} bytes/parameter) | {matmuls}"
         f"world {dims.world_size} (tp {dims.tp}, pp {dims.pp}, dp {dims.dp})\n"
         f"batch: {t.global_batch_size} x {t.seq_len} = {tokens:,} tokens/step, micro-batch {t.micro_batch_size}, "
         f"grad accumulation {dims.grad_accum(t)} | {t.steps:,} steps = {tokens * t.steps / 1e9:,.3f}B tokens\n"
@@ -125,7 +127,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     check_world(cfg.cluster, env.world_size)
     dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, t)
     n_params, est = estimate_memory(cfg, dims)
-    log.info("%s", summary(cfg, dims, n_params, est, env.memory_budget_bytes))
+    matmuls = f"{env.bf16_matmul} ({env.bf16_matmul_reason})" if env.bf16_matmul else None
+    log.info("%s", summary(cfg, dims, n_params, est, env.memory_budget_bytes, matmuls))
     check_fits(est, env.memory_budget_bytes, cfg, dims=dims)  # before any allocation
     if cfg.model.mask_leak:
         log.warning("model.mask_leak=%d: attention sees %d future token(s); this run demonstrates the information "
@@ -158,6 +161,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     progress = ProgressBar(total=t.steps, initial=state.step) if env.rank == 0 else None
     tags = {
         "backend": backend.name,
+        "precision.bf16_matmul": env.bf16_matmul or "n/a",  # the policy that ran; n/a: no bf16 matmuls
         "run_dir": str(run_dir),
         "checkpoint_dir": str(root),
         sweep.HASH_TAG: sweep.config_hash(config),
@@ -169,7 +173,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         tags["init_from"] = str(t.init_from)
     recorder = SeriesRecorder(PLOTTED)
     extra_trackers = [history, recorder] + ([progress] if progress else [])
-    throughput, peak_source = _throughput(cfg, n_params, env.world_size)
+    throughput, peak_source = _throughput(cfg, n_params, env.world_size, env.bf16_matmul)
     tags["perf.peak_source"] = peak_source
     derived = {"perf.flops_per_token": throughput.flops_per_token,
                "perf.flops_per_token_causal": throughput.flops_per_token_causal,
@@ -308,12 +312,12 @@ def _eval_scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> E
     return EvalScheduler(e, tokens_per_step, overrides, next_tokens=first)
 
 
-def _throughput(cfg: RunConfig, n_params: int, world_size: int) -> tuple[Throughput, str]:
+def _throughput(cfg: RunConfig, n_params: int, world_size: int, bf16_matmul: str | None) -> tuple[Throughput, str]:
     """FLOPs per token of this model and sequence length, the run's peak FLOP/s and cost per hour."""
     m = cfg.model
     per_token = functools.partial(flops_per_token, n_params, m.vocab_size * m.dim, m.n_layers, m.n_heads,
                                   m.head_dim, cfg.train.seq_len)  # fmt: skip
-    peak, source = resolve_peak_flops(cfg.cluster, cfg.precision.compute_dtype, cfg.data.cache_dir)
+    peak, source = resolve_peak_flops(cfg.cluster, cfg.precision.compute_dtype, cfg.data.cache_dir, bf16_matmul)
     nodes = -(-world_size // cfg.cluster.devices_per_node)
     price = cfg.cluster.price_per_hour
     return Throughput(

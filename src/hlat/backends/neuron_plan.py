@@ -95,6 +95,12 @@ def precision_plan(p: PrecisionConfig, par: ParallelismConfig, seed: int) -> Neu
         ConfigError: for a combination NxD or torch-xla cannot honour, naming the keys and the fix.
     """
     low = p.param_dtype == "bfloat16"
+    if p.bf16_matmul == "emulated":
+        raise ConfigError(
+            "precision.bf16_matmul=emulated is a torch-backend policy for CPUs without fast bf16 kernels; on the "
+            "neuron backend bf16 matmuls are the hardware's (XLA_USE_BF16 / XLA_DOWNCAST_BF16): set "
+            "precision.bf16_matmul=auto"
+        )
     if p.master_weights and not par.zero1:
         raise ConfigError(
             f"precision={p.name} (master_weights=true) on the neuron backend needs parallelism.zero1=true: NxD keeps "

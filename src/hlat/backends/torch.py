@@ -35,9 +35,11 @@ from hlat.backends.torch_dist import (
     mean_over_ranks,
     tensor_parallel,
 )
+from hlat.bf16_matmul import apply_policy, resolve_policy
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
 from hlat.loop import NULL_TIMER
 from hlat.parallel import ParallelDims
+from hlat.peak import DEFAULT_CACHE_DIR
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
 from hlat.recompute import apply_activation_checkpointing
 
@@ -59,6 +61,9 @@ class TorchBackend:
         self.ckpt_group: dist.ProcessGroup | None = None
         self.zero1 = False
         self.fp32_accum = self.fp32_dp = False
+        self.cache_dir = cfg.data.cache_dir if cfg is not None else DEFAULT_CACHE_DIR
+        self.bf16_matmul = "native"
+        """The resolved ``precision.bf16_matmul`` policy that ``build_model`` applies."""
 
     def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
         ranks = Ranks.from_env()
@@ -79,8 +84,13 @@ class TorchBackend:
             free, _ = torch.cuda.mem_get_info(self.device)
         else:  # the ranks on this host share its memory
             free = psutil.virtual_memory().available // ranks.local_world_size
+        policy, why = None, ""
+        if precision.compute_dtype == "bfloat16":
+            policy, why = resolve_policy(precision.bf16_matmul, self.device, self.cache_dir)
+            self.bf16_matmul = policy
         return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
-                   memory_budget_bytes=int(free * cluster.memory_fraction))  # fmt: skip
+                   memory_budget_bytes=int(free * cluster.memory_fraction), bf16_matmul=policy,
+                   bf16_matmul_reason=why)  # fmt: skip
 
     def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims, par: ParallelismConfig | None = None,
                     init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
@@ -106,6 +116,8 @@ class TorchBackend:
         # its micro-batches into fp32 main_grad and forward_backward averages those once per step (Megatron's way).
         self.fp32_accum, self.fp32_dp = fp32_accum, fp32_accum and dims.dp > 1
         self.zero1 = par.zero1 and dims.dp > 1 and dims.tp == 1  # with TP, FSDP2 shards the AdamW state anyway
+        if p.compute_dtype == "bfloat16":  # class swaps, names unchanged: before TP wraps the linears' parameters
+            apply_policy(model, self.bf16_matmul)
         apply_activation_checkpointing(model, par.activation_checkpointing)  # names unchanged: before TP and DP
         mesh = device_mesh(self.device, dims.dp, dims.tp) if dims.tp > 1 else None
         if mesh is not None:

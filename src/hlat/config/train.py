@@ -150,10 +150,16 @@ class PrecisionConfig(_Frozen):
     """Softmax and cross-entropy over the vocabulary in fp32. Attention's softmax runs inside the fused attention
     kernel (SDPA on torch), which keeps its running max and sum in fp32 for bf16 inputs in either case. Always true
     with float32 compute."""
+    bf16_matmul: str = "auto"
+    """How the torch backend runs bf16 matmuls (linear layers, attention, the LM head): ``native`` bf16 kernels,
+    ``emulated`` (bf16 operands upcast, multiplied in fp32, the result rounded to bf16: bf16 semantics at fp32
+    speed on CPUs without bf16 instructions), or ``auto``, the faster of the two on this host by a cached probe
+    (``hlat.bf16_matmul``). The neuron backend's bf16 is the hardware's; there only ``auto`` or ``native``."""
 
     def __post_init__(self) -> None:
         _check_choice("precision.param_dtype", self.param_dtype, DTYPES)
         _check_choice("precision.compute_dtype", self.compute_dtype, DTYPES)
+        _check_choice("precision.bf16_matmul", self.bf16_matmul, ("auto", "native", "emulated"))
         low = self.param_dtype != "float32"
         _check(
             not (low and self.compute_dtype == "float32"),

@@ -150,7 +150,7 @@ def _matmul(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None) -> tuple[fl
     assert dtype_name in DTYPES, dtype_name
     n = h.matmul_size or (1024 if env.device.type == "cpu" else 8192)
     measure = functools.partial(matmul_flops, env.device, getattr(torch, dtype_name), n, h.matmul_seconds,
-                                h.matmul_repeats, sync)  # fmt: skip
+                                h.matmul_repeats, sync, emulated=env.bf16_matmul == "emulated")  # fmt: skip
     if h.inject_slow_rank == env.rank:
         log.warning("health.inject_slow_rank=%d: this rank's matmuls run at %g of their speed (a test hook)",
                     env.rank, h.inject_slow_factor)  # fmt: skip
@@ -158,7 +158,7 @@ def _matmul(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None) -> tuple[fl
             flops = measure()
     else:
         flops = measure()
-    peak, source = resolve_peak_flops(cfg.cluster, dtype_name, cfg.data.cache_dir)
+    peak, source = resolve_peak_flops(cfg.cluster, dtype_name, cfg.data.cache_dir, env.bf16_matmul)
     return flops / 1e12, (peak / 1e12 if peak else None), source
 
 
