@@ -61,7 +61,7 @@ def timed_step(backend, net, opt, inputs, targets) -> tuple[float, float, float]
     backend.clip_grad_norm(net, 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return t1 - t0, time.perf_counter() - t1, float(loss)
+    return t1 - t0, time.perf_counter() - t1, float(loss.detach())
 
 
 def main() -> None:
