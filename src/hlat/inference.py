@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hlat import checkpoint as ckpt
+from hlat import safe_load
 from hlat.backends.torch_dist import gate_up_in_model_order
 from hlat.config import DTYPES, ConfigError, DataConfig, ModelConfig, RunConfig
 from hlat.data.builtin import builtin_corpus_path
@@ -184,16 +184,17 @@ def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> T
             tensors in the stored dtype.
 
     Raises:
-        ConfigError: The stored tensors do not match ``cfg``.
+        ConfigError: The stored tensors do not match ``cfg``, or the checkpoint holds more than data (it is not
+            trusted: see :mod:`hlat.safe_load`).
     """
-    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    md = safe_load.read_metadata(path).state_dict_metadata  # never unpickles code from the checkpoint
     stored = {k.removeprefix("model."): m for k, m in md.items()
               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # fmt: skip
     check_tensors({k: m.size for k, m in stored.items()}, expected_shapes(cfg), f"checkpoint {path}")
     sd = into if into is not None else {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()}
     with warnings.catch_warnings():  # "torch.distributed is disabled": no process group, as intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)  # in place; only the "model" keys
+        safe_load.load({"model": sd}, path, no_dist=True)  # in place; only the "model" keys
     tp = ((ckpt.manifest(path) or {}).get("config") or {}).get("parallelism", {}).get("tp", 1)
     if tp > 1:
         with torch.no_grad():

@@ -70,7 +70,7 @@ class SpikeDetector:
         n = sum(durations.values())
         return {
             "spike/summary_count": float(n),
-            "spike/single_step_fraction": durations[1] / n if n else 0.0,
+            "spike/single_step_fraction": durations.get(1, 0) / n if n else 0.0,
             "spike/longest": float(max(durations, default=0)),
             "spike/mean_duration": sum(d * c for d, c in durations.items()) / n if n else 0.0,
         }

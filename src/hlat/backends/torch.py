@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hlat import safe_load
 from hlat.backends.base import Env
 from hlat.backends.torch_dist import (
     Ranks,
@@ -202,7 +203,8 @@ class TorchBackend:
         # The layout to load into; for AdamW, get_state_dict fills the still-empty state with a zero-lr step.
         state = {"model": model.state_dict(), "optimizer": self._optim_state(model, optimizer)}
         _quiet_single_process_dcp()
-        dcp.load(state, checkpoint_id=path, process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
+        # Not dcp.load: DCP's own reader unpickles .metadata, and non-tensor items, unrestricted (hlat.safe_load).
+        safe_load.load(state, path, process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
         set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
         return torch.load(path / EXTRA.format(rank=self.ranks.rank), map_location="cpu", weights_only=True)
