@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-neuron lint install clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -24,9 +24,15 @@ demo: install
 test: install
 	$(PY) -m pytest -q $(ARGS)
 
+# The NxD lane: the neuron backend against the real NeuronX Distributed 0.17 on torch-xla's CPU device, in its own
+# environment (.venv-neuron: torch 2.9 + torch-xla 2.9 from PyPI, ~4 GB, ~5 min the first time; reused after).
+test-neuron:
+	bash tests/neuron/setup_venv.sh
+	.venv-neuron/bin/python -m pytest -q tests/neuron $(ARGS)
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) outputs multirun mlruns mlflow.db
+	rm -rf $(VENV) .venv-neuron outputs multirun mlruns mlflow.db

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -168,7 +169,11 @@ class NeuronBackend:
         apply_env(neuron_env(cfg))
         self._api = api = _import_api()
         if not dist.is_initialized():  # the timeout bounds every collective's wait (health.collective_timeout_s)
-            dist.init_process_group("xla", timeout=datetime.timedelta(seconds=cfg.health.collective_timeout_s))
+            timeout = datetime.timedelta(seconds=cfg.health.collective_timeout_s)
+            if ranks.world_size == 1 and "RANK" not in os.environ:  # one process, no launcher: no env:// rendezvous
+                dist.init_process_group("xla", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                dist.init_process_group("xla", timeout=timeout)
         # Initializes NxD's tensor/pipeline/data-parallel groups (the process group exists: reference §1.2).
         self.nxd_config = api.nxd.neuronx_distributed_config(
             **nxd_config_kwargs(cfg, param_init_fn=ModuleInit(cfg.model), world_size=ranks.world_size)

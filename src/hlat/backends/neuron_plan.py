@@ -175,7 +175,8 @@ def neuron_env(cfg: RunConfig) -> dict[str, str]:
     ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` (3, or 31 with pipeline parallelism), ``MALLOC_ARENA_MAX``
     (64, or 128 with pipeline parallelism), the precision variables of ``precision_plan``,
     ``XLA_DISABLE_FUNCTIONALIZATION=0`` with ZeRO-1 (NxD's scripts: needed for ZeRO-1 convergence; also torch-xla's
-    default) and, on more than one node with EFA devices, ``EFA_ENV``.
+    default), ``PJRT_DEVICE`` where ``cluster.pjrt_device`` is not ``NEURON`` (``cluster=xla_cpu``) and, on more
+    than one node with EFA devices, ``EFA_ENV``.
 
     Raises:
         ConfigError: for a precision x parallelism combination or a setting the backend cannot honour.
@@ -192,6 +193,8 @@ def neuron_env(cfg: RunConfig) -> dict[str, str]:
         "MALLOC_ARENA_MAX": str(MALLOC_ARENAS_PP if pp else MALLOC_ARENAS),
         **plan.env,
     }
+    if c.pjrt_device != "NEURON":  # cluster=xla_cpu; on trn1 the Neuron image sets PJRT_DEVICE=NEURON itself
+        env["PJRT_DEVICE"] = c.pjrt_device
     if par.zero1:
         env["XLA_DISABLE_FUNCTIONALIZATION"] = "0"
     if c.nodes > 1 and c.efa_devices > 0:

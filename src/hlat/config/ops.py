@@ -47,6 +47,9 @@ class ClusterConfig(_Frozen):
     compile_cache: str = "/var/tmp/neuron-compile-cache"
     """Neuron persistent compile cache (``NEURON_COMPILE_CACHE_URL``): on each worker's local disk, not the shared
     FSx, which caused communication timeouts in HLAT (PAPER.md); the neuron backend only."""
+    pjrt_device: str = "NEURON"
+    """torch-xla's runtime device on the neuron backend (``PJRT_DEVICE``): ``NEURON`` on trn1, ``CPU`` for the real
+    NxD on torch-xla's CPU device (``cluster=xla_cpu``: a Neuron config smoke-tested without Trainium)."""
     max_restarts: int = 0
     """Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic, which restarts it up to
     this many times after a failure (a killed process, a hardware or communication error); each restart resumes
@@ -80,6 +83,7 @@ class ClusterConfig(_Frozen):
     def __post_init__(self) -> None:
         _check_choice("cluster.backend", self.backend, ("torch", "neuron"))
         _check_choice("cluster.device", self.device, ("cpu", "cuda"))
+        _check_choice("cluster.pjrt_device", self.pjrt_device, ("NEURON", "CPU"))
         _check(
             self.num_threads is None or self.num_threads > 0,
             f"cluster.num_threads={self.num_threads} must be positive or null",

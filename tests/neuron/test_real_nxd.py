@@ -1,0 +1,94 @@
+"""The neuron backend through the real NxD 0.17 on XLA:CPU, with the torch backend as the oracle.
+
+Every scenario runs ``python train.py`` in a subprocess (the Neuron variables must be set before torch_xla is
+imported, once per process) and reads the run's metrics back from its MLflow store.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MICRO = [
+    "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "model.vocab_size=512", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+    "train.steps=3", "optimizer.warmup_steps=1", "train.log_every=1", "health=off", "train.checkpoint_every=0",
+    "tracker.flush_every_s=0",
+]  # fmt: skip
+
+
+def train(tmp: Path, name: str, cache: Path, *overrides: str) -> dict[str, list[float]]:
+    """Run ``python train.py`` with ``overrides``; the logged loss and grad norm of every step."""
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp / 'mlflow.db'}"
+    args = [sys.executable, str(ROOT / "train.py"), *MICRO, f"data.cache_dir={cache}", f"tracker.uri={store}",
+            f"tracker.run_name={name}", f"hydra.run.dir={tmp / name}", *overrides]  # fmt: skip
+    r = subprocess.run(args, cwd=tmp, capture_output=True, text=True, timeout=900, env={**os.environ})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    client = MlflowClient(tracking_uri=store)
+    (run,) = client.search_runs(client.get_experiment_by_name("hlat").experiment_id, f"tags.mlflow.runName = '{name}'")
+    out = {}
+    for key in ("train/loss", "train/grad_norm"):
+        out[key] = [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hlat-cache")
+
+
+def test_nxd_imports_and_hlat_binds_its_entry_points() -> None:
+    """The stub gets the real NxD imported; every entry point the backend uses is NxD's own."""
+    code = (
+        "import os; os.environ['PJRT_DEVICE'] = 'CPU'\n"
+        "from hlat.backends.neuron import _import_api\n"
+        "api = _import_api()\n"
+        "import inspect\n"
+        "for f in (api.nxd.neuronx_distributed_config, api.nxd.initialize_parallel_model,\n"
+        "          api.nxd.initialize_parallel_optimizer, api.nxd.save_checkpoint, api.nxd.load_checkpoint,\n"
+        "          api.layers.column, api.layers.row, api.layers.qkv, api.layers.embedding,\n"
+        "          api.layers.cross_entropy, api.manual_seed):\n"
+        "    assert inspect.getsourcefile(f).count('neuronx_distributed'), f\n"
+        "print('xla device', api.xm.xla_device())\n"
+    )  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "xla device xla:0" in r.stdout
+
+
+def test_train_py_on_xla_cpu_trains_through_the_real_nxd(tmp_path: Path, cache: Path) -> None:
+    """``python train.py cluster=xla_cpu``: the neuron backend's whole path (NxD config, parallel model and
+    optimizer, step closures, xser checkpoint) on the real library, world 1, fp32: every step logged and finite."""
+    nxd = train(tmp_path, "xla", cache, "cluster=xla_cpu", "train.checkpoint_every=2")
+    for key in ("train/loss", "train/grad_norm"):
+        assert len(nxd[key]) == 3 and all(math.isfinite(v) and v > 0 for v in nxd[key]), (key, nxd[key])
+    assert nxd["train/loss"][0] == pytest.approx(math.log(512), rel=0.05)  # ~ln(vocab) at init
+    saved = sorted(p.name for p in (tmp_path / "xla" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert saved == ["step_00000002", "step_00000003"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 22 item 3: NxD initializes its parallel layers in its own order and "
+    "layout (GQA q, k, v drawn apart), so the neuron backend starts from other weights than the torch "
+    "backend (step-1 loss 6.2540 vs 6.2506); strict: passes the day initialization is keyed by name",
+)
+def test_fp32_on_xla_cpu_equals_the_torch_backend(tmp_path: Path, cache: Path) -> None:
+    """``python train.py cluster=xla_cpu`` (world 1, fp32) against ``cluster=cpu``: same weights, data and math.
+
+    Both run fp32 on the same CPU; the XLA graph fuses and orders some sums differently, so the losses and pre-clip
+    grad norms of 3 steps should agree to 1e-5 relative, not bitwise.
+    """
+    ref = train(tmp_path, "torch", cache)
+    nxd = train(tmp_path, "xla", cache, "cluster=xla_cpu")
+    for key in ref:
+        assert len(nxd[key]) == len(ref[key]) == 3, key
+        assert nxd[key] == pytest.approx(ref[key], rel=1e-5), key
