@@ -3,6 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
+from hlat.cli import job_started, run_hydra
 from hlat.config import register_configs
 from hlat.run import entry
 
@@ -16,8 +17,9 @@ def main(cfg: DictConfig) -> float | None:
     Returns:
         In a multirun, the job's objective (final training loss) for sweepers such as Optuna; None otherwise.
     """
+    job_started()
     return entry(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main)  # what Hydra rejects (an unknown key or option, a bad override, the run directory) exits 2

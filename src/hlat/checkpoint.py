@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,22 +59,60 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def manifest(path: Path) -> dict[str, Any] | None:
-    """The checkpoint's manifest, or None when it has none (or an unreadable one)."""
+def _shape_problem(meta: Any) -> str | None:
+    """Why parsed ``manifest.json`` content is not a manifest hlat wrote (None: it has the right shape).
+
+    A manifest is an object with ``files`` (name -> size, or ``{"size": int, "sha256": str}``) and optionally an
+    integer ``step`` and ``config`` / ``model`` objects; anything else is damage (or another tool's file).
+    """
+    if not isinstance(meta, dict):
+        return f"holds a JSON {type(meta).__name__}, not an object"
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return "has no 'files' object"
+    for name, rec in files.items():
+        size, digest = (rec.get("size"), rec.get("sha256")) if isinstance(rec, dict) else (rec, None)
+        if not _is_int(size) or size < 0 or (digest is not None and not isinstance(digest, str)):
+            return f"has a malformed entry for {name!r} in 'files'"
+    if "step" in meta and not _is_int(meta["step"]):
+        return f"has a non-integer 'step' ({meta['step']!r})"
+    for key in ("config", "model"):
+        if key in meta and not isinstance(meta[key], dict):
+            return f"has a non-object '{key}'"
+    return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The checkpoint's manifest, or None and why it is missing, unreadable or malformed."""
     try:
-        return json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
+        meta = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None, f"no readable {MANIFEST} (an interrupted save)"
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        return None, f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    why = _shape_problem(meta)
+    if why is not None:
+        return None, f"{MANIFEST} {why} (damaged, or not written by hlat)"
+    return meta, ""
+
+
+def manifest(path: Path) -> dict[str, Any] | None:
+    """The checkpoint's manifest, or None when it has none, or one that is unreadable or of the wrong shape."""
+    return _read_manifest(path)[0]
 
 
 def problems(path: Path, *, checksums: bool = False) -> list[str]:
     """What is wrong with the checkpoint at ``path`` (empty: it is complete and, with ``checksums``, intact)."""
-    meta = manifest(path)
+    meta, why = _read_manifest(path)
     if meta is None:
-        return [f"no readable {MANIFEST} (an interrupted save)"]
+        return [why]
     out = []
     for name, rec in meta["files"].items():
-        size, digest = (rec, None) if isinstance(rec, int) else (rec["size"], rec["sha256"])
+        size, digest = (rec, None) if isinstance(rec, int) else (rec["size"], rec.get("sha256"))
         f = path / name
         if not f.is_file():
             out.append(f"{name} is missing")
@@ -99,13 +138,25 @@ def latest(root: Path) -> Path | None:
     return None
 
 
+def newest_complete(root: Path) -> Path | None:
+    """The newest checkpoint under ``root`` with a well-formed manifest and every file at its size (None: none).
+
+    Cheap, without checksums: what a message may name as the checkpoint a rerun continues from (a resume itself
+    goes through :func:`latest`, which also verifies the checksums).
+    """
+    for p in sorted(root.glob("step_*"), reverse=True):
+        if not p.name.endswith(".tmp") and not problems(p):
+            return p
+    return None
+
+
 def resolve(path: str) -> Path:
     """A checkpoint directory, or the latest valid one under a checkpoints root; ConfigError if none."""
     p = Path(path).expanduser()
     if (manifest(p) or {}).get("weights_only"):
         raise ConfigError(f"train.resume={path} holds weights only (written by hlat import), no optimizer or data "
                           f"state to resume: start a new run from it with train.init_from={path}")  # fmt: skip
-    if manifest(p) is not None:  # the user named one checkpoint: it must be intact
+    if (p / MANIFEST).exists():  # the user named one checkpoint: it must be intact (its manifest too)
         bad = problems(p, checksums=True)
         if bad:
             raise ConfigError(f"train.resume={path}: this checkpoint is damaged ({'; '.join(bad)}); "
@@ -199,11 +250,31 @@ def check_compatible(path: Path, config: dict[str, Any]) -> None:
             log.info("resuming with a changed setting: %s", diff[k])
 
 
-def check_disk_space(root: Path, needed: int) -> None:
-    """ConfigError if the volume of ``root`` has less than ``needed`` bytes free (one more checkpoint)."""
+def check_writable(root: Path) -> Path:
+    """ConfigError unless the checkpoint directory ``root`` is, or can be created as, a writable directory.
+
+    Returns:
+        ``root`` or its nearest existing ancestor (the directory whose volume the checkpoints will use).
+    """
     probe = root
-    while not probe.exists():
+    while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    fix = "set train.checkpoint_dir (or hydra.run.dir, which holds checkpoints/ by default) to a writable directory"
+    if not probe.is_dir():
+        raise ConfigError(f"train.checkpoint_dir={root}: {probe} is a file, not a directory, so the checkpoints "
+                          f"cannot go there; {fix}")  # fmt: skip
+    try:  # a real write: permissions, read-only mounts and pseudo filesystems (/proc) alike
+        with tempfile.TemporaryFile(dir=probe, prefix=".hlat-write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"train.checkpoint_dir={root}: cannot write into {probe} ({e.strerror or e}); "
+                          f"{fix}") from None  # fmt: skip
+    return probe
+
+
+def check_disk_space(root: Path, needed: int) -> None:
+    """ConfigError if ``root`` is not writable or its volume has less than ``needed`` bytes free (one checkpoint)."""
+    probe = check_writable(root)
     free = shutil.disk_usage(probe).free
     if free < needed:
         raise ConfigError(
@@ -221,17 +292,29 @@ def checkpoint_bytes(path: Path | None) -> int | None:
 def read_job(root: Path) -> dict[str, Any]:
     """The job record (MLflow run id, start time) of the run writing into ``root``; empty if there is none."""
     try:
-        return json.loads((root / JOB).read_text())
+        record = json.loads((root / JOB).read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(record, dict):
+        log.warning("ignoring %s: it holds a JSON %s, not the job record", root / JOB, type(record).__name__)
+        return {}
+    return record
 
 
 def write_job(root: Path, record: dict[str, Any]) -> None:
-    """Record the job (atomically), so a restart before the first checkpoint still continues the same run."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{JOB}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, root / JOB)
+    """Record the job (atomically), so a restart before the first checkpoint still continues the same run.
+
+    Raises:
+        ConfigError: ``root`` cannot be a writable directory (the first write of a run: it names the key and fix).
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{JOB}.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, root / JOB)
+    except OSError:
+        check_writable(root)  # a ConfigError naming train.checkpoint_dir when the directory is the cause
+        raise
 
 
 LOCK = ".lock"
@@ -416,7 +499,7 @@ class Checkpointer:
     def _failed(self, e: BaseException, tmp: Path, step: int) -> Exception:
         """Remove the partial checkpoint; a CheckpointError that says what happened and what is intact."""
         shutil.rmtree(tmp, ignore_errors=True)
-        intact = sorted(p.name for p in self.root.glob("step_*") if not p.name.endswith(".tmp"))
+        intact = sorted(p.name for p in self.root.glob("step_*") if not p.name.endswith(".tmp") and not problems(p))
         kept = f"the earlier checkpoints are intact ({', '.join(intact)})" if intact else "there is no earlier one"
         if _disk_full(e):
             return CheckpointError(

@@ -9,12 +9,14 @@ precision=bf16_sr``). ``hlat data prepare`` converts raw corpora into memory-map
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hlat.config import RunConfig
@@ -39,6 +41,9 @@ commands:
   compile   ahead-of-time Neuron compile of the run: `hlat compile [--steps N] [--target torchrun|slurm] [--run]
             overrides...` (see `hlat launch --help`, `hlat compile --help`)
 """
+COMMANDS = ("train", "summary", "plan", "data", "compare", "doctor", "bench", "eval", "export", "import", "launch",
+            "compile")  # fmt: skip
+"""Every ``hlat`` command, in the order USAGE lists them."""
 # ConfigError messages of the shared data code name config keys; `hlat data tokenizer` names its flags.
 _FLAG_NAMES = {"data.path": "--data", "data.text_column": "--text-column", "model.vocab_size": "--vocab-size",
                "data.tokenizer_type": "--type"}  # fmt: skip
@@ -46,18 +51,20 @@ _FLAG_NAMES = {"data.path": "--data", "data.text_column": "--text-column", "mode
 
 def config_dir() -> Path:
     """conf/ inside an installed wheel, else the checkout's top-level conf/."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "conf", here.parents[1] / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise FileNotFoundError("hlat's conf/ directory was not found next to the package or in the checkout")
+    from hlat.config.suggest import find_conf_dir
+
+    found = find_conf_dir()
+    if found is None:
+        raise FileNotFoundError("hlat's conf/ directory was not found next to the package or in the checkout")
+    return found
 
 
 def compose_run_config(overrides: Sequence[str]) -> RunConfig:
     """Compose ``conf/`` with Hydra overrides as ``python train.py`` would, and validate it (every ``__post_init__``).
 
     Raises:
-        ConfigError: On a composition or validation error, with Hydra's reason in one or two lines.
+        ConfigError: On a composition or validation error: one line naming the key, the closest existing key or
+            option to a misspelled one, and the fix (:func:`hydra_error_message`).
     """
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -71,9 +78,117 @@ def compose_run_config(overrides: Sequence[str]) -> RunConfig:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             return to_run_config(compose(config_name="config", overrides=list(overrides)))
     except (HydraException, OmegaConfBaseException) as e:
-        msg = str(e).split("\nConfig search path:")[0].strip()  # Hydra's search path says nothing to the user
-        cause = str(e.__cause__).strip().splitlines()[0] if e.__cause__ else ""
-        raise ConfigError(f"{msg} ({cause})" if cause else msg) from None
+        raise ConfigError(hydra_error_message(e, overrides) or str(e)) from None
+
+
+class _HydraRun:
+    """State of :func:`run_hydra`: whether it set ``HYDRA_FULL_ERROR`` and whether the job has started."""
+
+    owned = False
+    started = False
+
+
+def job_started() -> None:
+    """First thing of a Hydra task function: errors from here on are the job's, reported by Hydra as before."""
+    _HydraRun.started = True
+    if _HydraRun.owned:
+        os.environ.pop("HYDRA_FULL_ERROR", None)  # the job's processes (elastic workers, evaluations) inherit none
+        _HydraRun.owned = False
+
+
+def run_hydra(app: Callable[[], Any], argv: Sequence[str] | None = None) -> Any:
+    """Call the ``@hydra.main`` function ``app``: what Hydra rejects before the job starts exits 2 with one message.
+
+    Hydra reports an unknown key or option, a malformed override or a run directory it cannot create as a stack
+    trace or a terse line, and exits 1. Until the task function calls :func:`job_started`, ``HYDRA_FULL_ERROR=1``
+    makes Hydra raise them instead, and :func:`hydra_error_message` names the key, the closest existing one and the
+    fix. ``argv``: the command-line arguments (default ``sys.argv[1:]``), for the overrides' values.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _HydraRun.started, _HydraRun.owned = False, "HYDRA_FULL_ERROR" not in os.environ
+    if _HydraRun.owned:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        return app()
+    except Exception as e:
+        message = None if _HydraRun.started else hydra_error_message(e, argv)
+        if message is None:
+            raise
+        print(f"hlat: configuration error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        job_started()
+
+
+def hydra_error_message(e: BaseException, overrides: Sequence[str] = ()) -> str | None:
+    """One line for an error of Hydra's composition, or of its making the run directory; None for any other error.
+
+    ``overrides``: the command line, for the override at fault (``modle=tiny`` -> did you mean model=tiny?).
+    """
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from hlat.config import ConfigError
+    from hlat.config.suggest import correct_option
+
+    if isinstance(e, ConfigError):
+        return str(e)
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        fix = correct_option(group, option)
+        hint = f"; did you mean {group}={fix}?" if fix else ""
+        return f"{group}={option}: conf/{group}/ has no option {option!r}{hint} (options: {', '.join(e.options or [])})"
+    if isinstance(e, OSError) and e.filename and not isinstance(e, HydraException):
+        key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(overrides) else "hydra.run.dir"
+        return (f"{key}: cannot create or write the run directory {e.filename} ({e.strerror or e}); set {key} to "
+                "a writable directory (e.g. a path under your home or the working directory)")  # fmt: skip
+    if isinstance(e, OverrideParseException):
+        bad = next((o for o in overrides if "=" in o and not o.startswith("-") and not _parses(o)), None)
+        what = f"cannot parse the override {bad!r}" if bad else "cannot parse an override"
+        return (f"{what} ({str(e).splitlines()[0]}); quote a value with spaces or special characters (key='a b'), "
+                "write lists as key=[1,2] (https://hydra.cc/docs/advanced/override_grammar/basic)")  # fmt: skip
+    if isinstance(e, (HydraException, OmegaConfBaseException)):
+        return _composition_message(e, overrides)
+    return None
+
+
+def _parses(override: str) -> bool:
+    """Whether Hydra's override grammar accepts ``override``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        OverridesParser.create().parse_overrides([override])
+    except OverrideParseException:
+        return False
+    return True
+
+
+def _composition_message(e: BaseException, overrides: Sequence[str]) -> str:
+    """An unknown key (with the closest existing one), a value of the wrong type, or Hydra's own words."""
+    from hlat.config.suggest import did_you_mean
+
+    text = str(e).split("\nConfig search path:")[0].strip()  # Hydra's search path says nothing to the user
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    reason = str(cause).strip().splitlines()[0] if cause else ""
+    if key and text.startswith("Could not override"):  # an unknown key: Hydra names its first unknown part
+        given = [o.lstrip("+~").partition("=") for o in overrides]
+        key, value = next(((k, v) for k, _, v in given if k == key or k.startswith(f"{key}.")), (key, None))
+        listing = "--cfg hydra" if key.startswith("hydra.") else "--cfg job"
+        hint = did_you_mean(key, value)
+        return f"{key} is not a config key{hint} (`python train.py {listing}` prints every key)"
+    if key and reason:
+        section = key.split("[")[0]
+        fix = _VALUE_HINTS.get(section, f"give {section} a value of its type (`python train.py --cfg job` shows them)")
+        return f"{section}: {reason}; {fix}"
+    return f"{' '.join(text.split())}: {reason}" if reason else " ".join(text.split())
+
+
+_VALUE_HINTS = {
+    "eval.tasks": "each entry is a task and its shots, e.g. eval.tasks=[{task:hlat_local_mc,num_fewshot:0}]",
+}
+"""The fix for a value of the wrong type, where "a value of its type" would not say enough."""
 
 
 def _hydra_train(argv: list[str]) -> None:
@@ -87,10 +202,11 @@ def _hydra_train(argv: list[str]) -> None:
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
     def task(cfg: DictConfig) -> None:
+        job_started()
         entry(cfg)
 
     sys.argv = ["hlat", *argv]  # Hydra reads its overrides from sys.argv
-    task()
+    run_hydra(task, argv)
 
 
 def data_parser() -> argparse.ArgumentParser:
@@ -224,12 +340,17 @@ def main(argv: list[str] | None = None) -> None:
         from hlat.peak import main as peak_main
 
         raise SystemExit(peak_main(argv[2:]))
-    parser = argparse.ArgumentParser(prog="hlat", usage=USAGE, add_help=True)
-    parser.add_argument("command", choices=["train", "summary", "data"])
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "data":  # options before it: `hlat -x data` is not a thing
-        parser.error("put `data` first: hlat data {prepare,tokenizer} ...")
-    if args.command == "summary":
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    if argv[0] not in COMMANDS:
+        near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean `hlat {near[0]}`?)" if near else ""
+        print(f"hlat: unknown command {argv[0]!r}{hint}. The commands are: {', '.join(COMMANDS)} "
+              "(`hlat --help` says what each does)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    command, rest = argv[0], argv[1:]
+    if command == "summary":
         rest = [*rest, "train.dry_run=true", "hydra.output_subdir=null", "hydra/job_logging=none",
                 "hydra.run.dir=."]  # fmt: skip
     _hydra_train(rest)

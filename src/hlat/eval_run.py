@@ -239,6 +239,24 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def eval_overrides(e: EvalConfig) -> list[str]:
+    """The overrides that give a child ``hlat eval`` exactly this run's ``eval`` config.
+
+    The preset, then every field an evaluation reads: a command-line change to the preset (``eval.tasks=...``,
+    ``eval.limit=...``) reaches the child instead of the preset's value.
+    """
+    tasks = ",".join(f"{{task:'{_escape(t.task)}',num_fewshot:{t.num_fewshot}}}" for t in e.tasks)
+    limit = "null" if e.limit is None else e.limit
+    device = "null" if e.device is None else e.device
+    return [f"eval={e.name}", f"eval.tasks=[{tasks}]", f"eval.batch_size={e.batch_size}", f"eval.limit={limit}",
+            f"eval.device={device}"]  # fmt: skip
+
+
+def _escape(text: str) -> str:
+    """``text`` inside a single-quoted Hydra override string."""
+    return text.replace("\\", "\\\\").replace("'", "\\'")
+
+
 @dataclass
 class EvalScheduler:
     """Training hook: start ``hlat eval`` on the first complete checkpoint past every ``every_tokens`` tokens.

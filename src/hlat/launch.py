@@ -7,12 +7,16 @@ the whole group, up to ``max_restarts`` times. Every restart reuses the run dire
 continues from the newest valid checkpoint and the same MLflow run. Errors that a restart cannot fix (a
 configuration error, a halt on a non-finite step, a full disk) end the job at once instead. Under an external
 ``torchrun`` (or Slurm / Kubeflow launching one) the trainer simply runs: that launcher already supervises it.
+A signal to the agent (SIGTERM, Ctrl-C, Slurm's SIGUSR1/SIGUSR2) is forwarded to the trainers, which stop at the next
+step boundary with a checkpoint of it (``hlat.preempt``); the job then ends preempted and resumable, not restarted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -20,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from hlat import preempt
 from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError, RunConfig
 from hlat.health.report import PreflightError
@@ -108,9 +113,14 @@ def wants_launcher(cfg: RunConfig) -> bool:
 def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
     """Run ``cluster.nproc_per_node`` trainer processes under torch elastic, restarted up to ``max_restarts`` times.
 
+    A signal to this process (the agent) is forwarded to the trainers, which stop at the next step boundary with a
+    checkpoint (``hlat.preempt``); the agent waits ``train.preempt_grace_s`` + 10 s for them before it kills them.
+
     Raises:
         ConfigError, CheckpointError, HaltedError: As raised by the trainer (never retried).
         JobFailedError: The trainer failed ``max_restarts + 1`` times.
+        PreemptedError: A signal stopped the trainers and they wrote the checkpoint of the step in flight.
+        AbortedError: A signal stopped the job before that checkpoint was complete.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -132,21 +142,26 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
             "hydra.launcher.nodes at ${cluster.nodes} (conf/hydra/launcher/slurm.yaml)"
         )
     from hlat.parallel import ParallelDims
+    from hlat.rendezvous import one_node_launch
 
     ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)  # before starting anything
+    # One node: its stores and sockets on 127.0.0.1 only (hlat.rendezvous); several: c10d on the first host.
+    rdzv = one_node_launch() if nodes == 1 else {"rdzv_backend": "c10d", "rdzv_endpoint": endpoint}
     config = LaunchConfig(
-        min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=endpoint,  # one node: torchrun --standalone
+        min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id, **rdzv,
         max_restarts=restarts, monitor_interval=0.5, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic" / (f"node{global_rank()}" if slurm else ""))),
+        **_stop_settings(LaunchConfig, cfg.train.preempt_grace_s),
     )  # fmt: skip
     log.info("starting %d trainer process(es) with torch elastic; up to %d restarts from the newest checkpoint",
              nproc, restarts)  # fmt: skip
     container = OmegaConf.to_container(hydra_cfg, resolve=True)
     try:
-        results = elastic_launch(config, _worker)(container, str(run_dir), _log_file(run_dir))
+        results = _run_agent(elastic_launch(config, _worker), container, run_dir)
     except ChildFailedError as e:
         first = e.get_first_failure()[1]
+        if first.exitcode == preempt.PREEMPTED_EXIT_CODE and (stopped := preempt.read_marker(run_dir)):
+            raise stopped from None  # the trainers alone were signalled (restarts exhausted): they did checkpoint
         raise JobFailedError(
             f"the trainer failed {restarts + 1} times (cluster.max_restarts={restarts}); last failure: "
             f"{_exit_text(first.exitcode, run_dir)}{', ' + _failure_text(first.message) if first.message else ''} "
@@ -157,6 +172,40 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
         if results[rank] is not None:
             kind, message = results[rank]
             raise next(t for t in FINAL_ERRORS if t.__name__ == kind)(message)
+
+
+def _stop_settings(launch_config: type, grace_s: float) -> dict[str, Any]:
+    """``LaunchConfig`` fields that let a signalled agent stop its trainers gracefully, where this torch has them.
+
+    ``signals_to_handle`` adds Slurm's warning signals (USR1, USR2) to the ones the agent forwards to its workers,
+    and ``shutdown_timeout`` waits ``grace_s`` + :data:`hlat.preempt.MARGIN_S` for them instead of 30 s (older
+    torch versions have neither field and forward SIGTERM, SIGINT, SIGHUP and SIGQUIT with 30 s).
+    """
+    wanted = {"signals_to_handle": preempt.AGENT_SIGNALS, "shutdown_timeout": preempt.launcher_grace_s(grace_s)}
+    fields = {f.name for f in dataclasses.fields(launch_config)}
+    return {k: v for k, v in wanted.items() if k in fields}
+
+
+def _run_agent(launch: Any, container: dict[str, Any], run_dir: Path) -> dict[int, Any]:
+    """Run the agent (``elastic_launch(config, _worker)``); a signal to it becomes PreemptedError or AbortedError.
+
+    torch elastic turns the signal into ``SignalException`` after forwarding it to the workers and waiting for them
+    (or killing them after its shutdown timeout); it does not report how they ended, so rank 0's
+    :data:`hlat.preempt.MARKER` says whether the checkpoint was completed. The agent's signal handlers are put back
+    afterwards: torch elastic leaves its own installed.
+    """
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    preempt.clear_marker(run_dir)
+    handled = [getattr(signal, name) for name in preempt.AGENT_SIGNALS.split(",")]
+    saved = {s: signal.getsignal(s) for s in handled}
+    try:
+        return launch(container, str(run_dir), _log_file(run_dir))
+    except SignalException as e:
+        raise preempt.read_marker(run_dir) or preempt.AbortedError(e.sigval) from None
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def _exit_text(exitcode: int, run_dir: Path) -> str:
@@ -198,4 +247,9 @@ def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str
     except FINAL_ERRORS as e:
         log.error("%s: %s", type(e).__name__, e)
         return type(e).__name__, str(e)
+    except preempt.PreemptedError:
+        # Exit at once: a returned value waits until the agent reads it, which a signalled agent never does.
+        raise SystemExit(preempt.PREEMPTED_EXIT_CODE) from None
+    except KeyboardInterrupt:  # a second Ctrl-C
+        raise SystemExit(128 + signal.SIGINT) from None
     return None

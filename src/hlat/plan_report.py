@@ -213,11 +213,24 @@ def format_scaling(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def node_counts(text: str) -> list[int]:
+    """``--nodes``: comma-separated positive integers (``4,8,16``); argparse names the option on an error."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (node counts, e.g. "
+                                         f"--nodes 4,8,16), got {text!r}")  # fmt: skip
+    return counts
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``hlat plan``."""
     parser = argparse.ArgumentParser(prog="hlat plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python train.py")
-    parser.add_argument("--nodes", help="comma-separated node counts: a scaling table (e.g. 4,8,16,32,64)")
+    parser.add_argument("--nodes", type=node_counts,
+                        help="comma-separated node counts: a scaling table (e.g. 4,8,16,32,64)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.add_argument("--paper", action="store_true", help="the validation against the HLAT paper and the SDK")
     args = parser.parse_args(argv)
@@ -231,7 +244,7 @@ def main(argv: list[str]) -> int:
             return 0
         cfg = compose_run_config(args.overrides)
         if args.nodes:
-            rows = scaling_rows(cfg, [int(n) for n in args.nodes.split(",")])
+            rows = scaling_rows(cfg, args.nodes)
             print(json.dumps(rows, indent=2) if args.json else format_scaling(rows))
             return 0
         plan = make_plan(cfg, adapt=True)

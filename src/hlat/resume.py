@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,18 +32,55 @@ def restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) 
     return state, extra.get("job", {})
 
 
+COUNTED = "start_counted"
+"""Key of a job record that :func:`record_start` wrote: its ``uptime.restarts`` already counts the start reading it."""
+
+
+def record_start(root: Path, resume: str, launched: float, *, create: bool = False) -> None:
+    """Count this start of the trainer in the job record (``<checkpoint dir>/job.json``) before anything can fail.
+
+    Rank 0 (``RANK``, as torchrun sets it) calls it twice. First thing (``create=False``): a start that resumes the
+    job (its record exists and ``train.resume``, as :func:`hlat.checkpoint.restart_resume` makes it for this attempt,
+    is not ``never``) is one more restart. Counted here, a restart that dies in start-up (setting up the device, the
+    pre-flight check, building, restoring) still counts, as the next start reads it back. Then, once the read-only
+    resume checks have passed (``create=True``), a new job records that it started: a run refused before that makes
+    no directory.
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    resume = checkpoint.restart_resume(resume, root)
+    if resume == "never" and any(root.glob("step_*/manifest.json")):
+        return  # find_resume refuses this directory in a moment: leave its job's record alone
+    record = checkpoint.read_job(root) if resume != "never" else {}
+    if "uptime" in record:
+        if create:
+            return  # counted by the first call
+        uptime = Uptime.resumed(record["uptime"])  # one more restart of the same job
+    elif not create:
+        return  # a new job: recorded after the read-only checks
+    else:
+        uptime, record = Uptime(launched), {}
+    checkpoint.write_job(root, {**record, "uptime": uptime.state_dict(), COUNTED: True})
+    if uptime.restarts:
+        log.info("start %d of this job (restart %d), recorded in %s", uptime.restarts + 1, uptime.restarts,
+                 root / checkpoint.JOB)  # fmt: skip
+
+
 def job_record(saved: dict, latest: dict, launched: float) -> tuple[Uptime, str | None]:
     """The job's uptime accounting and MLflow run id, from the resumed checkpoint and the job record.
 
     ``saved`` (the checkpoint's copy) holds the productive time up to that checkpoint; ``latest`` (``job.json``,
     rewritten at every start) knows restarts that died before a newer checkpoint, and a job killed before its first
-    checkpoint. Both empty: a new job started at ``launched``.
+    checkpoint. Where :func:`record_start` wrote it, its restart count already includes this start. Both empty: a
+    new job started at ``launched``.
     """
     base = saved.get("uptime") or latest.get("uptime")
     uptime = Uptime.resumed(base) if base else Uptime(launched)
+    uptime.restarts = saved["uptime"]["restarts"] + 1 if "uptime" in saved else 0
     if "uptime" in latest:
         uptime.start = min(uptime.start, latest["uptime"]["start"])
-        uptime.restarts = max(uptime.restarts, latest["uptime"]["restarts"] + 1)
+        this_start = 0 if latest.get(COUNTED) else 1
+        uptime.restarts = max(uptime.restarts, latest["uptime"]["restarts"] + this_start)
     return uptime, saved.get("mlflow_run_id") or latest.get("mlflow_run_id")
 
 

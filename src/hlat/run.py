@@ -6,17 +6,18 @@ import dataclasses
 import functools
 import logging
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hlat import checkpoint, sweep
+from hlat import checkpoint, preempt, sweep
 from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
@@ -32,8 +33,8 @@ from hlat.parallel import ParallelDims
 from hlat.plan import GiB, check_fits, check_world, estimate_memory, planned_budget
 from hlat.precision import bytes_per_param
 from hlat.provenance import write_provenance
-from hlat.resume import job_record, restore, rollback
-from hlat.trackers import History, ProgressBar, SeriesRecorder, build_tracker
+from hlat.resume import job_record, record_start, restore, rollback
+from hlat.trackers import History, ProgressBar, SeriesRecorder, build_tracker, check_reachable
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         n_params, est = estimate_memory(cfg, dims)
         print(summary(cfg, dims, n_params, est, planned_budget(cfg.cluster)))
         return RunResult(cfg, None, history, None)
+    record_start(checkpoint_root(cfg, run_dir or hydra_output_dir()), t.resume, launched)  # before all that can fail
     backend = get_backend(cfg.cluster.backend, cfg)
     env = backend.setup(cfg.cluster, cfg.precision, t.seed)
     check_world(cfg.cluster, env.world_size)
@@ -141,6 +143,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, config)  # before anything is built, or any directory made
     checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or est.params + est.optimizer)
+    record_start(root, t.resume, launched, create=True)  # a new job: after the read-only checks made no directory
+    check_reachable(cfg.tracker, rank=env.rank)  # a dead tracker.uri fails now, not after building everything
     # Measure the devices and links before anything is built; a bad node fails every rank alike (PreflightError).
     health = preflight(cfg, env, out_dir=run_dir / "health", sync=backend.synchronize)
     # One trainer per checkpoint directory. Taken after the read-only checks above, which a live trainer's
@@ -183,6 +187,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     run_id = mlflow_tracker.run_id if mlflow_tracker else job_run_id
     if env.rank == 0:
         checkpoint.write_job(root, {"mlflow_run_id": run_id, "uptime": uptime.state_dict()})
+        preempt.unmark(run_dir, mlflow_tracker)  # a preempted run that continues is no longer waiting to resume
     if throughput.peak_flops is None:
         log.info("no MFU metric: %s", peak_source)
     if health is not None and env.rank == 0:
@@ -217,8 +222,10 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         async_save=t.async_checkpoint, fault=faults.on_save if faults else None, rank=env.rank, on_saved=evals,
     )  # fmt: skip
     monitors = Monitors(cfg, env, model, run_dir, tracker.log_metrics)
+    flag = preempt.SignalFlag()
+    stop = preempt.StopHook(flag, t.steps, distributed=env.world_size > 1)  # collective, like Monitors
     hooks = [progress, timed_hook(timer, "logging", logger), guard, timed_hook(timer, "checkpoint", saver),
-             *monitors.hooks, faults]  # fmt: skip
+             *monitors.hooks, faults, stop]  # fmt: skip
     train = functools.partial(
         fit, model=model, optimizer=optimizer, data=iter(data), backend=backend,
         steps=t.steps, grad_accum=dims.grad_accum(t), clip_grad_norm=cfg.optimizer.clip_grad_norm,
@@ -228,41 +235,52 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         + ([faults.poison_grads] if faults else []),
         skip_nonfinite=t.on_nonfinite == "skip_step", timer=timer,
     )  # fmt: skip
-    status = "FAILED"
-    try:
-        monitors.start()
-        logger.start(psutil.Process().create_time())
-        while True:
-            try:
-                state = train(state)
-                break
-            except NonFiniteError as e:
-                state = rollback(e, state, t.on_nonfinite, saver, root, logger, uptime,
-                                 functools.partial(restore, backend, model=model, optimizer=optimizer, data=data,
-                                                   spikes=spikes))  # fmt: skip
-                if progress is not None:
-                    progress.bar.reset(total=t.steps)
-        saver.close()
-        status = "FINISHED"
-        if env.rank == 0 and cfg.tracker.plots:
-            _plot(recorder, spikes, run_dir / "plots", tracker)
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        monitors.close()
-        if status != "FINISHED":
-            try:  # let a save in flight complete: it is the state a restart resumes from
-                saver.close()
-            except Exception:
-                log.exception("the checkpoint in flight failed as well")
-        data.close()
-        tracker.finish(status)
-        if lock is not None:
-            lock.close()
-        if evals is not None:
-            evals.close()  # the evaluations along training log into this run: let them finish
-
+    status, stopped = "FAILED", None
+    with flag:  # SIGTERM, SIGINT, SIGUSR1/2 stop training at the next step boundary, with a checkpoint of it
+        try:
+            monitors.start()
+            logger.start(psutil.Process().create_time())
+            while True:
+                try:
+                    state = train(state)
+                    break
+                except NonFiniteError as e:
+                    state = rollback(e, state, t.on_nonfinite, saver, root, logger, uptime,
+                                     functools.partial(restore, backend, model=model, optimizer=optimizer, data=data,
+                                                       spikes=spikes))  # fmt: skip
+                    if progress is not None:
+                        progress.bar.reset(total=t.steps)
+            saver.close()
+            status = "FINISHED"
+            if env.rank == 0 and cfg.tracker.plots:
+                _plot(recorder, spikes, run_dir / "plots", tracker)
+        except preempt.PreemptedError as e:
+            status = "KILLED"
+            monitors.close()  # the hang watchdog must not time the save
+            stopped = preempt.checkpoint_now(e, saver, state, t.preempt_grace_s)
+            if env.rank == 0:
+                preempt.record(stopped, run_dir, mlflow_tracker)
+            stop.barrier()  # no rank exits before rank 0 has completed the checkpoint (a launcher may then kill all)
+        except KeyboardInterrupt:  # a second Ctrl-C: abort without the checkpoint
+            status = "KILLED"
+            raise
+        finally:
+            monitors.close()
+            stop.close()
+            if status != "FINISHED":
+                try:  # let a save in flight complete: it is the state a restart resumes from
+                    saver.close()
+                except Exception:
+                    log.exception("the checkpoint in flight failed as well")
+            data.close()
+            tracker.finish(status)
+            if lock is not None:
+                lock.close()
+            if evals is not None:
+                evals.close()  # the evaluations along training log into this run: let them finish
+    if stopped is not None:
+        preempt.report(stopped, t.preempt_grace_s)
+        raise stopped
     if env.rank == 0:
         losses = history.series("train/loss") or [(0, float("nan"))]
         print(f"trained {state.step} steps, {state.tokens_seen:,} tokens: "
@@ -295,6 +313,7 @@ def _eval_scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> E
     e = cfg.eval
     if not e.every_tokens:
         return None
+    from hlat.eval_run import eval_overrides
     from hlat.trackers import default_uri
 
     if e.every_tokens < tokens_per_step * cfg.train.checkpoint_every:
@@ -305,9 +324,7 @@ def _eval_scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> E
         if cfg.tracker.kind != "mlflow"
         else [f"tracker.uri={cfg.tracker.uri or default_uri()}", f"tracker.experiment={cfg.tracker.experiment}"]
     )
-    overrides = [f"eval={e.name}", f"eval.batch_size={e.batch_size}", *tracker]
-    overrides += [f"eval.limit={e.limit}"] if e.limit else []
-    overrides += [f"eval.device={e.device}"] if e.device else []
+    overrides = [*eval_overrides(e), *tracker]  # every eval field: command-line changes to the preset reach the child
     first = (tokens_seen // e.every_tokens + 1) * e.every_tokens  # a resumed run evaluates from where it is
     return EvalScheduler(e, tokens_per_step, overrides, next_tokens=first)
 
@@ -346,21 +363,21 @@ def hydra_output_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def _print_continue_hint(cfg: RunConfig) -> None:
-    """After an unsupervised run died: the command that continues it from its newest checkpoint (if it has one)."""
+def _print_continue_hint(cfg: RunConfig, lead: str = "the run stopped",
+                         note: str = " (or set cluster.max_restarts to recover automatically)") -> None:  # fmt: skip
+    """After a run stopped: the command that continues it from its newest checkpoint (if it has one)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hc, run_dir = HydraConfig.get(), hydra_output_dir()
     root = checkpoint_root(cfg, run_dir)
-    saved = sorted(root.glob("step_*/manifest.json"))
-    if saved:
+    saved = checkpoint.newest_complete(root)  # never a damaged checkpoint: a rerun would skip it
+    if saved is not None:
         # A single run continues in its own directory; a sweep job (its directory is Hydra's) by train.resume.
         keep = f"hydra.run.dir={run_dir}" if hc.mode != RunMode.MULTIRUN else f"train.resume={root}"
         overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.run.dir=", "train.resume="))]
         command = shlex.join(["python", "train.py", *overrides, keep])
-        print(f"hlat: the run stopped; to continue it from {saved[-1].parent.name}: {command} "
-              "(or set cluster.max_restarts to recover automatically)", file=sys.stderr)  # fmt: skip
+        print(f"hlat: {lead}; to continue it from {saved.name}: {command}{note}", file=sys.stderr)
 
 
 def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[float]]:
@@ -377,9 +394,9 @@ def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[floa
         return checkpoint.read_job(checkpoint_root(cfg, run_dir)).get("mlflow_run_id"), []
     try:
         result = main(hydra_cfg)
-    except (ConfigError, HaltedError, checkpoint.CheckpointError):
+    except (ConfigError, HaltedError, checkpoint.CheckpointError, preempt.PreemptedError, KeyboardInterrupt):
         raise
-    except BaseException:  # a crash or Ctrl-C: say how to pick the run up again
+    except BaseException:  # a crash: say how to pick the run up again
         _print_continue_hint(cfg)
         raise
     return result.mlflow_run_id, [v for _, v in result.history.series("train/loss")]
@@ -387,8 +404,11 @@ def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[floa
 
 def error_message(e: BaseException) -> str | None:
     """The one-line report of a failure the user can act on (config, halt, checkpoint, restarts); None otherwise."""
+    from hlat.health.report import PreflightError
     from hlat.launch import JobFailedError
 
+    if isinstance(e, PreflightError):
+        return f"hlat: health check failed: {e}"
     if isinstance(e, ConfigError):
         return f"hlat: configuration error: {e}"
     if isinstance(e, (JobFailedError, HaltedError, checkpoint.CheckpointError)):
@@ -399,9 +419,12 @@ def error_message(e: BaseException) -> str | None:
 def entry(hydra_cfg: DictConfig) -> float | None:
     """Command-line entry: train, under torch elastic when ``cluster.max_restarts > 0`` or several processes.
 
-    A configuration error prints one clean message and exits 2; a failure a rerun can continue from (a halt, a
-    full disk, restarts exhausted) prints what happened and how to continue, and exits 1. A job of a multirun
-    (``-m``) goes through :func:`hlat.sweep.run_job` instead, which never exits: it returns the job's objective.
+    A configuration error prints one clean message and exits 2 (a failed pre-flight health check: 3, its own
+    ``exit_code``); a failure a rerun can continue from (a halt, a full disk, restarts exhausted) prints what
+    happened and how to continue, and exits 1. A run stopped by a signal with a checkpoint of the step in flight
+    (``hlat.preempt``) prints the command that continues it and exits 85; one stopped without it (a second Ctrl-C)
+    exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.sweep.run_job` instead, which
+    returns the job's objective (and exits only when the job was stopped by a signal).
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -412,14 +435,32 @@ def entry(hydra_cfg: DictConfig) -> float | None:
     try:
         cfg = to_run_config(hydra_cfg)
         _train(hydra_cfg, cfg)
+    except (preempt.PreemptedError, preempt.AbortedError, KeyboardInterrupt) as e:
+        _stopped(cfg, e)
     except (ConfigError, HaltedError, checkpoint.CheckpointError) as e:
         print(error_message(e), file=sys.stderr)
         if cfg is not None and not isinstance(e, ConfigError):
             _print_continue_hint(cfg)
-        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+        raise SystemExit(getattr(e, "exit_code", 2 if isinstance(e, ConfigError) else 1)) from None
     except Exception as e:
         if (message := error_message(e)) is None:
             raise
         print(message, file=sys.stderr)
         raise SystemExit(1) from None
     return None
+
+
+def _stopped(cfg: RunConfig | None, e: BaseException) -> NoReturn:
+    """A run stopped by a signal: say what was saved and how to continue, then exit (85, or 128 + the signal)."""
+    if isinstance(e, preempt.PreemptedError):
+        print(f"hlat: {e}; the MLflow run is KILLED and tagged hlat.resumable=true", file=sys.stderr)
+        if cfg is not None:
+            _print_continue_hint(cfg, lead="the run was preempted", note="")
+        preempt.hand_over(e.signum)  # under submitit: it requeues the job
+        raise SystemExit(preempt.PREEMPTED_EXIT_CODE)
+    interrupted = isinstance(e, preempt.AbortedError)
+    why = str(e) if interrupted else "interrupted (Ctrl-C) before a checkpoint of the step in flight was written"
+    print(f"hlat: {why}", file=sys.stderr)
+    if cfg is not None:
+        _print_continue_hint(cfg, lead="the run was interrupted", note="")
+    raise SystemExit(128 + (e.signum if interrupted else signal.SIGINT))

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ UNHASHED = frozenset({
     "tracker.name", "tracker.run_name", "tracker.uri", "tracker.plots", "tracker.skip_finished",
     "tracker.flush_every_s", "tracker.system_metrics",
     "train.checkpoint_dir", "train.resume", "train.keep_last", "train.keep_every", "train.async_checkpoint",
-    "train.checkpoint_every", "cluster.max_restarts", "data.cache_dir", "data.worker", "data.prefetch",
+    "train.checkpoint_every", "train.preempt_grace_s", "cluster.max_restarts", "data.cache_dir", "data.worker",
+    "data.prefetch",
 })  # fmt: skip
 """Config keys that say where output goes or how it is kept, not what is computed: left out of the job hash."""
 UNHASHED_GROUPS = ("fault.",)
@@ -221,7 +222,9 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
     """One job of a multirun: decide (:func:`decide`), then skip, continue or train; record how it ended.
 
     A failing job is reported and recorded, never raised: the sweep goes on with its other jobs, and
-    :class:`SweepCallback` fails the sweep at its end if any job failed.
+    :class:`SweepCallback` fails the sweep at its end if any job failed. A job stopped by a signal (``hlat.preempt``:
+    SIGTERM, Ctrl-C, Slurm's warning) is recorded ``preempted`` (or ``interrupted``) and ends the sweep: the process
+    exits 85 (or 128 + the signal), and running the same sweep again continues it.
 
     Args:
         hydra_cfg: The job's composed config.
@@ -235,10 +238,11 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
     from omegaconf import OmegaConf
 
     from hlat.checkpoint import read_job
+    from hlat.preempt import AbortedError, PreemptedError
     from hlat.run import checkpoint_root, error_message, to_run_config
     from hlat.trackers import default_uri
 
-    cfg = None
+    cfg, stopped = None, None
     run_id, losses, status = None, [], "failed"
     try:
         cfg = to_run_config(hydra_cfg)
@@ -259,6 +263,10 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
                 cfg = to_run_config(hydra_cfg)
             run_id, losses = train(hydra_cfg, cfg)
             status = "finished"
+    except (PreemptedError, AbortedError, KeyboardInterrupt) as e:
+        stopped, status = e, "preempted" if isinstance(e, PreemptedError) else "interrupted"
+        if cfg is not None:
+            run_id = read_job(checkpoint_root(cfg, job_dir)).get("mlflow_run_id")
     except Exception as e:
         message = error_message(e)
         print(message or f"hlat: job {job_dir.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -266,9 +274,29 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
             log.exception("job %s failed", job_dir.name)
         if cfg is not None:
             run_id = read_job(checkpoint_root(cfg, job_dir)).get("mlflow_run_id")
+    if stopped is not None:
+        _stop(job_dir, stopped, run_id, status)
     if rank() != 0:
         return job_objective(job_dir)
     uri = (cfg.tracker.uri or default_uri()) if cfg is not None and cfg.tracker.kind == "mlflow" else None
     value = objective(uri, run_id, losses) if status != "failed" else math.nan
     finish_job(job_dir, mlflow_run_id=run_id, status=status, objective=value)
     return value if math.isfinite(value) else math.inf
+
+
+def _stop(job_dir: Path, e: BaseException, run_id: str | None, status: str) -> NoReturn:
+    """A job stopped by a signal: record it (rank 0), say how to continue, end the sweep (85, or 128 + the signal)."""
+    import signal
+
+    from hlat.preempt import PREEMPTED_EXIT_CODE, AbortedError, PreemptedError, hand_over
+
+    if rank() == 0:
+        finish_job(job_dir, mlflow_run_id=run_id, status=status, objective=None)
+    what = str(e) if isinstance(e, (PreemptedError, AbortedError)) else "interrupted (Ctrl-C)"
+    print(f"hlat: sweep job {job_dir.name} {what}. Run the same sweep command again to continue: finished jobs are "
+          "skipped and this one continues from its newest checkpoint, in the same MLflow run",
+          file=sys.stderr)  # fmt: skip
+    if isinstance(e, PreemptedError):
+        hand_over(e.signum)  # under hydra/launcher=slurm: submitit requeues this job, which then continues
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+    raise SystemExit(128 + (e.signum if isinstance(e, AbortedError) else signal.SIGINT))

@@ -3,13 +3,17 @@
 At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.sweep``). At the
 end it compares the sweep's runs as ``hlat compare --sweep <dir>`` does (``comparison.md``, ``comparison.png`` in
 the sweep directory and on the parent run) and fails the sweep if a job failed, naming the jobs and their logs.
-Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
+A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.preempt``) marks its parent run
+KILLED on the way out, never leaving it RUNNING. Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,8 +36,23 @@ def _uri(config: DictConfig) -> str | None:
     return tracker.get("uri") or default_uri()
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""Signals that end a sweep between jobs through ``SystemExit`` (so the parent run is closed on the way out);
+during a job the trainer takes them over and stops with a checkpoint (``hlat.preempt``)."""
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    os.write(2, f"hlat: sweep stopped by {signal.Signals(signum).name}\n".encode())
+    raise SystemExit(128 + signum)
+
+
 class SweepCallback(Callback):
     """MLflow parent run, comparison report and failure summary of a Hydra multirun."""
+
+    def __init__(self) -> None:
+        self._open: tuple[str, str, Path] | None = None
+        """(uri, parent run id, sweep dir) from the sweep's start until its parent run is terminated."""
+        self._handlers: dict[int, Any] = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         uri = _uri(config)
@@ -41,8 +60,19 @@ class SweepCallback(Callback):
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        if (sweep_dir / sweep.SWEEP_FILE).exists():  # this sweep started before (a restarted launcher)
-            return
+        if not (sweep_dir / sweep.SWEEP_FILE).exists():  # else this sweep started before (a restarted launcher)
+            self._create_parent(config, uri, sweep_dir)
+        self._open = (uri, json.loads((sweep_dir / sweep.SWEEP_FILE).read_text())["parent_run_id"], sweep_dir)
+        atexit.register(self._close_interrupted)
+        for s in STOP_SIGNALS:
+            try:
+                self._handlers[s] = signal.signal(s, _exit_on_signal)
+            except ValueError:  # not the main thread
+                break
+
+    @staticmethod
+    def _create_parent(config: DictConfig, uri: str, sweep_dir: Path) -> None:
+        """Open the sweep's MLflow parent run and record it in ``sweep.json``."""
         from mlflow import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
@@ -75,12 +105,39 @@ class SweepCallback(Callback):
             from mlflow import MlflowClient
 
             MlflowClient(tracking_uri=uri).set_terminated(parent["parent_run_id"], "FAILED" if failed else "FINISHED")
+        self._release()
         if failed:
             jobs = "; ".join(f"{d.name} (log: {d / 'train.log'})" for d in failed)
             print(f"hlat: {len(failed)} of {len(records)} jobs failed: {jobs}. Fix the cause and run the same "
                   "command again: finished jobs are skipped and the failed ones continue from their newest "
                   "checkpoint", file=sys.stderr)  # fmt: skip
             raise SystemExit(1)  # Hydra turns a callback's exceptions into warnings; the sweep must fail
+
+    def _release(self) -> None:
+        """The sweep ended normally: nothing to close at exit; the signal handlers go back."""
+        self._open = None
+        for s, handler in self._handlers.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._handlers.clear()
+
+    def _close_interrupted(self) -> None:
+        """At exit, if the sweep did not end normally: mark its parent run KILLED (never left RUNNING)."""
+        if self._open is None:
+            return
+        uri, parent_run_id, sweep_dir = self._open
+        self._open = None
+        try:
+            from mlflow import MlflowClient
+
+            client = MlflowClient(tracking_uri=uri)
+            client.set_tag(parent_run_id, "hlat.interrupted", "true")
+            client.set_terminated(parent_run_id, "KILLED")
+        except Exception:  # exiting anyway: report, never raise from atexit
+            log.exception("could not mark the parent run %s of sweep %s KILLED", parent_run_id, sweep_dir)
+            return
+        print(f"hlat: sweep {sweep_dir} interrupted: its MLflow parent run {parent_run_id} is KILLED. Run the same "
+              "command again to continue: finished jobs are skipped, the others continue from their checkpoints",
+              file=sys.stderr)  # fmt: skip
 
     @staticmethod
     def _compare(uri: str, sweep_dir: Path, parent: dict[str, Any] | None) -> None:

@@ -114,7 +114,7 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
     run_dir, db = tmp_path / "dp2", tmp_path / "mlflow.db"
     common = [*SMALL_RUN, "train.global_batch_size=8", "train.micro_batch_size=2", "train.checkpoint_every=4",
               "train.log_every=2", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}", "tracker.plots=false",
-              "tracker.system_metrics=false", "tracker.flush_every_s=0"]  # fmt: skip
+              "tracker.system_metrics=false", "tracker.flush_every_s=0", "health=off"]  # fmt: skip
     dp2 = [*common, "cluster=cpu_x2", f"tracker.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]
     r = cli(*dp2, "train.steps=8", cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -149,7 +149,7 @@ def test_a_killed_zero1_group_restarts_and_ends_bitwise_equal(tmp_path: Path, ca
               "optimizer.decay_steps=6", "train.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2",
               "train.log_every=2",
               "tracker=console", "tracker.plots=false", "model.n_layers=2", "model.dim=64", "model.n_heads=4",
-              "model.ffn_dim=176", f"data.cache_dir={cache_dir}"]  # fmt: skip
+              "model.ffn_dim=176", f"data.cache_dir={cache_dir}", "health=off"]  # fmt: skip
     states = []
     for name, extra in (("whole", []), ("killed", ["fault.kill_at=[5]", "cluster.max_restarts=1"])):
         r = cli(*common, *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, timeout=300)

@@ -25,7 +25,8 @@ STEPS = 24
 def common(cache_dir: Path, db: Path) -> list[str]:
     return [*SMALL_RUN, f"train.steps={STEPS}", "train.checkpoint_every=4", "train.keep_last=2", "train.log_every=2",
             "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}", f"tracker.uri=sqlite:///{db}",
-            "tracker.flush_every_s=0", "tracker.plots=false", "tracker.system_metrics=false"]  # fmt: skip
+            "tracker.flush_every_s=0", "tracker.plots=false", "tracker.system_metrics=false",
+            "health=off"]  # fmt: skip  # recovery is the subject here, not the health checks
 
 
 def state_of(ckpt: Path, tmp: Path) -> dict:
@@ -89,6 +90,31 @@ def test_random_sigkills_under_supervision_end_bitwise_equal(tmp_path: Path, cac
         assert m.value == pytest.approx(reference[1][m.step], rel=0, abs=0), f"step {m.step}, fault.seed={seed}"
     restarts = max(client.get_metric_history(run.info.run_id, "uptime/restarts"), key=lambda m: m.step)
     assert restarts.value == 3.0
+
+
+def test_restarts_that_die_in_start_up_are_counted(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    """uptime/restarts counts every start after the first, also those that die before the job record used to be
+    rewritten (in the pre-flight check, building the loader): here 3 restarts, 2 of which died in start-up."""
+    import hlat.run
+    from hlat.health.report import PreflightError
+
+    cfg = [*common(cache_dir, tmp_path / "mlflow.db"), "tracker=console", "train.steps=4", "train.log_every=4"]
+    run_dir = tmp_path / "run"
+    first = main(compose_cfg(*cfg), run_dir=run_dir)
+    assert first.history.series("uptime/restarts") == [(4, 0.0)]
+    more = [*cfg[:-2], "train.steps=6", "train.log_every=2"]  # the job goes on from its step-4 checkpoint
+    for where, error in (("preflight", PreflightError("injected")), ("build_loader", RuntimeError("injected"))):
+
+        def fail(*args, error: Exception = error, **kwargs) -> None:
+            raise error
+
+        with monkeypatch.context() as m:
+            m.setattr(hlat.run, where, fail)
+            with pytest.raises(type(error), match="injected"):
+                main(compose_cfg(*more), run_dir=run_dir)
+    resumed = main(compose_cfg(*more), run_dir=run_dir)
+    assert resumed.state.step == 6 and resumed.history.series("uptime/restarts") == [(6, 3.0)]
+    assert checkpoint.read_job(run_dir / "checkpoints")["uptime"]["restarts"] == 3
 
 
 def test_a_crash_in_a_save_and_a_corrupt_checkpoint_are_survived(tmp_path: Path, cache_dir: Path,

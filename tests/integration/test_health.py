@@ -54,27 +54,27 @@ def table_rows(text: str) -> dict[int, list[str]]:
     return rows
 
 
-def test_doctor_on_two_processes_measures_every_rank_and_names_the_slow_one(tmp_path: Path) -> None:
+def test_doctor_on_two_processes_measures_every_rank_and_notes_the_slow_one(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
     db = tmp_path / "mlflow.db"
     r = doctor("cluster=cpu_x2", "health.inject_slow_rank=1", *FAST_CHECKS, f"tracker.uri=sqlite:///{db}",
                cwd=tmp_path)  # fmt: skip
-    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # one node, no peak: reported, not judged
     rows = table_rows(r.stdout)
     assert sorted(rows) == [0, 1]
     for cells in rows.values():  # matmul TFLOP/s, all-reduce and all-gather GB/s, latency µs: measured, positive
         assert all(float(cells[i]) > 0 for i in (3, 6, 7, 8)), cells
-    assert rows[0][-1] == "ok" and rows[1][-1] == "FAIL"
-    assert float(rows[1][3]) < float(rows[0][3])  # the throttled rank measured slower
-    failure = next(line for line in r.stderr.splitlines() if line.startswith("hlat doctor: pre-flight check failed"))
-    assert re.search(r"node \S+: rank 1: matmul .* of the ranks' median", failure) and "rank 0" not in failure
-    assert "health.preflight=off" in failure
+    assert rows[0][-1] == "ok" and rows[1][-1] == "ok"
+    assert float(rows[1][3]) < float(rows[0][3])  # the throttled rank measured slower ...
+    (note,) = [line for line in r.stdout.splitlines() if line.startswith("note: ")]
+    assert re.match(r"note: rank 1 on \S+ measured .* of its node's median", note)  # ... and is named
 
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     (run,) = client.search_runs([client.get_experiment_by_name("hlat-health").experiment_id])
-    assert run.info.status == "FAILED" and run.data.tags["hlat.kind"] == "doctor"
-    assert run.data.metrics["preflight/passed"] == 0.0 and run.data.metrics["preflight/slowest_rank"] == 1.0
+    assert run.info.status == "FINISHED" and run.data.tags["hlat.kind"] == "doctor"
+    assert run.data.metrics["preflight/passed"] == 1.0 and run.data.metrics["preflight/slowest_rank"] == 1.0
+    assert run.data.metrics["preflight/notes"] == 1.0
     assert run.data.metrics["preflight/world_allreduce_busbw_gbps"] > 0
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"doctor.md"}
 
@@ -86,18 +86,48 @@ def common(cache_dir: Path, tmp_path: Path) -> list[str]:
             "tracker.system_metrics=false", f"hydra.run.dir={tmp_path / 'run'}", *FAST_CHECKS]  # fmt: skip
 
 
-def test_a_slow_rank_stops_training_before_the_model_is_built(tmp_path: Path, cache_dir: Path) -> None:
-    """Needs the health calls in run.py. A failed pre-flight check is not retried: restarting onto the same node
-    would fail again."""
-    r = cli(*common(cache_dir, tmp_path), "train.steps=4", "cluster.max_restarts=2", "health.inject_slow_rank=1",
+def test_a_slow_rank_on_one_node_is_reported_and_the_killed_run_restarts(tmp_path: Path, cache_dir: Path) -> None:
+    """The incident of issue 21: on one busy host one rank measured far below the other, the pre-flight check
+    called it a bad node and refused the restart after a kill. Ranks that share a host are no evidence against it:
+    with no peak configured the check reports the slow rank and the run restarts and finishes."""
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "run"
+    r = cli(*common(cache_dir, tmp_path), "train.steps=6", "cluster.max_restarts=1", "fault.kill_at=[5]",
+            "health.inject_slow_rank=1", cwd=tmp_path, timeout=300)  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-5000:]
+    log = (run_dir / "train.log").read_text()
+    assert "restart 1 of the trainer" in out + log  # the pre-flight check of the restart let it go on
+    assert (run_dir / "checkpoints" / "step_00000006" / "manifest.json").exists()
+    assert re.search(r"pre-flight check: rank 1 on \S+ measured .* of its node's median", log), log[-3000:]
+    table = (run_dir / "health" / "preflight.md").read_text()
+    assert table.startswith("# pre-flight check: passed") and "reported, not judged (one node)" in table
+    assert {cells[-1] for cells in table_rows(table).values()} == {"ok"}
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "preflight/passed")] == [1.0, 1.0]
+    assert max(client.get_metric_history(run.info.run_id, "uptime/restarts"), key=lambda m: m.step).value == 1.0
+
+
+def test_a_configured_peak_far_above_the_cpu_stops_training_with_a_health_error(tmp_path: Path,
+                                                                              cache_dir: Path) -> None:  # fmt: skip
+    """Held to cluster.peak_tflops, the CPU fails on every rank before the model is built: a health failure (exit 3),
+    not a configuration error, not retried, with advice a one-node job can follow."""
+    r = cli(*common(cache_dir, tmp_path), "train.steps=4", "cluster.max_restarts=2", "cluster.peak_tflops=1000",
             cwd=tmp_path, timeout=200)  # fmt: skip
-    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    assert re.search(r"hlat: configuration error: pre-flight check failed on 1 of 1 node\(s\): node \S+: rank 1: "
-                     r"matmul", r.stderr)  # fmt: skip
+    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
+    message = next(line for line in r.stderr.splitlines() if line.startswith("hlat: "))
+    want = (r"hlat: health check failed: pre-flight check failed on 1 of 1 node\(s\): node \S+: rank 0: "
+            r"matmul \S+ TFLOP/s is 0% of the expected 1e\+03 \(cluster.peak_tflops")  # fmt: skip
+    assert re.match(want, message), message
+    assert "rank 1: matmul" in message and "configuration error" not in r.stderr and "Exclude" not in message
+    assert "stop other work on this host's devices and cores" in message and "health.preflight=off" in message
     assert "restart 1 of the trainer" not in r.stdout + r.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was built, nothing saved
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))  # nothing was built, nothing saved
     table = (tmp_path / "run" / "health" / "preflight.md").read_text()
-    assert table_rows(table)[1][-1] == "FAIL" and table_rows(table)[0][-1] == "ok"
+    assert table_rows(table)[1][-1] == "FAIL" and table_rows(table)[0][-1] == "FAIL"
 
 
 def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path, cache_dir: Path) -> None:
@@ -124,7 +154,9 @@ def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path
     dumps = {p.name: p.read_text() for p in (run_dir / "hang").glob("rank*.txt")}
     assert set(dumps) == {"rank0.txt", "rank1.txt"}  # every rank's stacks, not only the first to notice
     assert "_hang" in dumps["rank1.txt"] and "faults.py" in dumps["rank1.txt"]  # where rank 1 hung
-    assert "torch/autograd" in dumps["rank0.txt"]  # rank 0 waits in the gradient all-reduce inside backward
+    # Rank 0 waits in a collective for rank 1: the step-end agreement on a stop signal (hlat.preempt, after the
+    # fault hook where rank 1 hangs) or, without it, the gradient all-reduce inside the next backward.
+    assert "preempt.py" in dumps["rank0.txt"] or "torch/autograd" in dumps["rank0.txt"], dumps["rank0.txt"][-3000:]
     assert all(d.count("hread 0x") >= 2 for d in dumps.values())  # all threads: the stuck one and the watchdog
     assert "restart 1 of the trainer" in out or "restart 1 of the trainer" in log
     assert "step_00000004 at step 4" in log  # resumed from the checkpoint before the hang

@@ -25,7 +25,7 @@ FAST = [
     "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
     "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4", "train.log_every=1",
     "train.checkpoint_every=2", "optimizer.warmup_steps=1", "tracker.plots=false", "tracker.system_metrics=false",
-    "tracker.flush_every_s=0", "tracker.experiment=sw", "train.async_checkpoint=false",
+    "tracker.flush_every_s=0", "tracker.experiment=sw", "train.async_checkpoint=false", "health=off",
 ]  # fmt: skip
 
 

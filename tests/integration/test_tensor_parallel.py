@@ -72,7 +72,8 @@ def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path:
 
     common = [*SMALL_RUN, "train.global_batch_size=8", "train.micro_batch_size=4", "train.checkpoint_every=4",
               "train.log_every=2", "optimizer.warmup_steps=2", "optimizer.decay_steps=6", f"data.cache_dir={cache_dir}",
-              "tracker.plots=false", "tracker.system_metrics=false", "tracker.flush_every_s=0"]  # fmt: skip
+              "tracker.plots=false", "tracker.system_metrics=false", "tracker.flush_every_s=0",
+              "health=off"]  # fmt: skip
     db, run_dir = tmp_path / "mlflow.db", tmp_path / "tp2"
     tp2 = [*common, "cluster=cpu_x2", "parallelism=tp2", "parallelism.sequence_parallel=true",
            f"tracker.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]  # fmt: skip

@@ -110,6 +110,8 @@ export NEURON_CC_FLAGS='--model-type transformer --distribution-strategy=llm-tra
 export NEURON_FUSE_SOFTMAX=1
 export MALLOC_ARENA_MAX=64
 export NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30
 ulimit -n 65535 || ulimit -n "$(ulimit -Hn)"
 exec torchrun --nnodes 32 --nproc-per-node 32 --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29400" --rdzv-id hlat-70b-trn1-x32-e86d64 --max-restarts 3 \\
   train.py experiment=hlat_70b cluster=trn1_x32 parallelism=hlat_70b hydra.run.dir=/fsx/runs/hlat-70b-trn1-x32-e86d64
@@ -128,8 +130,12 @@ SBATCH_7B = """\
 #SBATCH --cpus-per-task=128
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=USR1@30
+#SBATCH --requeue
+#SBATCH --open-mode=append
 # Rendered by hlat; submit it from the hlat checkout: sbatch hlat-7b-trn1-x64-bd6543.sbatch
 # 64 nodes x 32 processes = 2048 ranks (tp 8, pp 1, dp 256); torch elastic, restarts up to 3 times from the newest checkpoint.
+# Near its time limit the job checkpoints the step in flight and requeues itself.
 set -euo pipefail
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -138,10 +144,19 @@ export NEURON_CC_FLAGS='--model-type transformer --distribution-strategy=llm-tra
 export NEURON_FUSE_SOFTMAX=1
 export MALLOC_ARENA_MAX=64
 export NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30
 ulimit -n 65535 || ulimit -n "$(ulimit -Hn)"
+rm -f -- /fsx/runs/hlat-7b-trn1-x64-bd6543/preempted.json
 
+status=0
 srun --kill-on-bad-exit=1 torchrun --nnodes 64 --nproc-per-node 32 --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29400" --rdzv-id hlat-7b-trn1-x64-bd6543 --max-restarts 3 \\
-  train.py experiment=hlat_7b cluster=trn1_x64 parallelism=hlat_7b hydra.run.dir=/fsx/runs/hlat-7b-trn1-x64-bd6543
+  train.py experiment=hlat_7b cluster=trn1_x64 parallelism=hlat_7b hydra.run.dir=/fsx/runs/hlat-7b-trn1-x64-bd6543 || status=$?
+if [ -e /fsx/runs/hlat-7b-trn1-x64-bd6543/preempted.json ]; then  # the trainers stopped on a signal with a checkpoint: continue in a new allocation
+  echo "hlat: preempted with a checkpoint; requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
 """  # noqa: E501
 
 SBATCH_70B = """\
@@ -152,8 +167,12 @@ SBATCH_70B = """\
 #SBATCH --cpus-per-task=128
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=USR1@30
+#SBATCH --requeue
+#SBATCH --open-mode=append
 # Rendered by hlat; submit it from the hlat checkout: sbatch hlat-70b-trn1-x32-e86d64.sbatch
 # 32 nodes x 32 processes = 1024 ranks (tp 32, pp 8, dp 4); torch elastic, restarts up to 3 times from the newest checkpoint.
+# Near its time limit the job checkpoints the step in flight and requeues itself.
 set -euo pipefail
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -162,10 +181,19 @@ export NEURON_CC_FLAGS='--model-type transformer --distribution-strategy=llm-tra
 export NEURON_FUSE_SOFTMAX=1
 export MALLOC_ARENA_MAX=64
 export NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30
 ulimit -n 65535 || ulimit -n "$(ulimit -Hn)"
+rm -f -- /fsx/runs/hlat-70b-trn1-x32-e86d64/preempted.json
 
+status=0
 srun --kill-on-bad-exit=1 torchrun --nnodes 32 --nproc-per-node 32 --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29400" --rdzv-id hlat-70b-trn1-x32-e86d64 --max-restarts 3 \\
-  train.py experiment=hlat_70b cluster=trn1_x32 parallelism=hlat_70b hydra.run.dir=/fsx/runs/hlat-70b-trn1-x32-e86d64
+  train.py experiment=hlat_70b cluster=trn1_x32 parallelism=hlat_70b hydra.run.dir=/fsx/runs/hlat-70b-trn1-x32-e86d64 || status=$?
+if [ -e /fsx/runs/hlat-70b-trn1-x32-e86d64/preempted.json ]; then  # the trainers stopped on a signal with a checkpoint: continue in a new allocation
+  echo "hlat: preempted with a checkpoint; requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
 """  # noqa: E501
 
 SBATCH_70B_COMPILE = """\
@@ -188,6 +216,8 @@ export NEURON_CC_FLAGS='--model-type transformer --distribution-strategy=llm-tra
 export NEURON_FUSE_SOFTMAX=1
 export MALLOC_ARENA_MAX=64
 export NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30
 ulimit -n 65535 || ulimit -n "$(ulimit -Hn)"
 rm -rf -- /fsx/runs/hlat-70b-trn1-x32-e86d64/compile
 
@@ -205,12 +235,58 @@ def test_sbatch_70b_and_its_compile(cfg70: RunConfig) -> None:
     assert sbatch_script(cfg70, ov(O70, N70), ENV, name=N70, cpus_per_task=128, compile_steps=10) == SBATCH_70B_COMPILE
 
 
-def test_gpu_sbatch_asks_for_the_gpus_and_exports_nothing() -> None:
+def test_gpu_sbatch_asks_for_the_gpus_and_exports_nothing_of_neuron() -> None:
     cfg = to_run_config(compose_cfg("cluster=gpu_8x", "cluster.nodes=2", "train.micro_batch_size=1"))
     script = sbatch_script(cfg, ["hydra.run.dir=out"], {}, name="g", cpus_per_task=96)
     assert "#SBATCH --gpus-per-node=8\n" in script
-    assert "export" not in script.replace("export MASTER_ADDR", "")
-    assert command_words(script)[:4] == ["srun", "--kill-on-bad-exit=1", "torchrun", "--nnodes"]
+    exports = [line for line in script.splitlines() if line.startswith("export ")]
+    assert exports == [
+        "export MASTER_ADDR",
+        "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+        "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30",
+    ]  # torch elastic's only: nothing of Neuron's
+    srun = next(line for line in script.replace("\\\n", " ").splitlines() if line.startswith("srun "))
+    assert shlex.split(srun)[:4] == ["srun", "--kill-on-bad-exit=1", "torchrun", "--nnodes"]
+
+
+def test_the_launchers_give_the_trainers_their_preemption_grace_and_a_margin() -> None:
+    cfg = to_run_config(compose_cfg("cluster=gpu_8x", "cluster.nodes=2", "train.micro_batch_size=1",
+                                    "train.preempt_grace_s=50"))  # fmt: skip
+    script = sbatch_script(cfg, ["hydra.run.dir=out"], {}, name="g", cpus_per_task=96)
+    assert "#SBATCH --signal=USR1@60\n" in script and "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60\n" in script
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60\n" in node_script(cfg, ["hydra.run.dir=out"], {}, name="g")
+    pod = pytorchjob(cfg, ["hydra.run.dir=/fsx/r"], {}, name="g", image="i")["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert pod["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+    assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "60"} in pod["template"]["spec"]["containers"][0]["env"]
+    with pytest.raises(ValueError, match=r"hydra\.run\.dir"):
+        sbatch_script(cfg, [], {}, name="g", cpus_per_task=96)
+
+
+@pytest.mark.parametrize("preempted", [True, False])
+def test_the_sbatch_script_requeues_the_job_only_when_the_trainers_checkpointed_on_a_signal(
+    tmp_path: Path, preempted: bool
+) -> None:
+    """The script's own logic, with stand-ins for srun (the trainers: marker or not, torchrun's exit 1 after a
+    signal) and scontrol (records the requeue)."""
+    cfg = to_run_config(compose_cfg("cluster=gpu_8x", "cluster.nodes=2", "train.micro_batch_size=1"))
+    run_dir = tmp_path / "run dir"
+    script = sbatch_script(cfg, [f"hydra.run.dir={run_dir}"], {}, name="g", cpus_per_task=96)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    run_dir.mkdir()
+    (run_dir / "preempted.json").write_text("{}")  # stale: from an earlier stop, removed before srun
+    marker = f'echo {{}} > "{run_dir}/preempted.json"' if preempted else ""
+    fakes = {"srun": f"#!/bin/sh\n{marker}\nexit 1\n", "scontrol": f'#!/bin/sh\necho "$@" >> "{tmp_path}/calls"\n'}
+    for name, text in fakes.items():
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n1"}
+    r = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=False)
+    assert r.returncode == 1, r.stderr  # srun's status, passed on
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    requeues = [c for c in calls if c.startswith("requeue")]
+    assert requeues == (["requeue 4242"] if preempted else [])
+    assert ("requeueing job 4242" in r.stdout) == preempted
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +431,11 @@ PYTORCHJOB_7B = {
                                     {"name": "NEURON_FUSE_SOFTMAX", "value": "1"},
                                     {"name": "MALLOC_ARENA_MAX", "value": "64"},
                                     {"name": "NEURON_COMPILE_CACHE_URL", "value": "/var/tmp/neuron-compile-cache"},
+                                    {
+                                        "name": "PET_SIGNALS_TO_HANDLE",
+                                        "value": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+                                    },
+                                    {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "30"},
                                 ],
                                 "ports": [{"name": "pytorchjob-port", "containerPort": 29400}],
                                 "volumeMounts": [
@@ -371,6 +452,7 @@ PYTORCHJOB_7B = {
                             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                             {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-claim"}},
                         ],
+                        "terminationGracePeriodSeconds": 30,
                         "nodeSelector": {"node.kubernetes.io/instance-type": "trn1.32xlarge"},
                     },
                 },
@@ -444,6 +526,10 @@ spec:
               value: '64'
             - name: NEURON_COMPILE_CACHE_URL
               value: /var/tmp/neuron-compile-cache
+            - name: PET_SIGNALS_TO_HANDLE
+              value: SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2
+            - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+              value: '30'
             ports:
             - name: pytorchjob-port
               containerPort: 29400
@@ -466,6 +552,7 @@ spec:
           - name: fsx
             persistentVolumeClaim:
               claimName: fsx-claim
+          terminationGracePeriodSeconds: 30
           nodeSelector:
             node.kubernetes.io/instance-type: trn1.32xlarge
 """  # noqa: E501
@@ -490,7 +577,7 @@ def test_torch_clusters_get_gpus_and_no_neuron_resources() -> None:
         "Worker"
     ]["template"]["spec"]["containers"][0]
     assert container["resources"] == {"requests": {"nvidia.com/gpu": 8}, "limits": {"nvidia.com/gpu": 8}}
-    assert container["env"] == []
+    assert [e["name"] for e in container["env"]] == ["PET_SIGNALS_TO_HANDLE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
     cpu = to_run_config(compose_cfg("cluster=cpu_x2"))
     spec = pytorchjob(cpu, ["hydra.run.dir=/fsx/r"], {}, name="c", image="i")["spec"]
     pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]

@@ -16,7 +16,8 @@ from hlat.config import ConfigError, FaultConfig, HealthConfig
 from hlat.faults import FaultInjector
 from hlat.health import checks
 from hlat.health.neuron_tools import ToolResult, nccom_test, neuron_ls, parse_nccom_test, parse_neuron_ls
-from hlat.health.report import JOB, HealthReport, RankResult, evaluate
+from hlat.health.preflight import node_ranks, reference_peak
+from hlat.health.report import JOB, HealthReport, RankResult, evaluate, node_medians, observations
 from hlat.health.stragglers import straggler_metrics
 from hlat.health.watchdog import HANG_EXIT_CODE, HangWatchdog, py_spy_dump
 from hlat.run import to_run_config
@@ -49,13 +50,74 @@ def figures(bw: float) -> dict[str, float]:
 # --- the verdict ------------------------------------------------------------------------------------------------------
 
 
-def test_a_rank_far_below_the_median_fails_and_the_others_pass() -> None:
+def ranks_at(where: list[tuple[str, int]], tflops: list[float], expected: float | None = None) -> list[RankResult]:
+    """What ``run_checks`` gathers: rank ``r`` on host ``where[r][0]`` (local rank ``where[r][1]``) measured
+    ``tflops[r]``."""
+    return [RankResult(r, host, local, "cpu", True, "fine", t, expected, "cluster.peak_tflops" if expected else "none")
+            for r, ((host, local), t) in enumerate(zip(where, tflops, strict=True))]  # fmt: skip
+
+
+def test_nodes_not_ranks_are_compared_and_a_slow_host_is_named() -> None:
+    where = [("h1", 0), ("h1", 1), ("h2", 0), ("h2", 1)]
+    assert node_ranks(where) == {"h1": [0, 1], "h2": [2, 3]}
     cfg = HealthConfig(min_relative_fraction=0.6)
-    ranks = [rank(0, tflops=100), rank(1, tflops=95), rank(2, "b", tflops=40), rank(3, "b", tflops=102)]
+    # h1: one busy rank (30 of its node's 65) is no evidence against the node; h2 as a whole is slow.
+    ranks = ranks_at(where, [100, 30, 20, 22])
+    assert node_medians(ranks) == {"h1": 65, "h2": 21}
     failures = evaluate(ranks, [], cfg)
-    assert [(f.node, f.rank) for f in failures] == [("b", 2)]  # 40 / median 97.5 = 41% < 60%
-    assert "of the ranks' median" in failures[0].reason and "health.min_relative_fraction=0.6" in failures[0].reason
-    assert evaluate(ranks, [], HealthConfig(min_relative_fraction=0.4)) == []  # 41% passes a 40% bar
+    assert [(f.node, f.rank) for f in failures] == [("h2", None)]  # 21 / median node 43 = 49% < 60%
+    assert "of the nodes' median 43" in failures[0].reason and "health.min_relative_fraction=0.6" in failures[0].reason
+    report = HealthReport(ranks, [], failures, nodes=2, notes=observations(ranks, cfg))
+    msg = report.failure_message()
+    assert msg.startswith("pre-flight check failed on 1 of 2 node(s): node h2: matmul 21 TFLOP/s")
+    assert "Exclude node(s) h2 from the job" in msg and "h1" not in msg and "health.preflight=off" in msg
+    (note,) = report.notes
+    assert note.startswith("rank 1 on h1 measured 30 TFLOP/s, 46% of its node's median 65; ranks that share a host")
+    rows = [line for line in report.table().splitlines() if line.startswith("| h")]
+    assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["ok", "ok", "FAIL", "FAIL"]
+    # Two hosts alike: one slow rank on each is noted, nothing fails.
+    assert evaluate(ranks_at(where, [100, 20, 100, 20]), [], cfg) == []
+    assert evaluate(ranks, [], HealthConfig(min_relative_fraction=0.4)) == []  # 49% passes a 40% bar
+
+
+def test_one_node_reports_a_slow_rank_without_refusing_when_no_peak_is_configured() -> None:
+    """The incident: two ranks of one busy host, one at 39% of the other; nothing else to compare with."""
+    where = [("vm", 0), ("vm", 1)]
+    ranks = ranks_at(where, [0.1, 0.039])
+    cfg = HealthConfig()
+    assert evaluate(ranks, [], cfg) == []
+    report = HealthReport(ranks, [], [], nodes=1, notes=observations(ranks, cfg))
+    assert report.passed and report.metrics()["preflight/notes"] == 1.0
+    (note,) = report.notes
+    assert note.startswith("rank 1 on vm measured 0.039 TFLOP/s, 56% of its node's median 0.0695")
+    assert "reported, not judged (one node); cluster.peak_tflops sets one" in report.table()
+
+
+def test_one_node_against_a_configured_peak_fails_with_advice_for_one_node() -> None:
+    ranks = ranks_at([("vm", 0), ("vm", 1)], [0.1, 0.039], expected=1000)
+    failures = evaluate(ranks, [], HealthConfig())
+    assert [(f.node, f.rank) for f in failures] == [("vm", 0), ("vm", 1)]
+    msg = HealthReport(ranks, [], failures, nodes=1).failure_message()
+    assert msg.startswith("pre-flight check failed on 1 of 1 node(s): node vm: rank 0: matmul 0.1 TFLOP/s is 0% of "
+                          "the expected 1e+03 (cluster.peak_tflops; health.min_matmul_fraction=0.5)")  # fmt: skip
+    assert "Exclude" not in msg and "no other node to move to: stop other work on this host" in msg
+    assert "set cluster.peak_tflops to this device's real peak" in msg and "health.preflight=off" in msg
+    broken = [dataclasses.replace(ranks[0], device_ok=False, device_note="matmul relative error 3e-01")]
+    msg = HealthReport(broken, [], evaluate(broken, [], HealthConfig()), nodes=1).failure_message()
+    assert "Repair the device or its driver" in msg
+
+
+def test_a_peak_this_host_measured_earlier_is_noted_not_held_to() -> None:
+    """A CPU's ``hlat bench peak`` was measured under whatever load the host had then: shown, never failed."""
+    (measured,) = ranks_at([("vm", 0)], [0.01], expected=0.1)
+    source = "measured float32 matmul peak (hlat bench peak)"
+    ranks = [dataclasses.replace(measured, expected_source=source, expected_is_reference=False)]
+    assert evaluate(ranks, [], HealthConfig()) == []
+    (note,) = observations(ranks, HealthConfig())
+    assert "10% of the measured float32 matmul peak (hlat bench peak) (0.1 TFLOP/s); not held to it" in note
+    assert not reference_peak(to_run_config(compose_cfg()).cluster)  # cpu: only this host's measurement
+    assert reference_peak(to_run_config(compose_cfg("cluster.peak_tflops=1")).cluster)
+    assert reference_peak(to_run_config(compose_cfg("cluster=gpu")).cluster)  # a published figure by name
 
 
 def test_the_expected_peak_is_an_absolute_bar() -> None:
@@ -91,8 +153,9 @@ def test_the_report_names_the_failing_nodes_in_the_table_the_message_and_the_met
     report = HealthReport(ranks, [], evaluate(ranks, [], HealthConfig()), nodes=2)
     assert not report.passed
     msg = report.failure_message()
-    assert msg.startswith("pre-flight check failed on 1 of 2 node(s): node bad: rank 1: matmul 10 TFLOP/s is 18%")
-    assert "exclude node(s) bad from the job" in msg and "health.preflight=off" in msg and "good" not in msg
+    assert msg.startswith("pre-flight check failed on 1 of 2 node(s): node bad: matmul 10 TFLOP/s (the median of its "
+                          "ranks) is 18% of the nodes' median 55")  # fmt: skip
+    assert "Exclude node(s) bad from the job" in msg and "health.preflight=off" in msg and "good" not in msg
     rows = [line for line in report.table().splitlines() if line.startswith("| good") or line.startswith("| bad")]
     assert rows[0].endswith("| ok |") and rows[1].endswith("| FAIL |")
     assert "all-reduce GB/s (world)" in report.table()  # several nodes: world columns beside the node's
@@ -323,8 +386,11 @@ def test_auto_skips_a_device_it_cannot_time_and_on_refuses_it(caplog) -> None:
 def test_a_failed_preflight_is_final_and_a_hang_is_named_when_restarts_run_out(tmp_path: Path) -> None:
     from hlat import launch
     from hlat.health.report import PreflightError
+    from hlat.run import error_message
 
-    assert issubclass(PreflightError, ConfigError)  # python train.py: "configuration error", exit 2
+    assert issubclass(PreflightError, ConfigError)  # final like a configuration error (never retried) ...
+    assert error_message(PreflightError("node vm: ...")) == "hlat: health check failed: node vm: ..."  # ... not one
+    assert PreflightError("x").exit_code == 3 and not hasattr(ConfigError("x"), "exit_code")  # python train.py: 3
     # The agent maps a worker's final error back by its class name: a PreflightError must not be retried.
     assert next(t for t in launch.FINAL_ERRORS if t.__name__ == "PreflightError") is PreflightError
     assert launch._exit_text(HANG_EXIT_CODE, tmp_path) == (

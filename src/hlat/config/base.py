@@ -21,6 +21,11 @@ class _Frozen:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_frozen", False):
+            if name not in {f.name for f in dataclasses.fields(self)}:  # type: ignore[arg-type]
+                # OmegaConf.to_object sets keys the schema lacks (``+modle=tiny`` appends one) after __init__
+                from hlat.config.suggest import unknown_key
+
+                raise ConfigError(unknown_key(type(self), name, value))
             raise dataclasses.FrozenInstanceError(
                 f"cannot assign {type(self).__name__}.{name}: configs are frozen after validation; "
                 "use dataclasses.replace() to derive a new one"

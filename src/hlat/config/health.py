@@ -30,13 +30,13 @@ class HealthConfig(_Frozen):
     matmul_repeats: int = 3
     """Timed matmul windows per rank; the best one counts (the peak a device can reach)."""
     min_matmul_fraction: float = 0.5
-    """A rank fails when its matmul FLOP/s is below this fraction of the expected per-device peak
-    (``cluster.peak_tflops``, the device's published figure, or on CPU this host's ``hlat bench peak`` at the same
-    thread count; no absolute check where none is known)."""
+    """A rank fails when its matmul FLOP/s is below this fraction of a reference per-device peak
+    (``cluster.peak_tflops`` or the device's published figure). A CPU host's own ``hlat bench peak`` is shown beside
+    the figures but never fails a rank (it was measured under whatever load the host had then)."""
     min_relative_fraction: float = 0.6
-    """A rank fails when its matmul FLOP/s is below this fraction of the median over all ranks, and a node fails when
-    its intra-node bus bandwidth is below this fraction of the median over nodes: the check that needs no datasheet
-    (0 turns it off)."""
+    """A node fails when its matmul FLOP/s (the median of its ranks) is below this fraction of the median node, or
+    its intra-node bus bandwidth below this fraction of the median over nodes: the check that needs no datasheet
+    (0 turns it off). Ranks that share a host are not compared with each other: a slow one is noted, not failed."""
     collective_mib: float = 32.0
     """MiB of the all-reduce and all-gather whose bus bandwidth is measured (nccom-test's default size)."""
     collective_iters: int = 5

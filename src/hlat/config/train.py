@@ -317,6 +317,13 @@ class TrainConfig(_Frozen):
     ``time/checkpoint_s`` (how long the checkpoint hook blocks the loop) and ``time/other_s`` (the rest of
     ``perf/step_time_s``). Off by default: on CUDA it synchronizes the device at every phase boundary. The neuron
     backend refuses it (a step is one traced XLA graph)."""
+    preempt_grace_s: float = 20.0
+    """Seconds a trainer stopped by SIGTERM, SIGINT (Ctrl-C) or Slurm's warning signal (SIGUSR1, SIGUSR2 under
+    submitit) has from the signal to its exit: it finishes the step in flight, writes that step's checkpoint
+    synchronously, marks the MLflow run KILLED and resumable, and exits with code 85 (``hlat.preempt``); a slower
+    stop is logged. ``hlat launch`` gives the trainer this plus 10 s (Kubernetes' terminationGracePeriodSeconds,
+    torch elastic's shutdown timeout, the lead of Slurm's warning signal). Kubernetes and Slurm wait 30 s by
+    default."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
@@ -325,4 +332,5 @@ class TrainConfig(_Frozen):
             _check(getattr(self, key) >= 0, f"train.{key}={getattr(self, key)} must be >= 0")
         _check(bool(self.resume), "train.resume must be auto, never or a checkpoint path")
         _check_choice("train.on_nonfinite", self.on_nonfinite, ("halt", "rollback", "skip_step"))
+        _check(self.preempt_grace_s > 0, f"train.preempt_grace_s={self.preempt_grace_s} must be positive (seconds)")
         self._freeze()

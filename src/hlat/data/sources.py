@@ -94,16 +94,19 @@ def open_ipc(path: Path, key: str = "data.path") -> pa.ipc.RecordBatchFileReader
     Both IPC flavours are common: the random-access "file" format (pyarrow.feather, polars, ``hlat data
     prepare``) and the "stream" format (HF datasets).
     """
-    source = pa.memory_map(str(path))
     try:
-        return pa.ipc.open_file(source)
-    except pa.ArrowInvalid:
-        source.seek(0)
+        source = pa.memory_map(str(path))
         try:
+            return pa.ipc.open_file(source)
+        except (pa.ArrowInvalid, OSError):  # not the file format: try the stream format
+            source.seek(0)
             return pa.ipc.open_stream(source)
-        except pa.ArrowInvalid as err:
-            fix = f"; {_FIX_PATH}" if key == "data.path" else ""
-            raise ConfigError(f"{key}: {path} is not an Arrow IPC file or stream ({err}){fix}") from err
+    except (pa.ArrowInvalid, OSError) as err:  # garbage reads as OSError ("Invalid IPC stream"), empty as invalid
+        fix = ("; if it holds Parquet or JSON Lines, give it that suffix (.parquet, .jsonl); if it is damaged, write "
+               f"it again (e.g. `hlat data prepare`); or {_FIX_PATH}" if key == "data.path" else "")  # fmt: skip
+        raise ConfigError(f"{key}: {path} is not an Arrow IPC file or stream ({err}), which its {path.suffix!r} "
+                          f"suffix promises (Arrow's file or stream format, as pyarrow, polars, HF datasets or "
+                          f"`hlat data prepare` write it){fix}") from err  # fmt: skip
 
 
 def _read_arrow(path: Path, text_column: str) -> pa.Table:
@@ -111,7 +114,11 @@ def _read_arrow(path: Path, text_column: str) -> pa.Table:
     # than RAM costs address space, not memory.
     reader = open_ipc(path)
     check_column(path, reader.schema, text_column)
-    return reader.read_all().select([text_column])
+    try:
+        return reader.read_all().select([text_column])
+    except (pa.ArrowInvalid, OSError) as err:  # a valid header, then garbage: a truncated or damaged file
+        raise ConfigError(f"data.path: {path} is a damaged Arrow IPC file ({err}); write it again (e.g. with "
+                          f"`hlat data prepare`) or {_FIX_PATH}") from err  # fmt: skip
 
 
 def _read_parquet(path: Path, text_column: str) -> pa.Table:

@@ -4,8 +4,10 @@ Every renderer is a pure function of the composed, validated :class:`hlat.config
 ``train.py`` receives and the environment variables to export; it returns text (or, for Kubernetes, a dict to dump
 as YAML). They all start the trainer the same way ``python train.py`` supervises itself (``hlat.launch``): one torch
 elastic agent (``torchrun``) per node, a c10d rendezvous on the first node, and ``--max-restarts`` from
-``cluster.max_restarts``, so a failed rank restarts the whole job from its newest checkpoint. ``hlat launch`` and
-``hlat compile`` (``hlat.deploy.commands``) compose the config, validate the parallel layout and call them.
+``cluster.max_restarts``, so a failed rank restarts the whole job from its newest checkpoint. They also leave a
+preempted trainer ``train.preempt_grace_s`` + 10 s to checkpoint the step in flight (``hlat.preempt``), and the Slurm
+script requeues such a job. ``hlat launch`` and ``hlat compile`` (``hlat.deploy.commands``) compose the config,
+validate the parallel layout and call them.
 """
 
 from hlat.deploy.k8s import pytorchjob, to_yaml

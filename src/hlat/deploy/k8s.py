@@ -5,6 +5,9 @@ There are ``cluster.nodes`` Worker pods, one per trn1.32xlarge (or GPU) node, an
 rendezvous is on worker 0. That is the operator's default host ``<job>-worker-0``, and its Service exposes the
 ``pytorchjob-port`` container port. Each pod requests all of its node's Neuron devices and EFA interfaces, mounts
 a memory-backed ``/dev/shm`` and mounts the shared FSx volume for data, checkpoints and the run directory.
+``terminationGracePeriodSeconds`` is ``train.preempt_grace_s`` + 10 s: on an eviction or a deleted job, Kubernetes
+sends SIGTERM to torchrun, which forwards it, and the trainers checkpoint the step in flight (``hlat.preempt``) before
+the kubelet's SIGKILL; the recreated pods continue from that checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import yaml
 
 from hlat.config import RunConfig
 from hlat.deploy.render import RDZV_PORT, check_name, launch_env, layout, torchrun_argv
+from hlat.preempt import launcher_grace_s
 
 NEURONCORES_PER_DEVICE = 2
 """NeuronCore-v2 per Trainium (v1) chip: the Neuron device plugin counts chips as ``aws.amazon.com/neuron``."""
@@ -90,6 +94,7 @@ def pytorchjob(
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             {"name": "fsx", "persistentVolumeClaim": {"claimName": fsx_claim}},
         ],
+        "terminationGracePeriodSeconds": launcher_grace_s(cfg.train.preempt_grace_s),
     }
     if c.instance_type:
         pod_spec["nodeSelector"] = {"node.kubernetes.io/instance-type": c.instance_type}

@@ -8,6 +8,11 @@ in a c10d rendezvous hosted on the first node (``$MASTER_ADDR``), and ``--max-re
 Every rank on every node, and every restart, has to write to one run directory: that is where ``train.resume=auto``
 looks for the newest checkpoint. Hydra's default ``outputs/<date>/<time>`` differs from process to process, so the
 launch pins ``hydra.run.dir`` (:func:`train_overrides`).
+
+Preemption (``hlat.preempt``): torchrun forwards SIGTERM and Slurm's warning signal (``PET_SIGNALS_TO_HANDLE``) to
+the trainers, which checkpoint the step in flight within ``train.preempt_grace_s``, and waits that plus 10 s for
+them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; torch versions without it wait 30 s). The sbatch script asks Slurm for
+SIGUSR1 that long before the time limit and requeues the job when the trainers leave the preemption marker.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from hlat.config import ClusterConfig, RunConfig
 from hlat.parallel import ParallelDims
+from hlat.preempt import AGENT_SIGNALS, MARKER, launcher_grace_s
 
 RDZV_PORT = 29400
 """Port of the c10d rendezvous store on the first node (torchrun's default for c10d)."""
@@ -171,7 +177,10 @@ def launch_env(cfg: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
     """``env`` plus what every launch exports on its backend.
 
     On neuron this adds ``NEURON_COMPILE_CACHE_URL=cluster.compile_cache`` unless ``env`` sets it, so the run reads
-    the cache that ``hlat compile`` filled.
+    the cache that ``hlat compile`` filled. Everywhere it tells torchrun to forward Slurm's warning signals too
+    (``PET_SIGNALS_TO_HANDLE``, torchrun's ``--signals-to-handle``) and to give the signalled trainers
+    ``train.preempt_grace_s`` + 10 s before it kills them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``); environment
+    variables, because a torchrun that predates these settings ignores them where it would refuse the flags.
 
     Raises:
         ValueError: a name that is not a shell variable name.
@@ -179,6 +188,8 @@ def launch_env(cfg: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
     out = {k: str(v) for k, v in env.items()}
     if cfg.cluster.backend == "neuron":
         out.setdefault("NEURON_COMPILE_CACHE_URL", cfg.cluster.compile_cache)
+    out.setdefault("PET_SIGNALS_TO_HANDLE", AGENT_SIGNALS)
+    out.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(launcher_grace_s(cfg.train.preempt_grace_s)))
     bad = [k for k in out if not _ENV_NAME.match(k)]
     if bad:
         raise ValueError(f"environment variable names {bad} are not valid shell names")
@@ -288,6 +299,13 @@ def sbatch_script(
     The first host of the allocation hosts the rendezvous. The agents get all of their node's CPUs
     (``--cpus-per-task``), so Slurm's CPU binding does not squeeze 32 trainer processes onto one core.
 
+    A run (not a compile) asks Slurm for SIGUSR1 ``train.preempt_grace_s`` + 10 s before the time limit, sent to the
+    job steps: torchrun forwards it, the trainers checkpoint the step in flight and rank 0 leaves
+    ``<run dir>/preempted.json``. torchrun's own exit status does not say that (it exits 1 after a signal), so the
+    script requeues the job (``--requeue``) when that marker is there, and the requeued job continues from the
+    checkpoint into the same run directory and MLflow run (``train.resume=auto``). ``scancel`` signals the batch
+    shell too, so a cancelled job is not requeued.
+
     Args:
         cfg: The validated run config.
         overrides: The Hydra overrides ``train.py`` gets, ``hydra.run.dir`` included (:func:`train_overrides`).
@@ -303,11 +321,15 @@ def sbatch_script(
     if c.device == "cuda" and c.backend == "torch":
         sbatch.append(f"--gpus-per-node={c.devices_per_node}")
     sbatch += ["--exclusive", "--output=%x-%j.out"]
+    preemptible = compile_steps is None
+    if preemptible:  # the requeued job appends to the same output file
+        sbatch += [f"--signal=USR1@{launcher_grace_s(cfg.train.preempt_grace_s)}", "--requeue", "--open-mode=append"]
     lines = [
         "#!/bin/bash",
         *(f"#SBATCH {s}" for s in sbatch),
         f"# Rendered by hlat; submit it from the hlat checkout: sbatch {job}.sbatch",
         *_purpose(cfg, compile_steps),
+        *(["# Near its time limit the job checkpoints the step in flight and requeues itself."] if preemptible else []),
         "set -euo pipefail",
         "",
     ]
@@ -316,5 +338,22 @@ def sbatch_script(
     lines += [*_exports(launch_env(cfg, env)), ULIMIT]
     if compile_steps is not None:
         lines.append(_fresh_compile_dir(cfg, overrides, compile_steps))
-    lines += ["", f"srun --kill-on-bad-exit=1 {_command(cfg, overrides, name, port, compile_steps)}"]
+    srun = f"srun --kill-on-bad-exit=1 {_command(cfg, overrides, name, port, compile_steps)}"
+    if not preemptible:
+        return "\n".join([*lines, "", srun]) + "\n"
+    run_dir = run_dir_of(overrides)
+    if run_dir is None:
+        raise ValueError("sbatch_script needs the run's hydra.run.dir (see train_overrides)")
+    marker = shlex.quote(posixpath.join(run_dir, MARKER))
+    lines += [
+        f"rm -f -- {marker}",
+        "",
+        "status=0",
+        f"{srun} || status=$?",
+        f"if [ -e {marker} ]; then  # the trainers stopped on a signal with a checkpoint: continue in a new allocation",
+        '  echo "hlat: preempted with a checkpoint; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+    ]
     return "\n".join(lines) + "\n"

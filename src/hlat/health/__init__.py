@@ -1,10 +1,10 @@
 """Cluster health: catch a bad node before the job starts and a hung job within minutes (``conf/health/``).
 
 - :mod:`hlat.health.doctor`: ``hlat doctor`` and the pre-flight check of ``python train.py``: per rank, the device
-  answers a known matmul correctly, its matmul FLOP/s against the expected peak and the other ranks, all-reduce /
-  all-gather bus bandwidth and small-message latency within each node and over the job (torch.distributed: gloo,
-  NCCL, or the XLA process group), ``neuron-ls`` / ``nccom-test`` where installed; a failing node is named before any
-  model is built.
+  answers a known matmul correctly, its matmul FLOP/s against a reference peak (and each node's median against the
+  other nodes'), all-reduce / all-gather bus bandwidth and small-message latency within each node and over the job
+  (torch.distributed: gloo, NCCL, or the XLA process group), ``neuron-ls`` / ``nccom-test`` where installed; a
+  failing node is named before any model is built.
 - :mod:`hlat.health.watchdog`: a thread fed by a loop hook; a step far slower than the running median dumps every
   thread's stack into ``<run dir>/hang/`` and exits with a code torch elastic restarts from the newest checkpoint.
 - :mod:`hlat.health.stragglers`: every N steps, each rank's step time and local (forward + data wait) time gathered,

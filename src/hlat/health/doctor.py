@@ -99,11 +99,12 @@ def _launch(cfg: RunConfig, overrides: list[str]) -> HealthReport:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from hlat.launch import JobFailedError
+    from hlat.rendezvous import one_node_launch
 
     logs = tempfile.mkdtemp(prefix="hlat-doctor-")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.cluster.nproc_per_node, run_id=f"doctor-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+        **one_node_launch(), max_restarts=0, monitor_interval=0.5,  # stores and sockets on 127.0.0.1 only
         start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
     )  # fmt: skip
     try:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hlat.backends.base import Env
 from hlat.backends.torch_dist import Ranks
-from hlat.config import DTYPES, ConfigError, RunConfig
+from hlat.config import DTYPES, ClusterConfig, ConfigError, RunConfig
 from hlat.health.checks import (
     Sync,
     Throttle,
@@ -30,7 +30,7 @@ from hlat.health.checks import (
     matmul_flops,
 )
 from hlat.health.neuron_tools import ToolResult, neuron_ls
-from hlat.health.report import HealthReport, PreflightError, RankResult, evaluate
+from hlat.health.report import HealthReport, PreflightError, RankResult, evaluate, observations
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,13 @@ def preflight(cfg: RunConfig, env: Env, *, out_dir: Path | None = None,
     report = run_checks(cfg, env, tools=tools, sync=sync)
     if env.rank == 0:
         log.info("pre-flight check %s:\n%s", "passed" if report.passed else "FAILED", report.table())
+        for note in report.notes:
+            log.warning("pre-flight check: %s", note)
         if out_dir is not None:
             write_table(report, out_dir / "preflight.md")
     if not report.passed:
-        raise PreflightError(report.failure_message())
+        where = f" (the table: {out_dir / 'preflight.md'})" if out_dir is not None else ""
+        raise PreflightError(report.failure_message() + where)
     return report
 
 
@@ -117,12 +120,29 @@ def run_checks(cfg: RunConfig, env: Env, *, tools: Sequence[ToolResult] = (), sy
     tflops, expected, source = _matmul_in_turn(cfg, env, wait, sync, group, ranks.local_world_size)
     intra, world, nodes = _collectives(cfg, env, wait, where) if distributed else ({}, {}, 1)
     mine = RankResult(env.rank, host, ranks.local_rank, str(env.device), ok, note, tflops, expected, source,
-                      intra, world)  # fmt: skip
+                      intra, world, expected_is_reference=reference_peak(cfg.cluster))  # fmt: skip
     rows: list[RankResult] = _gather(group, mine, env.world_size)
     all_tools = [t for part in _gather(group, list(tools), env.world_size) for t in part]
     if group is not None:
         dist.destroy_process_group(group)
-    return HealthReport(rows, all_tools, evaluate(rows, all_tools, h), nodes)
+    return HealthReport(rows, all_tools, evaluate(rows, all_tools, h), nodes, observations(rows, h))
+
+
+def reference_peak(cluster: ClusterConfig) -> bool:
+    """Whether the peak :func:`hlat.metrics.resolve_peak_flops` finds for ``cluster`` is one to fail a rank against.
+
+    A reference: ``cluster.peak_tflops`` or a device's published figure (its first two sources); not the figure this
+    CPU host measured earlier with ``hlat bench peak`` (under whatever load it had then).
+    """
+    return cluster.peak_tflops is not None or cluster.backend == "neuron" or cluster.device == "cuda"
+
+
+def node_ranks(where: Sequence[tuple[str, int]]) -> dict[str, list[int]]:
+    """The global ranks of each node, from every rank's ``(host, local rank)`` in rank order."""
+    nodes: dict[str, list[int]] = {}
+    for rank, (host, _) in enumerate(where):
+        nodes.setdefault(host, []).append(rank)
+    return nodes
 
 
 def _matmul_in_turn(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None, group: Any,
@@ -163,7 +183,7 @@ def _matmul(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None) -> tuple[fl
 
 
 def _collectives(cfg: RunConfig, env: Env, wait: Sync,
-                 where: list[tuple[str, int]]) -> tuple[dict[str, float], dict[str, float], int]:  # fmt: skip
+                 where: Sequence[tuple[str, int]]) -> tuple[dict[str, float], dict[str, float], int]:  # fmt: skip
     """Collective figures within this rank's node and over the job, and the number of nodes.
 
     One node: measured once, reported as both. Several: every rank creates every node's group (new_group is
@@ -171,9 +191,7 @@ def _collectives(cfg: RunConfig, env: Env, wait: Sync,
     """
     h = cfg.health
     nbytes = int(h.collective_mib * 2**20)
-    nodes: dict[str, list[int]] = {}
-    for rank, (host, _) in enumerate(where):
-        nodes.setdefault(host, []).append(rank)
+    nodes = node_ranks(where)
     if len(nodes) == 1:
         world = collective_figures(env.device, wait, nbytes, h.collective_iters)
         return world, world, 1

@@ -1,4 +1,10 @@
-"""The pre-flight report: per-rank figures, the verdict (which node fails and why), the table and the metrics."""
+"""The pre-flight report: per-rank figures, the verdict (which node fails and why), the table and the metrics.
+
+Ranks are judged alone only against a reference peak (``cluster.peak_tflops`` or the device's published figure).
+The relative check compares NODES, each by the median of its ranks: the ranks of one host share its cores, memory
+bandwidth and neighbours, so one rank slower than another is not evidence of a bad node. With one node and no
+reference peak the figures are reported, not judged.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,18 @@ from hlat.health.neuron_tools import ToolResult
 COLLECTIVE_KEYS = ("allreduce_busbw_gbps", "allgather_busbw_gbps", "latency_us")
 JOB = "(job)"
 """The "node" of a failure that belongs to the whole job (the world's bandwidth)."""
+PREFLIGHT_EXIT_CODE = 3
+"""``python train.py``'s exit status when the pre-flight health check fails (2 is a configuration error)."""
 
 
 class PreflightError(ConfigError):
-    """The pre-flight check found a bad node. A restart on the same nodes would fail again: not retried."""
+    """The pre-flight check found a bad node. A restart on the same nodes would fail again: not retried.
+
+    A ``ConfigError`` so that everything that stops at one (torch elastic's restarts, a sweep) stops at it too, but
+    reported as a health failure: ``hlat: health check failed: ...``, exit status :data:`exit_code`.
+    """
+
+    exit_code = PREFLIGHT_EXIT_CODE
 
 
 @dataclass
@@ -32,12 +46,15 @@ class RankResult:
     matmul_tflops: float
     """Best-window matmul TFLOP/s at the run's compute dtype."""
     expected_tflops: float | None
-    """The per-device peak it is held to (None: none known, relative check only)."""
+    """The per-device peak it is compared with (None: none known)."""
     expected_source: str
     intra: dict[str, float] = field(default_factory=dict)
     """``COLLECTIVE_KEYS`` within this rank's node (empty: the node has one rank)."""
     world: dict[str, float] = field(default_factory=dict)
     """``COLLECTIVE_KEYS`` over the whole job (empty: one rank)."""
+    expected_is_reference: bool = True
+    """``expected_tflops`` is a reference the rank fails below (``cluster.peak_tflops``, a published figure); False:
+    this host's own earlier measurement (``hlat bench peak``), shown in the table and noted, never failed."""
 
 
 @dataclass
@@ -57,6 +74,8 @@ class HealthReport:
     tools: list[ToolResult]
     failures: list[Failure]
     nodes: int
+    notes: list[str] = field(default_factory=list)
+    """What was seen but does not fail the check (:func:`observations`)."""
 
     @property
     def passed(self) -> bool:
@@ -64,7 +83,7 @@ class HealthReport:
         return not self.failures
 
     def failure_message(self) -> str:
-        """One paragraph naming each failing node, its ranks and reasons, and the way out."""
+        """One paragraph naming each failing node, its ranks and reasons, and what the user can do about it."""
         by_node: dict[str, list[str]] = {}
         for f in self.failures:
             by_node.setdefault(f.node, []).append(f"rank {f.rank}: {f.reason}" if f.rank is not None else f.reason)
@@ -72,13 +91,26 @@ class HealthReport:
         parts = [f"node {n}: {'; '.join(by_node[n])}" for n in nodes]
         if JOB in by_node:
             parts.append(f"the job as a whole: {'; '.join(by_node[JOB])}")
-        fix = (f"exclude node(s) {', '.join(nodes)} from the job (or repair them) and start again"
-               if nodes else "check the network between the nodes (hlat doctor per pair of nodes)")  # fmt: skip
         return (f"pre-flight check failed on {len(nodes)} of {self.nodes} node(s): " + " | ".join(parts)
-                + f". {fix}, or skip the check with health.preflight=off")  # fmt: skip
+                + f". {self._advice(nodes)}")  # fmt: skip
+
+    def _advice(self, nodes: list[str]) -> str:
+        """The way out: exclude the named nodes where the job has others, otherwise what can be done on this one."""
+        off = "or skip the check with health.preflight=off"
+        if not nodes:
+            return f"Check the network between the nodes (hlat doctor per pair of nodes), {off}"
+        if self.nodes > 1:
+            return f"Exclude node(s) {', '.join(nodes)} from the job (or repair them) and start again, {off}"
+        broken = any(f.reason.startswith("device check failed") for f in self.failures)
+        repair = "Repair the device or its driver (it computes wrong results), then start again; " if broken else ""
+        peak = "set cluster.peak_tflops to this device's real peak or lower health.min_matmul_fraction"
+        return (f"{repair}This job has one node, so there is no other node to move to: stop other work on this "
+                "host's devices and cores (other jobs, benchmarks) and start again with the same command (with the "
+                "same hydra.run.dir it continues from its newest checkpoint); if the expected peak is wrong, "
+                f"{peak}; {off}")  # fmt: skip
 
     def table(self) -> str:
-        """A markdown table, one row per rank, then one line per node-level tool."""
+        """A markdown table, one row per rank, then the peak it was held to, the notes and the node-level tools."""
         multi = self.nodes > 1
         median = _median([r.matmul_tflops for r in self.ranks])
         scope = "node" if multi else "node = world"
@@ -99,11 +131,8 @@ class HealthReport:
                 cells += [_num(r.world.get(k)) for k in COLLECTIVE_KEYS]
             cells.append("FAIL" if r.rank in failing or r.node in failing_nodes else "ok")
             lines.append("| " + " | ".join(cells) + " |")
-        sources = "; ".join(sorted({r.expected_source for r in self.ranks}))
-        if any(r.expected_tflops for r in self.ranks):
-            lines.append(f"\nexpected matmul peak per device: {sources}")
-        else:
-            lines.append(f"\nno expected matmul peak ({sources}): the ranks are held to their median only")
+        lines.append("\n" + _peak_line(self.ranks, multi))
+        lines += [f"note: {n}" for n in self.notes]
         for t in self.tools:
             lines.append(f"{t.tool} on {t.node}: {'ok' if t.ok else 'FAIL'}: {t.summary}")
         return "\n".join(lines)
@@ -116,6 +145,7 @@ class HealthReport:
             "preflight/failures": float(len(self.failures)),
             "preflight/ranks": float(len(self.ranks)),
             "preflight/nodes": float(self.nodes),
+            "preflight/notes": float(len(self.notes)),
             "preflight/matmul_tflops_min": min(mm),
             "preflight/matmul_tflops_median": _median(mm) or 0.0,
             "preflight/slowest_rank": float(min(self.ranks, key=lambda r: r.matmul_tflops).rank),
@@ -136,22 +166,68 @@ class HealthReport:
 
 
 def evaluate(ranks: list[RankResult], tools: list[ToolResult], cfg: HealthConfig) -> list[Failure]:
-    """Every reason to fail: device errors, slow matmuls (absolute and relative), slow collectives, tool failures."""
+    """Every reason to fail: device errors, slow matmuls, slow collectives, tool failures.
+
+    A rank's matmul is held to a reference peak only; nodes (each by its median rank) to the median node.
+    """
     out = [Failure(r.node, r.rank, f"device check failed ({r.device_note})") for r in ranks if not r.device_ok]
-    median = _median([r.matmul_tflops for r in ranks])
     for r in ranks:
-        if r.expected_tflops and r.matmul_tflops < cfg.min_matmul_fraction * r.expected_tflops:
+        bar = r.expected_tflops * cfg.min_matmul_fraction if r.expected_is_reference and r.expected_tflops else None
+        if bar is not None and r.matmul_tflops < bar:
             out.append(Failure(r.node, r.rank, f"matmul {r.matmul_tflops:.3g} TFLOP/s is "
                                f"{r.matmul_tflops / r.expected_tflops:.0%} of the expected {r.expected_tflops:.3g} "
                                f"({r.expected_source}; health.min_matmul_fraction="
                                f"{cfg.min_matmul_fraction:g})"))  # fmt: skip
-        if len(ranks) > 1 and median and r.matmul_tflops < cfg.min_relative_fraction * median:
-            out.append(Failure(r.node, r.rank, f"matmul {r.matmul_tflops:.3g} TFLOP/s is "
-                               f"{r.matmul_tflops / median:.0%} of the ranks' median {median:.3g} "
-                               f"(health.min_relative_fraction={cfg.min_relative_fraction:g})"))  # fmt: skip
+    per_node = node_medians(ranks)
+    median = _median(list(per_node.values()))
+    if len(per_node) > 1 and median:
+        for node, value in per_node.items():
+            if value < cfg.min_relative_fraction * median:
+                out.append(Failure(node, None, f"matmul {value:.3g} TFLOP/s (the median of its ranks) is "
+                                   f"{value / median:.0%} of the nodes' median {median:.3g} "
+                                   f"(health.min_relative_fraction={cfg.min_relative_fraction:g})"))  # fmt: skip
     out += _bandwidth_failures(ranks, cfg)
     out += [Failure(t.node, None, f"{t.tool}: {t.summary}") for t in tools if not t.ok]
     return out
+
+
+def node_medians(ranks: list[RankResult]) -> dict[str, float]:
+    """Each node's median matmul TFLOP/s over its ranks, in order of first appearance."""
+    by_node: dict[str, list[float]] = {}
+    for r in ranks:
+        by_node.setdefault(r.node, []).append(r.matmul_tflops)
+    return {node: statistics.median(values) for node, values in by_node.items()}
+
+
+def observations(ranks: list[RankResult], cfg: HealthConfig) -> list[str]:
+    """What the check saw but does not fail, as sentences.
+
+    A rank below ``min_relative_fraction`` of its own node's median; a rank below ``min_matmul_fraction`` of the peak
+    its host measured earlier (not a reference).
+    """
+    out = []
+    per_node = node_medians(ranks)
+    for r in ranks:
+        median = per_node[r.node]
+        if median and r.matmul_tflops < cfg.min_relative_fraction * median:
+            out.append(f"rank {r.rank} on {r.node} measured {r.matmul_tflops:.3g} TFLOP/s, "
+                       f"{r.matmul_tflops / median:.0%} of its node's median {median:.3g}; ranks that share a host "
+                       "are not held to each other (another process on this host's cores or device?)")  # fmt: skip
+        own_peak = r.expected_tflops if not r.expected_is_reference else None
+        if own_peak and r.matmul_tflops < cfg.min_matmul_fraction * own_peak:
+            out.append(f"rank {r.rank} on {r.node} measured {r.matmul_tflops / own_peak:.0%} of the "
+                       f"{r.expected_source} ({own_peak:.3g} TFLOP/s); not held to it: set cluster.peak_tflops to "
+                       "check against a figure")  # fmt: skip
+    return out
+
+
+def _peak_line(ranks: list[RankResult], multi: bool) -> str:
+    """The table's line on the expected peak and what the ranks were held to."""
+    sources = "; ".join(sorted({r.expected_source for r in ranks}))
+    if any(r.expected_is_reference and r.expected_tflops for r in ranks):
+        return f"expected matmul peak per device: {sources}"
+    against = "each node's median is held to the median node" if multi else "reported, not judged (one node)"
+    return f"no reference matmul peak ({sources}): {against}; cluster.peak_tflops sets one"
 
 
 def _bandwidth_failures(ranks: list[RankResult], cfg: HealthConfig) -> list[Failure]:
