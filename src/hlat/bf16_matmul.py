@@ -243,3 +243,12 @@ def resolve_policy(requested: str, device: torch.device, cache_dir: str | Path) 
     native, emulated = rates["bf16_native"], rates["bf16_emulated"]
     policy = "native" if native >= emulated else "emulated"
     return policy, f"auto: bf16 GEMM native {native:.1f} vs emulated {emulated:.1f} GFLOP/s on this host"
+
+
+def apply_auto_policy(model: nn.Module, device: torch.device) -> str:
+    """``apply_policy`` with this host's ``auto`` choice (cache in hlat's default cache directory); returns it."""
+    from hlat.peak import DEFAULT_CACHE_DIR
+
+    policy = resolve_policy("auto", device, DEFAULT_CACHE_DIR)[0]
+    apply_policy(model, policy)
+    return policy

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,10 +28,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat.backends.base import Backend
 from hlat.config import ConfigError
+from hlat.job_dir import (  # noqa: F401  the job files beside the checkpoints, re-exported for checkpoint.* callers
+    JOB,
+    LOCK,
+    check_disk_space,
+    check_writable,
+    hold_lock,
+    is_locked,
+    read_job,
+    write_job,
+)
 from hlat.loop import StepOutput, TrainState
 
 MANIFEST = "manifest.json"
-JOB = "job.json"
 log = logging.getLogger(__name__)
 
 
@@ -250,124 +258,10 @@ def check_compatible(path: Path, config: dict[str, Any]) -> None:
             log.info("resuming with a changed setting: %s", diff[k])
 
 
-def check_writable(root: Path) -> Path:
-    """ConfigError unless the checkpoint directory ``root`` is, or can be created as, a writable directory.
-
-    Returns:
-        ``root`` or its nearest existing ancestor (the directory whose volume the checkpoints will use).
-    """
-    probe = root
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    fix = "set train.checkpoint_dir (or hydra.run.dir, which holds checkpoints/ by default) to a writable directory"
-    if not probe.is_dir():
-        raise ConfigError(f"train.checkpoint_dir={root}: {probe} is a file, not a directory, so the checkpoints "
-                          f"cannot go there; {fix}")  # fmt: skip
-    try:  # a real write: permissions, read-only mounts and pseudo filesystems (/proc) alike
-        with tempfile.TemporaryFile(dir=probe, prefix=".hlat-write-test-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"train.checkpoint_dir={root}: cannot write into {probe} ({e.strerror or e}); "
-                          f"{fix}") from None  # fmt: skip
-    return probe
-
-
-def check_disk_space(root: Path, needed: int) -> None:
-    """ConfigError if ``root`` is not writable or its volume has less than ``needed`` bytes free (one checkpoint)."""
-    probe = check_writable(root)
-    free = shutil.disk_usage(probe).free
-    if free < needed:
-        raise ConfigError(
-            f"train.checkpoint_dir={root}: {free / 2**30:.2f} GiB free, but one checkpoint needs about "
-            f"{needed / 2**30:.2f} GiB; free space there or point train.checkpoint_dir at a larger volume"
-        )
-
-
 def checkpoint_bytes(path: Path | None) -> int | None:
     """Total size of a checkpoint from its manifest (None without one)."""
     meta = manifest(path) if path is not None else None
     return sum(r if isinstance(r, int) else r["size"] for r in meta["files"].values()) if meta else None
-
-
-def read_job(root: Path) -> dict[str, Any]:
-    """The job record (MLflow run id, start time) of the run writing into ``root``; empty if there is none."""
-    try:
-        record = json.loads((root / JOB).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(record, dict):
-        log.warning("ignoring %s: it holds a JSON %s, not the job record", root / JOB, type(record).__name__)
-        return {}
-    return record
-
-
-def write_job(root: Path, record: dict[str, Any]) -> None:
-    """Record the job (atomically), so a restart before the first checkpoint still continues the same run.
-
-    Raises:
-        ConfigError: ``root`` cannot be a writable directory (the first write of a run: it names the key and fix).
-    """
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{JOB}.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, root / JOB)
-    except OSError:
-        check_writable(root)  # a ConfigError naming train.checkpoint_dir when the directory is the cause
-        raise
-
-
-LOCK = ".lock"
-_HELD: dict[Path, Any] = {}
-"""The directory locks this process holds, by resolved checkpoint root."""
-
-
-def hold_lock(root: Path) -> Any:
-    """Lock ``root`` for this trainer (rank 0) until the returned file is closed or the process dies.
-
-    Two trainers writing checkpoints into one directory would corrupt each other's resume; a sweep also asks
-    :func:`is_locked` before it continues a run that looks dead. Returns None where the filesystem has no locks.
-
-    Raises:
-        ConfigError: Another live process holds the lock.
-    """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        return None
-    root.mkdir(parents=True, exist_ok=True)
-    key = root.resolve()
-    if key in _HELD:  # this process trained here before and failed without closing it: one trainer per process
-        _HELD.pop(key).close()
-    f = open(root / LOCK, "a+")  # noqa: SIM115 (held open for the whole run)
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise ConfigError(
-            f"another process is training into {root} (it holds {root / LOCK}); wait for it to end, or give this "
-            "run its own directory (hydra.run.dir=... or train.checkpoint_dir=...)"
-        ) from None
-    except OSError as e:  # e.g. ENOLCK on a network filesystem mounted without locks
-        f.close()
-        log.warning("cannot lock %s (%s): nothing stops two trainers from sharing this directory", root, e)
-        return None
-    _HELD[key] = f
-    return f
-
-
-def is_locked(root: Path) -> bool:
-    """Whether a live trainer holds ``root`` (:func:`hold_lock`)."""
-    try:
-        import fcntl
-
-        with open(root / LOCK, "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes
-    except BlockingIOError:
-        return True
-    except (ImportError, OSError):
-        return False
-    return False
 
 
 def _disk_full(e: BaseException) -> bool:

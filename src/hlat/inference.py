@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from hlat import checkpoint as ckpt
 from hlat import safe_load
 from hlat.backends.torch_dist import gate_up_in_model_order
+from hlat.bf16_matmul import apply_auto_policy
 from hlat.config import DTYPES, ConfigError, DataConfig, ModelConfig, RunConfig
 from hlat.data.builtin import builtin_corpus_path
 from hlat.data.loader import tokenizer_sample
@@ -235,10 +236,7 @@ def load_weights(path: Path, cfg: ModelConfig, device: torch.device | str = "cpu
     model.init_rope()  # fp32 rotary tables whatever the weights' dtype (as the torch backend keeps them)
     read_weights(path, cfg, into=model.state_dict())
     if dtype == "bfloat16":  # bf16 matmuls as training runs them on this host: native, or emulated in fp32
-        from hlat.bf16_matmul import apply_policy, resolve_policy
-        from hlat.peak import DEFAULT_CACHE_DIR
-
-        apply_policy(model, resolve_policy("auto", torch.device(device), DEFAULT_CACHE_DIR)[0])
+        apply_auto_policy(model, torch.device(device))
     model.eval().requires_grad_(False)
     return model
 

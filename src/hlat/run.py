@@ -30,7 +30,7 @@ from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, flops_per_tok
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
-from hlat.plan import GiB, check_fits, check_world, estimate_memory, planned_budget
+from hlat.plan import check_fits, check_world, estimate_memory, planned_budget, summary
 from hlat.precision import bytes_per_param
 from hlat.provenance import write_provenance
 from hlat.resume import job_record, record_start, restore, rollback
@@ -65,24 +65,6 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget: int,
-            bf16_matmul: str | None = None) -> str:  # fmt: skip
-    """A few lines describing the run before it starts (``bf16_matmul``: the backend's bf16 matmul policy)."""
-    t = cfg.train
-    tokens = t.global_batch_size * t.seq_len
-    opt = "AdamW + master" if cfg.precision.master_weights else "AdamW"
-    matmuls = f"bf16 matmuls {bf16_matmul} | " if bf16_matmul else ""
-    return (
-        f"model={cfg.model.name}: {n_params / 1e6:,.1f}M parameters | precision={cfg.precision.name} "
-        f"({bytes_per_param(cfg.precision).total} bytes/parameter) | {matmuls}"
-        f"world {dims.world_size} (tp {dims.tp}, pp {dims.pp}, dp {dims.dp})\n"
-        f"batch: {t.global_batch_size} x {t.seq_len} = {tokens:,} tokens/step, micro-batch {t.micro_batch_size}, "
-        f"grad accumulation {dims.grad_accum(t)} | {t.steps:,} steps = {tokens * t.steps / 1e9:,.3f}B tokens\n"
-        f"memory per rank: ~{est.total / GiB:.2f} GiB (weights {est.params / GiB:.2f}, grads {est.grads / GiB:.2f}, "
-        f"{opt} {est.optimizer / GiB:.2f}, activations {est.activations / GiB:.2f}) of {budget / GiB:.1f} GiB available"
-    )
 
 
 PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
