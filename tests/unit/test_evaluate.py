@@ -365,3 +365,22 @@ def test_weights_only_checkpoints_bring_their_tokenizer(run_dir: Path, tmp_path:
     assert other.loaded.context_len == lm.model.cfg.max_seq_len and other.tok.fingerprint == lm.tok.fingerprint
     req = [Instance("loglikelihood", {}, ("Return the number", " of items."), 0)]
     assert other.loglikelihood(req, disable_tqdm=True) == lm.loglikelihood(req, disable_tqdm=True)
+
+
+@pytest.mark.parametrize("policy", ["native", "emulated"])
+def test_bf16_inference_runs_the_hosts_bf16_matmul_policy(run_dir: Path, monkeypatch, policy: str) -> None:
+    """``dtype=bfloat16`` evaluation multiplies as training does on this host (hlat.bf16_matmul's ``auto``), and
+    both policies score a text alike (within bf16 rounding of the fp32 model's logits)."""
+    from hlat import bf16_matmul
+    from hlat.bf16_matmul import EmulatedBf16Linear
+    from hlat.inference import find_checkpoint, load_weights, model_config
+
+    monkeypatch.setattr(bf16_matmul, "resolve_policy", lambda requested, device, cache_dir: (policy, "test"))
+    path = find_checkpoint(run_dir / "checkpoints")
+    cfg = model_config(path)
+    bf16, fp32 = load_weights(path, cfg, dtype="bfloat16"), load_weights(path, cfg)
+    assert isinstance(bf16.lm_head, EmulatedBf16Linear) is (policy == "emulated")
+    tokens = torch.arange(1, 33)[None] % cfg.vocab_size
+    with torch.no_grad():
+        got, ref = bf16(tokens).float(), fp32(tokens)
+    assert float((got - ref).norm() / ref.norm()) < 2**-5
