@@ -19,7 +19,7 @@ Build on the meta device, materialize, then initialize::
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
-    model.init_weights()
+    model.init_weights(seed=0)
 
 The fused qkv weight is laid out in key/value *groups*: rows ``[q_0 .. q_{r-1}, k, v]`` for each kv head,
 r = n_heads / n_kv_heads (Megatron's layout). Splitting it column-wise over tensor-parallel ranks then
@@ -29,6 +29,8 @@ hands each rank whole groups, and ``forward`` infers the local head count with `
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -278,19 +280,6 @@ class Block(nn.Module):
         x = x + (self.attn(h, cos, sin) if cache is None else self.attn(h, cos, sin, cache, key_mask))
         return x + self.mlp(self.mlp_norm(x))
 
-    def init_weights(self, std: float, scaled: bool) -> None:
-        """Normal init; the output projections get std/sqrt(2*l) when ``scaled`` (PAPER.md, "Model")."""
-        out_std = std / math.sqrt(2 * self.layer_id) if scaled else std
-        for norm in (self.attn_norm, self.mlp_norm):
-            norm.init_weights()
-        for lin, s in (
-            (self.attn.qkv, std),
-            (self.attn.o_proj, out_std),
-            (self.mlp.gate_up, std),
-            (self.mlp.down, out_std),
-        ):
-            nn.init.normal_(lin.weight, mean=0.0, std=s)
-
 
 class Transformer(nn.Module):
     """Decoder-only language model: token ids (B, T) -> logits (B, T, vocab)."""
@@ -351,15 +340,49 @@ class Transformer(nn.Module):
         return KVCache(len(self.layers), max_len or self.cfg.max_seq_len)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialize every parameter and buffer in place (after ``to_empty`` when built on meta)."""
-        cfg = self.cfg
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialize every parameter and buffer in place (after ``to_empty`` when built on meta).
+
+        Each weight matrix is drawn from its own host generator keyed by ``seed`` and its name (``init_normal``),
+        so the weights do not depend on which modules are initialized in which order: a tensor- or pipeline-parallel
+        layout, or NxD materializing one stage, starts from exactly these weights. ``seed=None`` takes the seed from
+        torch's global generator (``torch.manual_seed(s); model.init_weights()`` is reproducible).
+        """
+        if seed is None:
+            seed = int(torch.randint(0, 1 << 62, ()).item())
+        stds = init_stds(self.cfg)
         self.init_rope()
-        nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.init_std)
-        for layer in self.layers:
-            layer.init_weights(cfg.init_std, cfg.scaled_init)
-        self.norm.init_weights()
-        nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.init_std)
+        for name, p in self.named_parameters():
+            if name in stds:
+                p.copy_(init_normal(seed, name, p.shape, stds[name]))
+            elif name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                raise AssertionError(f"no initialization for parameter {name}")
+
+
+INIT_KEY_PRIME = 1_000_003
+
+
+def init_generator(seed: int, name: str) -> torch.Generator:
+    """The host generator of parameter ``name``: initialization keyed by (seed, name), not by draw order."""
+    return torch.Generator().manual_seed((seed * INIT_KEY_PRIME + zlib.crc32(name.encode())) % (1 << 63))
+
+
+def init_normal(seed: int, name: str, shape: Sequence[int], std: float) -> torch.Tensor:
+    """The whole (unsharded) fp32 initial value of parameter ``name``: N(0, std^2) from ``init_generator``."""
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=init_generator(seed, name))
+
+
+def init_stds(cfg: ModelConfig) -> dict[str, float]:
+    """The init std of every weight matrix by name; the output projections get std/sqrt(2l) when scaled (PAPER.md)."""
+    std = cfg.init_std
+    out: dict[str, float] = {"embed.weight": std, "lm_head.weight": std}
+    for i in range(cfg.n_layers):
+        out_std = std / math.sqrt(2 * (i + 1)) if cfg.scaled_init else std  # layer_id is 1-based
+        out |= {f"layers.{i}.attn.qkv.weight": std, f"layers.{i}.attn.o_proj.weight": out_std,
+                f"layers.{i}.mlp.gate_up.weight": std, f"layers.{i}.mlp.down.weight": out_std}  # fmt: skip
+    return out
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -186,15 +186,20 @@ class GQAQKVColumnParallelLinear(_Recorded):
         if not a["fuse_qkv"]:
             raise NotImplementedError("the fake only has the fused layout")
         self.init_method = a["init_method"]
+        self.output_sizes = list(a["output_sizes"])
+        self.q_output_size_per_partition = self.output_sizes[0]  # tensor-parallel degree 1
         self.sizes = [a["output_sizes"][0], a["output_sizes"][1], a["output_sizes"][1]]
         self.weight_qkv = nn.Parameter(torch.empty(sum(self.sizes), a["input_size"], dtype=a["dtype"]))
         if self.weight_qkv.device.type != "meta":
             self.initialize_weight_biases()
 
     def initialize_weight_biases(self) -> None:
+        """As NxD 0.17: q, k, v initialized apart, then ``weight_qkv`` REBUILT as a new Parameter (no TP attributes)."""
         with torch.no_grad():
-            for part in self.weight_qkv.split(self.sizes):
+            parts = [torch.empty(n, self.weight_qkv.shape[1], dtype=self.weight_qkv.dtype) for n in self.sizes]
+            for part in parts:
                 self.init_method(part)
+            self.weight_qkv = nn.Parameter(torch.cat(parts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(F.linear(x, self.weight_qkv).split(self.sizes, dim=-1))

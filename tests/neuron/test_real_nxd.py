@@ -75,12 +75,6 @@ def test_train_py_on_xla_cpu_trains_through_the_real_nxd(tmp_path: Path, cache: 
     assert saved == ["step_00000002", "step_00000003"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 22 item 3: NxD initializes its parallel layers in its own order and "
-    "layout (GQA q, k, v drawn apart), so the neuron backend starts from other weights than the torch "
-    "backend (step-1 loss 6.2540 vs 6.2506); strict: passes the day initialization is keyed by name",
-)
 def test_fp32_on_xla_cpu_equals_the_torch_backend(tmp_path: Path, cache: Path) -> None:
     """``python train.py cluster=xla_cpu`` (world 1, fp32) against ``cluster=cpu``: same weights, data and math.
 

@@ -186,3 +186,30 @@ def test_bf16_autocast_forward_backward() -> None:
     assert logits.dtype == torch.bfloat16
     F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_initialization_is_keyed_by_seed_and_name_not_by_draw_order() -> None:
+    """Every weight is drawn from its own (seed, name) generator: a model that initializes a layer alone, or after
+    other random draws, gets the same values (what lets TP/PP layouts and NxD's per-stage materialization start from
+    the flat model's weights), and another seed gives other weights."""
+    from hlat.model import init_normal, init_stds
+
+    a, b, c = Transformer(TINY), Transformer(TINY), Transformer(TINY)
+    a.init_weights(3)
+    torch.rand(1000)  # consume the global generator: must not matter
+    b.init_weights(3)
+    c.init_weights(4)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(pa, pc), name
+    std = init_stds(TINY)
+    last = f"layers.{TINY.n_layers - 1}.mlp.down.weight"
+    alone = init_normal(3, last, a.get_parameter(last).shape, std[last])
+    assert torch.equal(alone, a.get_parameter(last))
+    assert std[last] < std["layers.0.mlp.down.weight"]  # scaled init: std / sqrt(2 l)
+    torch.manual_seed(5)
+    b.init_weights()
+    torch.manual_seed(5)
+    c.init_weights()
+    assert all(torch.equal(x, y) for x, y in zip(b.parameters(), c.parameters(), strict=True))

@@ -144,11 +144,34 @@ def test_every_tp_plan_entry_is_an_nxd_layer_with_the_reference_arguments(monkey
     assert len(rows) == 4 and all(r.kwargs["input_is_parallel"] is True for r in rows)
     assert api.first("ParallelEmbedding").kwargs["sequence_parallel_enabled"] is True
     # Scaled init (PAPER.md): the output projections of layer l get std / sqrt(2 l).
-    stds = [r.kwargs["init_method"].keywords["std"] for r in rows]
+    stds = [r.kwargs["init_method"].std for r in rows]
     assert stds == pytest.approx([0.021 / math.sqrt(2), 0.021 / math.sqrt(2), 0.021 / 2, 0.021 / 2])
-    assert qkv["init_method"].keywords["std"] == 0.021
+    assert qkv["init_method"].std == 0.021
     norms = [model.norm, *(n for b in model.layers for n in (b.attn_norm, b.mlp_norm))]
     assert all(n.weight.sequence_parallel_enabled for n in norms)  # NxD all-reduces these gradients
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_param_init_gives_the_torch_models_weights_by_name(seed: int) -> None:
+    """NxD's materialization (fake, TP 1) draws every weight by name: the neuron decoder starts from the weights
+    ``Transformer.init_weights(seed)`` gives, the fused qkv regrouped, in any module order. Before keying by name
+    GQAQKV drew q, k and v apart and the two backends started from different weights (step-1 loss 6.2540 vs 6.2506)."""
+    ref = Transformer(CFG)
+    ref.init_weights(seed)
+    model = to_neuron(Transformer(CFG), FAKE, options(seed=seed))
+    init = ModuleInit(CFG)
+    for m in reversed(list(model.modules())):  # another order than construction: must not matter
+        init(m)
+    G, r, D = CFG.kv_heads, CFG.n_heads // CFG.kv_heads, CFG.head_dim
+    for mine, theirs in zip(model.layers, ref.layers, strict=True):
+        w = theirs.attn.qkv.weight.view(G, r + 2, D, CFG.dim)
+        qkv = torch.cat([w[:, :r].reshape(-1, CFG.dim), w[:, r].reshape(-1, CFG.dim), w[:, r + 1].reshape(-1, CFG.dim)])
+        assert torch.equal(mine.attn.qkv.weight_qkv, qkv)
+        assert mine.attn.qkv.weight_qkv.tensor_model_parallel  # NxD's rebuilt Parameter gets its attributes back
+        for name in ("attn.o_proj", "mlp.gate_up", "mlp.down", "attn_norm", "mlp_norm"):
+            assert torch.equal(mine.get_submodule(name).weight, theirs.get_submodule(name).weight), name
+    for name in ("embed", "lm_head", "norm"):
+        assert torch.equal(model.get_submodule(name).weight, ref.get_submodule(name).weight), name
 
 
 def test_meta_build_and_param_init_fill_every_parameter_and_the_rotary_tables() -> None:

@@ -35,8 +35,6 @@ Nothing here has run on a trn1 host; it runs on CPU against the recording fake o
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +42,17 @@ import torch
 from torch import nn
 
 from hlat.config import ModelConfig
-from hlat.model import Attention, AttentionCore, Block, RMSNorm, Transformer, apply_rope, rope_tables
+from hlat.model import (
+    Attention,
+    AttentionCore,
+    Block,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    init_normal,
+    init_stds,
+    rope_tables,
+)
 
 IGNORE_INDEX = -100
 """Label of a position that does not count in the loss (masked by hand: ``parallel_cross_entropy`` does not)."""
@@ -80,6 +88,8 @@ class NeuronModelOptions:
     """dtype of the operations kept in fp32 (softmax, norms, loss): float64 under ``XLA_DOWNCAST_BF16``."""
     fp32_softmax_ce: bool
     """Cross-entropy on logits upcast to ``upcast_dtype`` (``precision.fp32_softmax_ce``)."""
+    seed: int = 0
+    """``train.seed``: with the parameter's name, it keys every initial weight (``hlat.model.init_normal``)."""
 
 
 class NeuronRMSNorm(RMSNorm):
@@ -180,26 +190,79 @@ class NeuronTransformer(Transformer):
         return self.loss_fn(logits, labels)
 
 
-def normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An NxD ``init_method``: fills the full (unsharded) weight in place with N(0, std^2)."""
-    return functools.partial(nn.init.normal_, mean=0.0, std=std)
+class NamedInit:
+    """An NxD ``init_method`` keyed by name: fills the full (unsharded) weight with ``hlat.model.init_normal``.
+
+    NxD's parallel layers call their ``init_method`` on the whole master weight and keep this rank's shard
+    (``_initialize_parameter_cpu``), so the weight ``name`` gets the values the torch backend gives it, whatever the
+    tensor-parallel degree, the pipeline stage that materializes it or the order NxD initializes modules in.
+    """
+
+    def __init__(self, seed: int, name: str, std: float) -> None:
+        self.seed, self.name, self.std = seed, name, std
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return weight.copy_(init_normal(self.seed, self.name, weight.shape, self.std))
+
+    def __repr__(self) -> str:
+        return f"NamedInit({self.name!r}, std={self.std:g})"
+
+
+class QKVInit:
+    """The ``init_method`` of ``GQAQKVColumnParallelLinear``: q, k and v cut from hlat's fused qkv weight.
+
+    The layer calls it three times per initialization, on the whole q, k and v weights in that order
+    (``initialize_weight_biases``); the values come from the torch model's group-interleaved ``qkv.weight`` (rows
+    ``[q_0 .. q_{r-1}, k, v]`` per kv group, ``hlat.model``), drawn once by name, so query head h keeps kv head h // r.
+    """
+
+    def __init__(self, seed: int, name: str, std: float, cfg: ModelConfig) -> None:
+        self.seed, self.name, self.std, self.cfg = seed, name, std, cfg
+        self._calls = 0
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The full q (H*D, dim), k and v (G*D, dim) weights of the torch model's fused projection."""
+        c, D = self.cfg, self.cfg.head_dim
+        r = c.n_heads // c.kv_heads
+        full = init_normal(self.seed, self.name, ((c.n_heads + 2 * c.kv_heads) * D, c.dim), self.std)
+        groups = full.view(c.kv_heads, r + 2, D, c.dim)
+        q = groups[:, :r].reshape(c.n_heads * D, c.dim)
+        return q, groups[:, r].reshape(-1, c.dim), groups[:, r + 1].reshape(-1, c.dim)
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        part = self.parts()[self._calls % 3]
+        self._calls += 1
+        if tuple(weight.shape) != tuple(part.shape):
+            raise AssertionError(f"{self.name}: NxD asked for a {tuple(weight.shape)} weight, q/k/v part is "
+                                 f"{tuple(part.shape)}")  # fmt: skip
+        with torch.no_grad():
+            return weight.copy_(part)
+
+    def __repr__(self) -> str:
+        return f"QKVInit({self.name!r}, std={self.std:g})"
 
 
 def _swap_block(block: Block, cfg: ModelConfig, nxd: NxDLayers, opts: NeuronModelOptions) -> None:
     """Replace the four linears of ``block`` with NxD parallel layers and give it the neuron forwards."""
+    at, stds = f"layers.{block.layer_id - 1}", init_stds(cfg)  # the parameter names of hlat.model
+
+    def init(part: str) -> NamedInit:
+        return NamedInit(opts.seed, f"{at}.{part}.weight", stds[f"{at}.{part}.weight"])
+
     std = cfg.init_std
-    out_std = std / math.sqrt(2 * block.layer_id) if cfg.scaled_init else std  # PAPER.md: scaled init
     common = {"bias": False, "dtype": torch.float32, "sequence_parallel_enabled": opts.sequence_parallel,
               "reduce_dtype": opts.reduce_dtype}  # fmt: skip
     D = cfg.head_dim
     attn, mlp = block.attn, block.mlp
-    attn.qkv = nxd.qkv(cfg.dim, [cfg.n_heads * D, cfg.kv_heads * D], gather_output=False, init_method=normal_init(std),
+    attn.qkv = nxd.qkv(cfg.dim, [cfg.n_heads * D, cfg.kv_heads * D], gather_output=False,
+                       init_method=QKVInit(opts.seed, f"{at}.attn.qkv.weight", std, cfg),
                        kv_size_multiplier=opts.kv_size_multiplier, fuse_qkv=True, **common)  # fmt: skip
-    attn.o_proj = nxd.row(cfg.n_heads * D, cfg.dim, input_is_parallel=True, init_method=normal_init(out_std), **common)
+    attn.o_proj = nxd.row(cfg.n_heads * D, cfg.dim, input_is_parallel=True, init_method=init("attn.o_proj"), **common)
     # stride=2: each rank gets matching rows of the gate half and of the up half, so FeedForward's chunk(2) holds.
-    mlp.gate_up = nxd.column(cfg.dim, 2 * cfg.ffn_dim, gather_output=False, stride=2, init_method=normal_init(std),
+    mlp.gate_up = nxd.column(cfg.dim, 2 * cfg.ffn_dim, gather_output=False, stride=2, init_method=init("mlp.gate_up"),
                              **common)  # fmt: skip
-    mlp.down = nxd.row(cfg.ffn_dim, cfg.dim, input_is_parallel=True, init_method=normal_init(out_std), **common)
+    mlp.down = nxd.row(cfg.ffn_dim, cfg.dim, input_is_parallel=True, init_method=init("mlp.down"), **common)
     block.__class__ = NeuronBlock
     attn.__class__ = NeuronAttention
     attn.sequence_parallel = opts.sequence_parallel
@@ -219,11 +282,13 @@ def to_neuron(model: Transformer, nxd: NxDLayers, opts: NeuronModelOptions) -> N
     cfg = model.cfg
     common = {"dtype": torch.float32, "sequence_parallel_enabled": opts.sequence_parallel}
     # Host parameters are fp32: XLA_USE_BF16 / XLA_DOWNCAST_BF16 make the device copies bf16 (precision_plan).
-    model.embed = nxd.embedding(cfg.vocab_size, cfg.dim, init_method=normal_init(cfg.init_std), **common)
+    init = NamedInit(opts.seed, "embed.weight", cfg.init_std)
+    model.embed = nxd.embedding(cfg.vocab_size, cfg.dim, init_method=init, **common)
     for block in model.layers:
         _swap_block(block, cfg, nxd, opts)
     model.lm_head = nxd.column(cfg.dim, cfg.vocab_size, bias=False, gather_output=False,
-                               init_method=normal_init(cfg.init_std), reduce_dtype=opts.reduce_dtype,
+                               init_method=NamedInit(opts.seed, "lm_head.weight", cfg.init_std),
+                               reduce_dtype=opts.reduce_dtype,
                                **common)  # fmt: skip
     for norm in [model.norm, *(n for b in model.layers for n in (b.attn_norm, b.mlp_norm))]:
         norm.__class__ = NeuronRMSNorm
@@ -238,14 +303,37 @@ def to_neuron(model: Transformer, nxd: NxDLayers, opts: NeuronModelOptions) -> N
     return model  # type: ignore[return-value]
 
 
+TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions", "rank_ordering")
+"""What NxD's ``set_tensor_model_parallel_attributes`` sets on a sharded parameter."""
+
+
+def mark_fused_qkv(layer: nn.Module) -> None:
+    """Give ``GQAQKVColumnParallelLinear``'s fused ``weight_qkv`` the tensor-parallel attributes it lost.
+
+    NxD 0.17 rebuilds ``weight_qkv`` as a new ``Parameter(torch.cat([q, k, v]))`` (``modules/qkv_linear.py:541``)
+    after setting the attributes on the split views only, so its ``get_grad_norm`` took the fused weight for a
+    replicated one and divided its share of the norm by the TP degree: clipping and ``train/grad_norm`` were wrong
+    for every run with tp > 1. Each rank holds its own rows (dim 0, stride 1). With ``kv_size_multiplier`` > 1 the
+    k and v rows are copies shared by that many ranks; they then count once per copy, as in NxD's unfused layer.
+    """
+    w = getattr(layer, "weight_qkv", None)
+    if w is None or getattr(w, "tensor_model_parallel", False):
+        return
+    values = (True, 0, 1, layer.output_sizes[0] // layer.q_output_size_per_partition, None)
+    for name, value in zip(TP_ATTRIBUTES, values, strict=True):
+        setattr(w, name, value)
+
+
 class ModuleInit:
     """NxD's ``param_init_fn(module, device)``: initialize ``module``'s own parameters on the host.
 
     NxD calls it for every module after replacing that module's meta parameters by empty host tensors (reference
     §1.2, §1.7). Parallel layers initialize themselves as in NxD's Llama example: ``init_weight_cpu`` (Column/Row/
     Embedding) or ``initialize_weight_biases`` (GQAQKV) run their ``init_method`` on the full weight and keep this
-    rank's shard, so every rank draws the same full weight from the same host seed. Norms get ones; each attention
-    gets the rotary tables, computed once in fp32 and shared on the host.
+    rank's shard; their ``init_method`` (``NamedInit``, ``QKVInit``) draws by name, so every rank, stage and order
+    gets the torch backend's weights. The fused qkv weight gets back its tensor-parallel attributes
+    (``mark_fused_qkv``). Norms get ones; each attention gets the rotary tables, computed once in fp32 and shared
+    on the host.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -258,6 +346,7 @@ class ModuleInit:
                 module.init_weight_cpu()
             elif hasattr(module, "initialize_weight_biases"):  # GQAQKVColumnParallelLinear
                 module.initialize_weight_biases()
+                mark_fused_qkv(module)
             elif isinstance(module, RMSNorm):
                 module.init_weights()
             if isinstance(module, NeuronAttention):

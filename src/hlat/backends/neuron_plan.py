@@ -268,6 +268,7 @@ def model_options(cfg: RunConfig, world_size: int | None = None) -> NeuronModelO
         reduce_dtype=getattr(torch, plan.reduce_dtype),
         upcast_dtype=getattr(torch, plan.upcast_dtype),
         fp32_softmax_ce=cfg.precision.fp32_softmax_ce,
+        seed=cfg.train.seed,
     )
 
 

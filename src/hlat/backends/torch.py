@@ -100,7 +100,7 @@ class TorchBackend:
             model = model_fn()
         _check_supported(dims, model.cfg.kv_heads)
         model.to_empty(device=self.device)
-        model.init_weights()  # in fp32, so every precision mode starts from the same weights (rounded for bf16)
+        model.init_weights(self.seed)  # fp32, keyed by seed and name: every precision and layout starts alike
         if init_state is not None:  # train.init_from: before the dtype cast and the TP split (gate_up reordering)
             model.load_state_dict(init_state)
         p = self.precision
