@@ -323,7 +323,8 @@ class MetricsLogger:
         tensors = {
             "loss": torch.stack(self._loss),
             "grad_norm": torch.stack(self._grad_norm),
-            "param_norm": param_norm(self.model),
+            # A backend whose ranks hold parts of the model (NxD: pipeline stages, TP shards) reduces it itself.
+            "param_norm": getattr(self.backend, "param_norm", param_norm)(self.model),
         }
         for step, norms in self._layer_norms.items():
             tensors.update({f"{step}|{name}": value for name, value in norms.items()})

@@ -179,8 +179,9 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     timer = StepTimer(backend.synchronize) if t.step_breakdown else NULL_TIMER
     logger = MetricsLogger(
         backend, model, tracker.log_metrics, every=t.log_every, last_step=t.steps, tokens_per_step=tokens_per_step,
-        seq_len=t.seq_len, extra=data.stats, spikes=spikes, spike_summary_every=cfg.tracker.spike_summary_every,
-        throughput=throughput, uptime=uptime, layer_norms_every=cfg.tracker.layer_grad_norms_every, timer=timer,
+        seq_len=t.seq_len, extra=lambda: {**data.stats(), **backend.host_metrics()}, spikes=spikes,
+        spike_summary_every=cfg.tracker.spike_summary_every, throughput=throughput, uptime=uptime,
+        layer_norms_every=cfg.tracker.layer_grad_norms_every, timer=timer,
     )  # fmt: skip
 
     def guard(s: TrainState, out: Any = None) -> None:

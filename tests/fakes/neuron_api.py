@@ -1,6 +1,15 @@
 """A RECORDING FAKE of torch_xla and neuronx_distributed (NxD 0.17), for CPU tests of hlat.backends.neuron.
 
-This is not NxD. It serves ``import torch_xla...`` / ``import neuronx_distributed...`` from a meta-path finder
+This is not NxD, and where it and the real library disagree the real one wins and this file changes. The real NxD
+0.17 runs in the NxD lane (``make test-neuron``, tests/neuron: world 1 on XLA:CPU, TP/PP in NxD's CPU mode), which
+is the oracle for NxD's behaviour. This fake stays for what the lane cannot run on a CPU machine and for the main
+suite, which has no torch-xla: multi-rank XLA collectives (trn1's all-reduce sums; XLA:CPU processes return their
+local value), sequence parallelism with the GQA qkv layer (its backward calls ``xm.all_gather`` directly, which
+fails on CPU tensors), the exact calls, arguments and order the backend makes (neuronx-cc environment, checkpoint
+keyword arguments, the env/launch mapping), and fast unit tests of the backend's control flow. Known differences,
+kept on purpose: the layers are degree 1, so the TP attributes and the per-stage initialization of the real NxD are
+exercised only in the lane.
+ It serves ``import torch_xla...`` / ``import neuronx_distributed...`` from a meta-path finder
 that a test installs (``FakeNeuronApi.install``) and removes afterwards, records every call with its arguments
 (``FakeNeuronApi.calls``), and behaves like NxD on ONE NeuronCore so that real training steps run on CPU:
 
@@ -16,8 +25,8 @@ that a test installs (``FakeNeuronApi.install``) and removes afterwards, records
   micro-batches, scales each loss by 1/num_microbatches);
 - the optimizer wrapper clips inside ``step()`` and exposes the pre-clip ``grad_norm``; it refuses master weights
   without ZeRO-1 as NxD does;
-- ``xm.mark_step`` runs the pending step closures; ``xm.all_reduce`` multiplies by the world size (every rank is
-  assumed to hold the same value); checkpoints are torch.save files in NxD's layout.
+- ``torch_xla.sync`` (and ``xm.mark_step``) run the pending step closures; ``xm.all_reduce`` multiplies by the
+  world size (every rank is assumed to hold the same value); checkpoints are torch.save files in NxD's layout.
 """
 
 from __future__ import annotations
@@ -408,6 +417,17 @@ class FakeNeuronApi:
 
     def mark_step(self) -> None:
         self.record("xm.mark_step")
+        self._run_closures()
+
+    def device(self, index: int | None = None) -> torch.device:
+        self.record("torch_xla.device")
+        return torch.device("cpu")
+
+    def sync(self, wait: bool = False, reset_scope: bool = True) -> None:
+        self.record("torch_xla.sync")
+        self._run_closures()
+
+    def _run_closures(self) -> None:
         closures, self.closures = self.closures, []
         for fn, args in closures:
             fn(*args)
@@ -520,7 +540,7 @@ class FakeNeuronApi:
     def build(self, module: ModuleType) -> None:
         """Fill the fake module ``module`` (called by the finder on import)."""
         fill: dict[str, dict[str, Any]] = {
-            "torch_xla": {},
+            "torch_xla": {"device": self.device, "sync": self.sync},
             "torch_xla.core": {},
             "torch_xla.core.xla_model": {
                 "REDUCE_SUM": "sum", "xla_device": self.xla_device, "mark_step": self.mark_step,

@@ -7,6 +7,7 @@ installed at interpreter start); in the main environment, which has no torch-xla
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +19,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/neuron/" in str(item.fspath):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data cache for the lane (the builtin corpus tokenized once)."""
+    return tmp_path_factory.mktemp("hlat-cache")

@@ -7,42 +7,13 @@ imported, once per process) and reads the run's metrics back from its MLflow sto
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-MICRO = [
-    "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-    "model.vocab_size=512", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-    "train.steps=3", "optimizer.warmup_steps=1", "train.log_every=1", "health=off", "train.checkpoint_every=0",
-    "tracker.flush_every_s=0",
-]  # fmt: skip
-
-
-def train(tmp: Path, name: str, cache: Path, *overrides: str) -> dict[str, list[float]]:
-    """Run ``python train.py`` with ``overrides``; the logged loss and grad norm of every step."""
-    from mlflow import MlflowClient
-
-    store = f"sqlite:///{tmp / 'mlflow.db'}"
-    args = [sys.executable, str(ROOT / "train.py"), *MICRO, f"data.cache_dir={cache}", f"tracker.uri={store}",
-            f"tracker.run_name={name}", f"hydra.run.dir={tmp / name}", *overrides]  # fmt: skip
-    r = subprocess.run(args, cwd=tmp, capture_output=True, text=True, timeout=900, env={**os.environ})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    client = MlflowClient(tracking_uri=store)
-    (run,) = client.search_runs(client.get_experiment_by_name("hlat").experiment_id, f"tags.mlflow.runName = '{name}'")
-    out = {}
-    for key in ("train/loss", "train/grad_norm"):
-        out[key] = [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
-    return out
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hlat-cache")
+from tests.neuron.lane import train
 
 
 def test_nxd_imports_and_hlat_binds_its_entry_points() -> None:

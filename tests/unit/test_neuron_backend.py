@@ -124,7 +124,7 @@ def test_calls_the_api_in_order_with_the_reference_arguments(fake, tmp_path) -> 
     assert opt.kwargs == {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     # Per step: a mark_step after each micro-batch and one at the step's end; fetch adds one per log interval.
     assert fake.names().count("NxDOptimizer.step") == 4
-    assert fake.names().count("xm.mark_step") == 4 * (GRAD_ACCUM + 1) + 2
+    assert fake.names().count("torch_xla.sync") == 4 * (GRAD_ACCUM + 1) + 2
     assert fake.names().count("xm.add_step_closure") == 2
     assert [r[0] for r in rows] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(r[1]["train/grad_norm"]))
                                                           for r in rows)  # fmt: skip
@@ -186,7 +186,7 @@ def test_synchronize_runs_the_traced_graph_then_waits_for_the_device(fake) -> No
     backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
     start = len(fake.names())
     backend.synchronize()
-    assert fake.names()[start:] == ["xm.mark_step", "xm.wait_device_ops"]
+    assert fake.names()[start:] == ["torch_xla.sync", "xm.wait_device_ops"]
 
 
 @pytest.mark.parametrize(

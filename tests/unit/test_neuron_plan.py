@@ -161,3 +161,22 @@ def test_data_parallel_rank_follows_nxds_pp_dp_tp_layout() -> None:
     dims = ParallelDims(world_size=8, tp=2, pp=2, dp=2)
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [ParallelDims(world_size=4, tp=1, pp=1, dp=4).dp_rank(r) for r in range(4)] == [0, 1, 2, 3]
+
+
+def test_nxd_cpu_mode_preset_sets_the_variable_and_refuses_other_backends() -> None:
+    """``cluster=nxd_cpu`` exports NXD_CPU_MODE=1 (NxD reads it to keep tensors on the CPU and talk over gloo) and
+    PJRT_DEVICE=CPU; the flag on a non-neuron or a Neuron-device cluster is a config error naming the fix."""
+    env = neuron_env(cfg("cluster=nxd_cpu", "parallelism.tp=2"))
+    assert env["NXD_CPU_MODE"] == "1" and env["PJRT_DEVICE"] == "CPU"
+    assert "NXD_CPU_MODE" not in neuron_env(cfg("cluster=xla_cpu"))
+    for bad in (("cluster=cpu", "cluster.nxd_cpu_mode=true"), ("cluster=trn1_1node", "cluster.nxd_cpu_mode=true")):
+        with pytest.raises(ConfigError, match="cluster=nxd_cpu"):
+            cfg(*bad)
+
+
+def test_per_layer_grad_norms_are_refused_with_tensor_or_pipeline_parallelism() -> None:
+    """Each rank holds other shards and stages, so the per-layer norms averaged over ranks would be wrong: refused."""
+    for layout in ("parallelism.tp=2", "parallelism.pp=2"):
+        with pytest.raises(ConfigError, match="layer_grad_norms_every"):
+            neuron_env(cfg("cluster=nxd_cpu", layout, "tracker.layer_grad_norms_every=5"))
+    neuron_env(cfg("cluster=xla_cpu", "tracker.layer_grad_norms_every=5"))  # one rank holds everything: allowed

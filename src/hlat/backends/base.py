@@ -106,6 +106,14 @@ class Backend(Protocol):
         """
         ...
 
+    def host_metrics(self) -> dict[str, float]:
+        """Platform counters read on the host, logged with each log interval's last row; ``{}`` where there are none.
+
+        Never touches the device (no graph, no transfer). Neuron: the XLA graph counters of ``neuron_graphs``
+        (``xla/graphs_compiled``, ``xla/compile_time_s``, ``xla/device_to_host_transfers`` ...), cumulative.
+        """
+        ...
+
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
              async_save: bool) -> Future | None:  # fmt: skip
         """Write model and optimizer state plus ``extra`` (plain python values) into the directory ``path``.

@@ -17,19 +17,21 @@ A run on trn1, in order (``run.main`` -> ``loop.fit``):
   ``ModuleInit`` and applies activation checkpointing.
 - ``build_optimizer``: ``initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, groups, ...)``; ZeRO-1 and
   master weights come from the NxD config.
-- per step: ``forward_backward`` (micro-batch forward + backward with an ``xm.mark_step`` after each, or with PP
+- per step: ``forward_backward`` (micro-batch forward + backward with a ``torch_xla.sync()`` after each, or with PP
   ``model.run_train`` over all micro-batches at once), ``update`` (``optimizer.step()``: NxD all-reduces sequence-
   and data-parallel gradients, clips, steps; ``optimizer.grad_norm`` is the norm before clipping), ``step_end``
-  (``xm.mark_step``). Metrics leave the device in ``fetch`` through ``xm.add_step_closure``.
+  (``torch_xla.sync()``). Metrics leave the device in ``fetch`` through ``xm.add_step_closure``.
 - checkpoints: ``nxd.save_checkpoint`` / ``load_checkpoint`` (xser) into the directory ``hlat.checkpoint`` gives,
   train state and loader position in ``user_content`` and in one small file per rank.
 
-**Nothing in this module has run on a trn1 host.** It is written against the API of reference §1-§2 and exercised on
-CPU only, through the recording fake of the tests (``tests/fakes/neuron_api.py``), which checks the calls, their
-arguments and their order, not what NxD does with them. Known gaps: ``train/param_norm`` is the mean over ranks of
-each rank's local-shard norm (not the global norm) when tp or pp > 1; per-layer gradient norms (``grad_hooks``) are
-taken before NxD's data-parallel all-reduce; ``precision=autocast`` with pipeline parallelism relies on NxD
-picking up the ``xla`` autocast state.
+**Nothing in this module has run on a trn1 host.** It runs against the real NxD 0.17 on CPU in the NxD lane
+(``make test-neuron``, docs/trn1.md): world 1 on torch-xla's CPU device (``cluster=xla_cpu``) and TP / PP across
+processes in NxD's own CPU mode (``cluster=nxd_cpu``: ``NXD_CPU_MODE=1``, the model on the CPU, gloo collectives,
+``dist.barrier`` where NxD's ``xm.rendezvous`` would not synchronize). The recording fake of the main suite
+(``tests/fakes/neuron_api.py``) covers what neither can: multi-rank XLA collectives, sequence parallelism with the
+GQA qkv layer, the environment and launch mapping. Known gaps: per-layer gradient norms (``grad_hooks``) are taken
+before NxD's data-parallel all-reduce (and refused with tp or pp > 1); ``precision=autocast`` with pipeline
+parallelism relies on NxD picking up the ``xla`` autocast state.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hlat.backends.base import Env
+from hlat.backends.neuron_graphs import graph_metrics
 from hlat.backends.neuron_model import ModuleInit, NxDLayers, to_neuron
 from hlat.backends.neuron_plan import (
     XLA_MODULES,
@@ -79,7 +82,11 @@ class _Api:
     """The torch_xla / NxD entry points the backend calls, imported once by ``setup``."""
 
     xm: Any
-    """``torch_xla.core.xla_model``."""
+    """``torch_xla.core.xla_model`` (step closures, rendezvous, all-reduce on the device)."""
+    device: Callable[[], torch.device]
+    """``torch_xla.device`` (torch-xla 2.9's name for the deprecated ``xm.xla_device``); the CPU in NxD's CPU mode."""
+    sync: Callable[[], None]
+    """``torch_xla.sync`` (for the deprecated ``xm.mark_step``): cut and run the traced graph, then the closures."""
     nxd: Any
     """``neuronx_distributed`` (config, model, optimizer, checkpoints)."""
     layers: NxDLayers
@@ -88,14 +95,17 @@ class _Api:
     """``parallel_layers.model_parallel_xla_manual_seed``."""
 
 
-def _import_api() -> _Api:
+def _import_api(cpu_mode: bool = False) -> _Api:
     """Import torch_xla and NxD (reference §1.1, §1.5, §1.6); the environment must be set before.
+
+    ``cpu_mode`` (``cluster.nxd_cpu_mode``): NxD's CPU mode, where the model and every tensor stay on the CPU.
 
     Raises:
         ConfigError: when the Neuron packages are not installed (they are not on PyPI: only the trn1 image has them).
     """
     try:
         import neuronx_distributed as nxd
+        import torch_xla
         import torch_xla.core.xla_model as xm
     except ImportError as e:  # PyPI's torch-neuronx / neuronx-distributed are placeholders that raise ImportError
         raise ConfigError(
@@ -103,7 +113,7 @@ def _import_api() -> _Api:
             "from the Neuron repository, not PyPI: run on a trn1 host inside hlat's image (docker build --target "
             "trn1), or train elsewhere with cluster=cpu or gpu_1x. `train.dry_run=true` plans a trn1 run anywhere"
         ) from None
-    import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" torch.distributed backend
+    import torch_xla.distributed.xla_backend  # registers the "xla" torch.distributed backend
     from neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
     from neuronx_distributed.parallel_layers import (
         ColumnParallelLinear,
@@ -115,7 +125,9 @@ def _import_api() -> _Api:
 
     layers = NxDLayers(column=ColumnParallelLinear, row=RowParallelLinear, qkv=GQAQKVColumnParallelLinear,
                        embedding=ParallelEmbedding, cross_entropy=parallel_cross_entropy)  # fmt: skip
-    return _Api(xm=xm, nxd=nxd, layers=layers, manual_seed=model_parallel_xla_manual_seed)
+    device = (lambda: torch.device("cpu")) if cpu_mode else torch_xla.device
+    return _Api(xm=xm, device=device, sync=torch_xla.sync, nxd=nxd, layers=layers,
+                manual_seed=model_parallel_xla_manual_seed)  # fmt: skip
 
 
 class NeuronBackend:
@@ -134,6 +146,8 @@ class NeuronBackend:
         self.ranks = Ranks(0, 1, 0, 1)
         self.dims: ParallelDims | None = None
         self.device = torch.device("cpu")
+        self.cpu_mode = cfg.cluster.nxd_cpu_mode
+        """NxD's CPU mode (``cluster.nxd_cpu_mode``): model and tensors on the CPU, collectives over gloo."""
         self.nxd_config: dict[str, Any] = {}
         self._api: _Api | None = None
 
@@ -167,19 +181,23 @@ class NeuronBackend:
                 "only: NxD's attention is always causal; set model.mask_leak=0"
             )
         apply_env(neuron_env(cfg))
-        self._api = api = _import_api()
+        self._api = api = _import_api(cluster.nxd_cpu_mode)
+        threads = cluster.num_threads
+        if threads is not None:
+            torch.set_num_threads(threads)
         if not dist.is_initialized():  # the timeout bounds every collective's wait (health.collective_timeout_s)
             timeout = datetime.timedelta(seconds=cfg.health.collective_timeout_s)
+            backend = "gloo" if cluster.nxd_cpu_mode else "xla"  # NxD's CPU mode: collectives on CPU tensors
             if ranks.world_size == 1 and "RANK" not in os.environ:  # one process, no launcher: no env:// rendezvous
-                dist.init_process_group("xla", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:
-                dist.init_process_group("xla", timeout=timeout)
+                dist.init_process_group(backend, timeout=timeout)
         # Initializes NxD's tensor/pipeline/data-parallel groups (the process group exists: reference §1.2).
         self.nxd_config = api.nxd.neuronx_distributed_config(
             **nxd_config_kwargs(cfg, param_init_fn=ModuleInit(cfg.model), world_size=ranks.world_size)
         )
         api.manual_seed(seed)  # device RNG: after model-parallel init, per TP rank (reference §1.6)
-        self.ranks, self.device = ranks, api.xm.xla_device()
+        self.ranks, self.device = ranks, api.device()
         return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
                    memory_budget_bytes=planned_budget(cluster))  # fmt: skip
 
@@ -197,7 +215,10 @@ class NeuronBackend:
         # numbers whatever ran since setup (the data loader), so re-seed the host generator alone (torch.manual_seed
         # would also reseed the device RNG that model_parallel_xla_manual_seed set per rank).
         torch.default_generator.manual_seed(self.cfg.train.seed)
-        return api.nxd.initialize_parallel_model(self.nxd_config, lambda: to_neuron(model_fn(), layers, opts))
+        model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: to_neuron(model_fn(), layers, opts))
+        if self.cpu_mode and dims.pp == 1:  # NxD's CPU mode: initialize_parallel_model moved the
+            _move_parameters(model, self.device)  # model to xm.xla_device() whatever NXD_CPU_MODE says
+        return model
 
     def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
         assert cfg == self.cfg.optimizer, "the NxD config was built from the run's optimizer config"
@@ -230,7 +251,7 @@ class NeuronBackend:
         for inputs, targets in batches:
             loss = self.loss(model, inputs, targets) / n
             loss.backward()
-            self.api.xm.mark_step()  # one graph per micro-batch, as NxD's MpDeviceLoader cuts them
+            self.api.sync()  # one graph per micro-batch, as NxD's MpDeviceLoader cuts them
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None, "a step has at least one micro-batch"
         return total
@@ -243,10 +264,31 @@ class NeuronBackend:
         return optimizer.grad_norm, True
 
     def step_end(self) -> None:
-        self.api.xm.mark_step()
+        self.api.sync()
+
+    def param_norm(self, model: nn.Module) -> torch.Tensor:
+        """Global L2 norm of the whole model's parameters, the same on every rank (``train/param_norm``).
+
+        Each rank holds a part: its pipeline stage only (NxD's ``named_parameters`` under PP), the shards of the
+        tensor-parallel parameters (``tensor_model_parallel``) and copies of the others. Each rank adds its squares,
+        the copies divided by the number of ranks holding them (tp, and dp for every parameter), and one all-reduce
+        sums the parts. Parameters of ``kv_size_multiplier`` copies count once per copy (as NxD's grad norm does).
+        """
+        assert self.dims is not None
+        tp, dp = self.dims.tp, self.dims.dp
+        total = torch.zeros((), dtype=self.upcast, device=self.device)
+        for p in model.parameters():
+            copies = dp * (1 if getattr(p, "tensor_model_parallel", False) else tp)
+            total = total + p.detach().to(self.upcast).pow(2).sum() / copies
+        if self.ranks.world_size > 1:
+            if self.cpu_mode:
+                dist.all_reduce(total)
+            else:
+                total = self.api.xm.all_reduce(self.api.xm.REDUCE_SUM, total)
+        return total.sqrt()
 
     def synchronize(self) -> None:
-        self.api.xm.mark_step()  # run what was traced so far, then wait for the device to finish it
+        self.api.sync()  # run what was traced so far, then wait for the device to finish it
         self.api.xm.wait_device_ops()
 
     def fetch(self, tensors: dict[str, torch.Tensor], fn: Callable[[dict[str, list[float]]], None]) -> None:
@@ -255,11 +297,21 @@ class NeuronBackend:
         flat = [tensors[k].detach().reshape(-1).to(self.upcast) for k in names]
         values = torch.cat(flat) if flat else torch.zeros(0, dtype=self.upcast, device=self.device)
         if self.ranks.world_size > 1:  # mean over ranks: the loss over data parallelism, norms are equal anyway
-            values = xm.all_reduce(xm.REDUCE_SUM, values / self.ranks.world_size)
+            if self.cpu_mode:  # NxD's CPU mode: gloo
+                values = values / self.ranks.world_size
+                dist.all_reduce(values)
+            else:
+                values = xm.all_reduce(xm.REDUCE_SUM, values / self.ranks.world_size)
         sizes = [t.numel() for t in flat]
         xm.add_step_closure(_emit, (values, names, sizes, fn))
         # A small graph of its own (the step's graph has run at step_end): its closures run once values exist.
-        xm.mark_step()
+        self.api.sync()
+
+    def host_metrics(self) -> dict[str, float]:
+        """``xla/*``: graphs compiled, compile seconds, executions, transfers (``neuron_graphs.graph_metrics``)."""
+        import torch_xla.debug.metrics as met  # torch_xla.core.xla_model (setup) imported it: a sys.modules lookup
+
+        return graph_metrics(met)
 
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
              async_save: bool) -> Future | None:  # fmt: skip
@@ -267,18 +319,70 @@ class NeuronBackend:
         # in the background): NxD's async save finishes in CheckpointIOState.wait_save, which needs xm.rendezvous on
         # the main thread and writes its "done" marker late, into a directory the Checkpointer has renamed by then.
         # HLAT's own scripts saved synchronously with xser too (reference §7).
-        xm = self.api.xm
-        xm.rendezvous("hlat-checkpoint-dir")  # rank 0 has (re)created `path`: now every rank writes into it
+        self._barrier("hlat-checkpoint-dir")  # rank 0 has (re)created `path`: now every rank writes into it
         torch.save(extra, path / EXTRA.format(rank=self.ranks.rank))
         kwargs, _ = checkpoint_calls(path, extra, async_save=False, zero1=self.cfg.parallelism.zero1)
-        self.api.nxd.save_checkpoint(model=model, optimizer=optimizer, **kwargs)  # ends with a rendezvous
+        with self._rendezvous():
+            self.api.nxd.save_checkpoint(model=model, optimizer=optimizer, **kwargs)  # ends with a rendezvous
         return None
+
+    @contextlib.contextmanager
+    def _rendezvous(self) -> Iterator[None]:
+        """In NxD's CPU mode, make NxD's own ``xm.rendezvous`` calls wait for every rank, as they do on trn1.
+
+        torch-xla's CPU processes do not communicate, so there ``xm.rendezvous`` returns at once: rank 0's
+        ``CheckpointIOState.begin`` (re)created the checkpoint's directories after pipeline stage 1 had written its
+        files into them, and stage 1's part of a mid-run checkpoint was lost (found by the PP resume test). A gloo
+        barrier stands in for it while NxD saves or loads; on the device nothing changes.
+        """
+        if not self.cpu_mode:
+            yield
+            return
+        xm = self.api.xm
+        original = xm.rendezvous
+
+        def barrier(tag: str, payload: bytes = b"", replicas: list[int] | None = None) -> list[bytes]:
+            dist.barrier()
+            return []
+
+        xm.rendezvous = barrier
+        try:
+            yield
+        finally:
+            xm.rendezvous = original
+
+    def _barrier(self, tag: str) -> None:
+        """Wait for every rank: ``xm.rendezvous`` on the device, a gloo barrier in NxD's CPU mode."""
+        if self.cpu_mode:
+            dist.barrier()
+        else:
+            self.api.xm.rendezvous(tag)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         _, kwargs = checkpoint_calls(path, {}, async_save=False, zero1=self.cfg.parallelism.zero1)
-        self.api.nxd.load_checkpoint(model=model, optimizer=optimizer, **kwargs)
+        with self._rendezvous():
+            self.api.nxd.load_checkpoint(model=model, optimizer=optimizer, **kwargs)
         # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
         return torch.load(path / EXTRA.format(rank=self.ranks.rank), map_location="cpu", weights_only=True)
+
+
+@torch.no_grad()
+def _move_parameters(model: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of ``model`` to ``device`` as new tensors that keep their NxD attributes.
+
+    ``Module.to`` cannot change an XLA parameter's device in place, so it makes new Parameters and drops what NxD
+    set on the old ones (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel_enabled``...), which its
+    gradient norm and ZeRO-1 read.
+    """
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device != device:
+                moved = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                moved.__dict__.update(p.__dict__)
+                module._parameters[name] = moved
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
 
 
 def _emit(values: torch.Tensor, names: list[str], sizes: list[int], fn: Callable) -> None:

@@ -163,6 +163,14 @@ def check_supported(cfg: RunConfig) -> None:
             "clips and applies the update inside step(), before the gradient norm is known; use "
             "train.on_nonfinite=rollback (reload the last checkpoint, skip the batch) or halt"
         )
+    par = cfg.parallelism
+    if cfg.tracker.layer_grad_norms_every and (par.tp > 1 or par.pp > 1):
+        raise ConfigError(
+            f"tracker.layer_grad_norms_every={cfg.tracker.layer_grad_norms_every} with parallelism.tp={par.tp}, "
+            f"pp={par.pp} on the neuron backend: each rank holds other shards and pipeline stages, so per-layer "
+            "norms averaged over the ranks would be wrong; set tracker.layer_grad_norms_every=0 (train/grad_norm, "
+            "NxD's global pre-clip norm, is logged anyway) or run with tp=1 and pp=1"
+        )
 
 
 def neuron_env(cfg: RunConfig) -> dict[str, str]:
@@ -175,8 +183,9 @@ def neuron_env(cfg: RunConfig) -> dict[str, str]:
     ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` (3, or 31 with pipeline parallelism), ``MALLOC_ARENA_MAX``
     (64, or 128 with pipeline parallelism), the precision variables of ``precision_plan``,
     ``XLA_DISABLE_FUNCTIONALIZATION=0`` with ZeRO-1 (NxD's scripts: needed for ZeRO-1 convergence; also torch-xla's
-    default), ``PJRT_DEVICE`` where ``cluster.pjrt_device`` is not ``NEURON`` (``cluster=xla_cpu``) and, on more
-    than one node with EFA devices, ``EFA_ENV``.
+    default), ``PJRT_DEVICE`` where ``cluster.pjrt_device`` is not ``NEURON`` (``cluster=xla_cpu``),
+    ``NXD_CPU_MODE=1`` with ``cluster.nxd_cpu_mode`` (``cluster=nxd_cpu``) and, on more than one node with EFA
+    devices, ``EFA_ENV``.
 
     Raises:
         ConfigError: for a precision x parallelism combination or a setting the backend cannot honour.
@@ -195,6 +204,8 @@ def neuron_env(cfg: RunConfig) -> dict[str, str]:
     }
     if c.pjrt_device != "NEURON":  # cluster=xla_cpu; on trn1 the Neuron image sets PJRT_DEVICE=NEURON itself
         env["PJRT_DEVICE"] = c.pjrt_device
+    if c.nxd_cpu_mode:  # cluster=nxd_cpu: NxD on CPU tensors over gloo
+        env["NXD_CPU_MODE"] = "1"
     if par.zero1:
         env["XLA_DISABLE_FUNCTIONALIZATION"] = "0"
     if c.nodes > 1 and c.efa_devices > 0:

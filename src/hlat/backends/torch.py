@@ -167,6 +167,9 @@ class TorchBackend:
     def step_end(self) -> None:
         pass
 
+    def host_metrics(self) -> dict[str, float]:
+        return {}
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -50,6 +50,11 @@ class ClusterConfig(_Frozen):
     pjrt_device: str = "NEURON"
     """torch-xla's runtime device on the neuron backend (``PJRT_DEVICE``): ``NEURON`` on trn1, ``CPU`` for the real
     NxD on torch-xla's CPU device (``cluster=xla_cpu``: a Neuron config smoke-tested without Trainium)."""
+    nxd_cpu_mode: bool = False
+    """NxD's own CPU mode (``NXD_CPU_MODE=1``; neuron backend with ``pjrt_device: CPU`` only): NxD's parallel layers,
+    pipeline engine and collectives run on CPU tensors over gloo (``cluster=nxd_cpu``). The only way to run the real
+    NxD's tensor and pipeline parallelism across processes without Trainium: torch-xla's CPU device does not
+    communicate between processes (its all-reduce silently returns the local value)."""
     max_restarts: int = 0
     """Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic, which restarts it up to
     this many times after a failure (a killed process, a hardware or communication error); each restart resumes
@@ -84,6 +89,11 @@ class ClusterConfig(_Frozen):
         _check_choice("cluster.backend", self.backend, ("torch", "neuron"))
         _check_choice("cluster.device", self.device, ("cpu", "cuda"))
         _check_choice("cluster.pjrt_device", self.pjrt_device, ("NEURON", "CPU"))
+        _check(
+            not self.nxd_cpu_mode or (self.backend == "neuron" and self.pjrt_device == "CPU"),
+            f"cluster.nxd_cpu_mode=true runs NxD on CPU tensors: it needs cluster.backend=neuron and "
+            f"cluster.pjrt_device=CPU (got {self.backend}, {self.pjrt_device}); use cluster=nxd_cpu",
+        )
         _check(
             self.num_threads is None or self.num_threads > 0,
             f"cluster.num_threads={self.num_threads} must be positive or null",
