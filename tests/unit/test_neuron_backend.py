@@ -153,6 +153,10 @@ def test_resume_through_nxd_checkpoints_is_bitwise(fake, tmp_path) -> None:
 
 
 def test_pipeline_parallel_hands_all_micro_batches_to_run_train(fake, tmp_path, monkeypatch) -> None:
+    """The backend's PP path with the fake: all micro-batches in one ``run_train``, the model cut between blocks, the
+    schedule's arithmetic equal to the flat run's. The fake runs both stages in one process and initializes the whole
+    model, so it cannot see per-stage initialization or local-stage ``named_parameters``: those are checked against
+    the real ``NxDPPModel`` in tests/neuron/test_nxd_cpu_mode.py (the NxD lane)."""
     flat, _ = train(run_config("master_weights", zero1=True), tmp_path / "flat", until=4)
     fake.unload()
     monkeypatch.setenv("WORLD_SIZE", "2")  # PP2 x DP1; the fake runs both stages in this process
