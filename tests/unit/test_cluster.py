@@ -22,7 +22,7 @@ GiB = 1024**3
      ("trn1_1node", "neuron", 1, 32), ("trn1_x4", "neuron", 4, 128), ("trn1_x32", "neuron", 32, 1024),
      ("trn1_x64", "neuron", 64, 2048), ("trn1_x256", "neuron", 256, 8192), ("p4d_1node", "torch", 1, 8),
      ("p4d_x64", "torch", 64, 512), ("p5_1node", "torch", 1, 8), ("trn1n_1node", "neuron", 1, 32),
-     ("xla_cpu", "neuron", 1, 1)],
+     ("xla_cpu", "neuron", 1, 1), ("nxd_cpu", "neuron", 1, 2)],
 )  # fmt: skip
 def test_cluster_presets(preset: str, backend: str, nodes: int, world: int) -> None:
     c = to_run_config(compose_cfg(f"cluster={preset}")).cluster
@@ -37,7 +37,7 @@ def test_every_cluster_file_is_listed() -> None:
     names = sorted(p.stem for p in (CONF / "cluster").glob("*.yaml"))
     assert names == sorted(["cpu", "cpu_x2", "gpu", "gpu_1x", "gpu_8x", "trn1_1node", "trn1_x4", "trn1_x32",
                             "trn1_x64", "trn1_x256", "trn1n_1node", "p4d_1node", "p4d_x64", "p5_1node",
-                            "xla_cpu"])  # fmt: skip
+                            "xla_cpu", "nxd_cpu"])  # fmt: skip
 
 
 @pytest.mark.parametrize(
