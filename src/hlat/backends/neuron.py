@@ -211,8 +211,8 @@ class NeuronBackend:
         api = self.api
         assert dims == self.dims and par in (None, self.cfg.parallelism), "not this run's layout"
         opts, layers = model_options(self.cfg, dims.world_size), api.layers
-        # Parallel layers draw their full weight on the host, then keep their shard: every rank must draw the same
-        # numbers whatever ran since setup (the data loader), so re-seed the host generator alone (torch.manual_seed
+        # Parallel layers draw their full weight on the host by name and seed (NamedInit: no global RNG), then keep
+        # their shard. The host generator is re-seeded anyway for anything NxD itself draws (alone: torch.manual_seed
         # would also reseed the device RNG that model_parallel_xla_manual_seed set per rank).
         torch.default_generator.manual_seed(self.cfg.train.seed)
         model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: to_neuron(model_fn(), layers, opts))
