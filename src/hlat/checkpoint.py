@@ -220,11 +220,16 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def restart_resume(resume: str, root: Path) -> str:
     """``train.resume`` for this attempt: a torch elastic restart continues the job's own progress.
 
-    A restarted worker (``TORCHELASTIC_RESTART_COUNT > 0``, under hlat's supervision or an external torchrun, Slurm
-    or a PyTorchJob) reruns the same command line: with ``never`` it would refuse its own checkpoints, and with a
-    path it would go back to the checkpoint the job started from. Once the job has written checkpoints, ``auto``.
+    A restarted worker (under hlat's supervision or an external torchrun, Slurm or a PyTorchJob) reruns the same
+    command line: with ``never`` it would refuse its own checkpoints, and with a path it would go back to the
+    checkpoint the job started from. Once the job has written checkpoints, ``auto``. Whether this is a restart is
+    decided by the attempt every rank agrees on (:func:`hlat.attempt.current`), never by one agent's
+    ``TORCHELASTIC_RESTART_COUNT``: a node restarted only because another node's worker died counts 0 there, and
+    would have started over while the other nodes resumed.
     """
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    from hlat import attempt
+
+    restarted = attempt.current() > 0
     if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):
         return "auto"
     return resume

@@ -236,11 +236,10 @@ def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True,
                         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log_file)])  # fmt: skip
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates; the others speak up on problems
-    if restart:
-        log.warning("restart %d of the trainer: resuming from the newest valid checkpoint", restart)
+    # A restart is logged by hlat.attempt once the ranks agree on it (this agent's own count can be 0 on a node
+    # restarted because another node's worker died).
     hydra_cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
     try:  # a restart resumes this job's own progress (run.restart_resume)
         main(hydra_cfg, Path(run_dir))

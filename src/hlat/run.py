@@ -192,6 +192,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     def checkpoint_extra(s: TrainState) -> dict:
         logger.flush(s)  # the spike statistics and productive time in the checkpoint then cover every step up to it
         guard(s)  # never checkpoint a non-finite state
+        if mlflow_tracker is not None:  # the metrics up to this step reach MLflow before the checkpoint is complete:
+            mlflow_tracker.sync()  # a restart from it replays only later steps, so none is missing from the curve
         record = {"mlflow_run_id": run_id, "uptime": uptime.state_dict()}  # a restart continues this MLflow run
         return {"train_state": dataclasses.asdict(s), "data": data.state_dict(), "rng": torch.get_rng_state(),
                 "spikes": spikes.state_dict(), "job": record}  # fmt: skip

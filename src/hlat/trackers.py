@@ -362,6 +362,21 @@ class MLflowTracker(NoopTracker):
                     self._pending[:0] = pending[i:]
                 raise
 
+    def sync(self) -> bool:
+        """Send every buffered metric now, from the caller; a failure is logged, not raised. Returns success.
+
+        Called before a checkpoint is declared complete: a restart from that checkpoint replays only later steps,
+        so metrics still waiting in the buffer when the process dies (SIGKILL, a lost node) would leave a hole in
+        the run's history that nothing logs again.
+        """
+        try:
+            self.flush()
+        except Exception:
+            log.warning("MLflow log_batch failed before a checkpoint; the metrics are retried at the next flush",
+                        exc_info=True)  # fmt: skip
+            return False
+        return True
+
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
 

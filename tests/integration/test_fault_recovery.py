@@ -180,7 +180,7 @@ def test_errors_a_restart_cannot_fix_are_not_retried(tmp_path: Path, cache_dir: 
             "cluster.max_restarts=3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=200)  # fmt: skip
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"hlat: configuration error: train.resume={tmp_path / 'nowhere'}: no complete checkpoint" in r.stderr
-    assert "restart 1 of the trainer" not in r.stdout + r.stderr
+    assert "restart 1 of this job" not in r.stdout + r.stderr
 
 
 def test_an_unsupervised_halt_says_how_to_continue(tmp_path: Path, cache_dir: Path) -> None:

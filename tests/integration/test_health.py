@@ -98,7 +98,7 @@ def test_a_slow_rank_on_one_node_is_reported_and_the_killed_run_restarts(tmp_pat
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     log = (run_dir / "train.log").read_text()
-    assert "restart 1 of the trainer" in out + log  # the pre-flight check of the restart let it go on
+    assert "restart 1 of this job" in out + log  # the pre-flight check of the restart let it go on
     assert (run_dir / "checkpoints" / "step_00000006" / "manifest.json").exists()
     assert re.search(r"pre-flight check: rank 1 on \S+ measured .* of its node's median", log), log[-3000:]
     table = (run_dir / "health" / "preflight.md").read_text()
@@ -124,7 +124,7 @@ def test_a_configured_peak_far_above_the_cpu_stops_training_with_a_health_error(
     assert re.match(want, message), message
     assert "rank 1: matmul" in message and "configuration error" not in r.stderr and "Exclude" not in message
     assert "stop other work on this host's devices and cores" in message and "health.preflight=off" in message
-    assert "restart 1 of the trainer" not in r.stdout + r.stderr
+    assert "restart 1 of this job" not in r.stdout + r.stderr
     assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))  # nothing was built, nothing saved
     table = (tmp_path / "run" / "health" / "preflight.md").read_text()
     assert table_rows(table)[1][-1] == "FAIL" and table_rows(table)[0][-1] == "FAIL"
@@ -158,7 +158,7 @@ def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path
     # fault hook where rank 1 hangs) or, without it, the gradient all-reduce inside the next backward.
     assert "preempt.py" in dumps["rank0.txt"] or "torch/autograd" in dumps["rank0.txt"], dumps["rank0.txt"][-3000:]
     assert all(d.count("hread 0x") >= 2 for d in dumps.values())  # all threads: the stuck one and the watchdog
-    assert "restart 1 of the trainer" in out or "restart 1 of the trainer" in log
+    assert "restart 1 of this job" in out or "restart 1 of this job" in log
     assert "step_00000004 at step 4" in log  # resumed from the checkpoint before the hang
     assert (run_dir / "checkpoints" / "step_00000010" / "manifest.json").exists()
 

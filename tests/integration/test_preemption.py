@@ -139,7 +139,7 @@ def test_sigterm_to_the_supervising_agent_stops_its_trainer_with_a_checkpoint(tm
     run_id = wait_for_steps(proc, db, root, 3)
     code, output, took = stop(proc, signal.SIGTERM, tmp_path)
     assert_preempted(db, run_id, root, output, code)
-    assert "restart 1 of the trainer" not in output  # stopped, not restarted
+    assert "restart 1 of this job" not in output  # stopped, not restarted
     assert "hlat: the run was preempted; to continue it from step_" in output
     print(f"\nsupervised SIGTERM: exit {took:.2f} s after the signal")
 

@@ -61,7 +61,7 @@ def test_a_supervised_one_node_run_listens_on_loopback_only(tmp_path: Path, cach
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, out[-5000:]
-    assert "restart 1 of the trainer" in out + (run_dir / "train.log").read_text()
+    assert "restart 1 of this job" in out + (run_dir / "train.log").read_text()
     pids = {pid for pid, _, _ in seen}
     assert proc.pid in pids and len(pids) >= 3, seen  # the agent's stores, and trainers' gloo listeners (2 or more)
     exposed = {(pid, ip, port) for pid, ip, port in seen if ip not in LOOPBACK}

@@ -54,24 +54,30 @@ def init_process_group(ranks: Ranks, device: torch.device,
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     if not dist.is_initialized():
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                                store=_attempt_store(ranks), rank=ranks.rank, world_size=ranks.world_size,
+                                store=_attempt_store(ranks, timeout), rank=ranks.rank, world_size=ranks.world_size,
                                 device_id=device if device.type == "cuda" else None, timeout=timeout)  # fmt: skip
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _attempt_store(ranks: Ranks) -> dist.Store:
-    """The rendezvous store, with keys private to this restart of the worker group.
+def _attempt_store(ranks: Ranks, timeout: datetime.timedelta | None) -> dist.Store:
+    """The rendezvous store, with keys private to this attempt of the job.
 
     Under torch elastic the store lives in the agent and outlives the workers; with the plain ``env://`` init a
     restarted group found the previous attempt's gloo addresses there and failed to connect ("connectFullMesh
     failed ... Connection refused", torch 2.13; pytorch/pytorch#167288 reports the same with NCCL). A prefix per
-    ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt's keys apart.
+    attempt keeps each attempt's keys apart. The attempt is the one every rank agrees on (:mod:`hlat.attempt`), not
+    ``TORCHELASTIC_RESTART_COUNT``: that count is per agent, so after one node's worker died the nodes waited under
+    different prefixes and the job hung.
     """
+    from hlat import attempt
+
     env = os.environ
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does
+    extra = {"timeout": timeout} if timeout is not None else {}
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), ranks.world_size,
-                          is_master=ranks.rank == 0 and not agent_store, wait_for_workers=False)  # fmt: skip
-    return dist.PrefixStore(f"hlat/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+                          is_master=ranks.rank == 0 and not agent_store, wait_for_workers=False, **extra)  # fmt: skip
+    number = attempt.current(store, timeout.total_seconds() if timeout is not None else None)
+    return dist.PrefixStore(f"hlat/attempt_{number}", store)
 
 
 def _fp32_allreduce(state, bucket):
