@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,15 @@ import yaml
 from hlat.backends import neuron
 from hlat.cli import main
 from hlat.deploy import job_name, pytorchjob, sbatch_script, to_yaml, train_overrides
+from hlat.deploy.commands import install
 from hlat.run import to_run_config
 from tests.conftest import compose_cfg
 
 ENV = {"NEURON_FUSE_SOFTMAX": "1", "XLA_USE_BF16": "1"}
 O7 = ["experiment=hlat_7b", "cluster=trn1_x64", "parallelism=hlat_7b"]
 SMALL_TRN = ["cluster=trn1_1node", "train.global_batch_size=256"]  # the tiny model on one trn1 node (dp 32)
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout: the rendered scripts run its train.py with this interpreter."""
 
 
 @pytest.fixture
@@ -40,12 +44,21 @@ def hlat(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return exit_.value.code, out, err
 
 
-def test_launch_slurm_prints_the_rendered_script(capsys: pytest.CaptureFixture[str], fake_neuron_env: list) -> None:
+def test_launch_slurm_prints_the_rendered_script(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fake_neuron_env: list
+) -> None:
+    """The preset's cluster.cpus_per_task (128 on trn1), the run directory and MLflow's default store made absolute
+    where hlat launch runs, and this interpreter and checkout."""
+    monkeypatch.chdir(tmp_path)
     code, out, err = hlat(capsys, "launch", "--target", "slurm", *O7)
     assert (code, err) == (0, "")
     cfg = to_run_config(compose_cfg(*O7))
     name = job_name(cfg, O7)
-    assert out == sbatch_script(cfg, train_overrides(O7, f"outputs/{name}"), ENV, name=name, cpus_per_task=128)
+    pinned = [*O7, f"tracker.uri=sqlite:///{tmp_path}/mlflow.db"]
+    expected = sbatch_script(cfg, train_overrides(pinned, f"{tmp_path}/outputs/{name}"), ENV, name=name,
+                             install=install(), cpus_per_task=128)  # fmt: skip
+    assert out == expected
+    assert install().python == os.path.abspath(sys.executable) and install().root == str(ROOT)
     assert len(fake_neuron_env) == 1 and fake_neuron_env[0] == cfg
 
 
@@ -65,10 +78,63 @@ def test_launch_eks_writes_the_manifest(capsys: pytest.CaptureFixture[str], tmp_
 
 @pytest.mark.usefixtures("fake_neuron_env")
 def test_launch_torchrun_writes_an_executable_script(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, _ = hlat(capsys, "launch", "--target", "torchrun", "--run-dir", "/fsx/r", "--out", str(tmp_path), *O7)
+    code, out, _ = hlat(capsys, "launch", "--target", "torchrun", "--run-dir", "/fsx/r", "--out", str(tmp_path), *O7,
+                        "tracker.uri=http://mlflow.internal:5000")  # fmt: skip
     path = Path(out.strip())
     assert code == 0 and path.parent == tmp_path and path.suffix == ".sh" and os.access(path, os.X_OK)
-    assert path.read_text().endswith("parallelism=hlat_7b hydra.run.dir=/fsx/r\n")
+    text = path.read_text()
+    assert text.endswith("parallelism=hlat_7b tracker.uri=http://mlflow.internal:5000 hydra.run.dir=/fsx/r\n")
+    assert f"\nexec {shlex.quote(os.path.abspath(sys.executable))} -m torch.distributed.run --nnodes 64 " in text
+    assert f"\\\n  {shlex.quote(str(ROOT / 'train.py'))} experiment=hlat_7b " in text
+    assert f"\ncd {shlex.quote(str(ROOT))}\n" in text
+
+
+@pytest.mark.parametrize("target", ["torchrun", "slurm"])
+def test_an_omitted_tracker_uri_becomes_an_absolute_store_and_the_run_dir_absolute(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, target: str
+) -> None:
+    """MLflow's default ./mlflow.db would be each node's (and each requeue's) working directory: pinned where
+    ``hlat launch`` runs, like a relative --run-dir."""
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = hlat(capsys, "launch", "--target", target, "--run-dir", "runs/a", "cluster=cpu", "cluster.nodes=2")
+    assert code == 0
+    line = next(w for w in out.replace("\\\n", " ").splitlines() if w.startswith(("exec ", "srun ")))
+    words = shlex.split(line.removesuffix(" || status=$?"))
+    assert words[-2:] == [f"tracker.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={tmp_path}/runs/a"]
+    for kept in (["tracker.uri=sqlite:////data/runs.db"], ["tracker=console"]):  # a store of one's own, or none
+        _, out, _ = hlat(capsys, "launch", "--target", target, "cluster=cpu", "cluster.nodes=2", *kept)
+        assert out.count("tracker.uri=") == len([k for k in kept if k.startswith("tracker.uri")])
+
+
+def test_eks_keeps_the_images_command_and_paths(capsys: pytest.CaptureFixture[str]) -> None:
+    """A pod runs the image's torchrun and train.py in its working directory; the store is the image's concern."""
+    code, out, _ = hlat(capsys, "launch", "--target", "eks", "--image", "i", "cluster=cpu", "cluster.nodes=2")
+    container = yaml.safe_load(out)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert code == 0 and container["command"][0] == "torchrun" and "train.py" in container["command"]
+    assert not any(w.startswith("tracker.uri=") for w in container["command"]) and sys.executable not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "cpus"),
+    [
+        (["cluster=cpu", "cluster.nodes=2", "cluster.cpus_per_task=6"], "6"),  # the cluster's own count
+        (["--cpus-per-task", "4", "cluster=cpu", "cluster.nodes=2", "cluster.cpus_per_task=6"], "4"),  # the flag first
+        ([*O7, "cluster.cpus_per_task=64"], "64"),  # the cluster's count before the instance type's 128
+        ([*O7, "cluster.cpus_per_task=null"], "128"),  # trn1.32xlarge
+        (["cluster=cpu_x2"], None),  # nothing known: every CPU Slurm allocates on the node
+    ],
+)
+@pytest.mark.usefixtures("fake_neuron_env")
+def test_cpus_per_task_reaches_sbatch_and_srun(
+    capsys: pytest.CaptureFixture[str], argv: list, cpus: str | None
+) -> None:
+    code, out, err = hlat(capsys, "launch", "--target", "slurm", *argv)
+    assert (code, err) == (0, "")
+    header = [line for line in out.splitlines() if line.startswith("#SBATCH --cpus-per-task")]
+    srun = next(line for line in out.splitlines() if line.startswith("srun "))
+    assert header == ([f"#SBATCH --cpus-per-task={cpus}"] if cpus else [])
+    expected = cpus or '"$SLURM_CPUS_ON_NODE"'
+    assert srun.startswith(f"srun --kill-on-bad-exit=1 --cpus-per-task={expected} {shlex.quote(install().python)} ")
 
 
 def test_torch_clusters_export_nothing(capsys: pytest.CaptureFixture[str], fake_neuron_env: list) -> None:
@@ -91,7 +157,8 @@ def test_compile_keeps_the_run_command(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0
     run_cmd, comp_cmd = srun_command(run), srun_command(comp)
     assert comp_cmd[0] == run_cmd[0].replace(
-        "srun --kill-on-bad-exit=1 ", "srun --kill-on-bad-exit=1 neuron_parallel_compile "
+        "srun --kill-on-bad-exit=1 --cpus-per-task=128 ",
+        "srun --kill-on-bad-exit=1 --cpus-per-task=128 neuron_parallel_compile ",
     )
     run_dir = run_cmd[1].split("hydra.run.dir=")[1]
     changed = "train.steps=5 optimizer.warmup_steps=4 train.resume=never tracker.kind=console"
@@ -115,8 +182,8 @@ def test_compile_keeps_the_run_command(capsys: pytest.CaptureFixture[str]) -> No
         (["launch", "--target", "slurm", "experiment=hlat_7b", "optimizer.warmup_steps=500000"],
          "optimizer.warmup_steps=500000 is not below train.steps=450000"),
         (["launch", "--target", "slurm", "--name", "HLAT_7b", *O7], "DNS-1035"),
-        (["launch", "--target", "slurm", "cluster=gpu_8x", "cluster.nodes=2", "train.micro_batch_size=1"],
-         "pass --cpus-per-task"),
+        (["launch", "--target", "slurm", "cluster=cpu", "cluster.cpus_per_task=0"],
+         "cluster.cpus_per_task=0 must be >= 1 or null"),
         (["compile", "cluster=gpu_8x", "train.micro_batch_size=1"], "cluster=gpu_8x uses backend torch"),
         (["compile", "--steps", "0", *O7], "--steps=0 must be >= 1"),
         (["launch", "--target", "slurm", "--port", "70000", *O7], "--port=70000 is not a TCP port"),
@@ -151,9 +218,11 @@ def test_compile_run_executes_the_node_script(
                       "cluster.compile_cache=/tmp/cc")  # fmt: skip
     assert code == 3  # the wrapper's exit status
     assert log.read_text().splitlines() == [
-        "/tmp/cc", "torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", "32", "--max-restarts", "0",
-        "train.py", *SMALL_TRN, "cluster.compile_cache=/tmp/cc", "train.steps=3", "optimizer.warmup_steps=2",
-        "train.resume=never", "tracker.kind=console", "hydra.run.dir=outputs/job/compile",
+        "/tmp/cc", os.path.abspath(sys.executable), "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        "--nproc-per-node", "32", "--max-restarts", "0", str(ROOT / "train.py"), *SMALL_TRN,
+        "cluster.compile_cache=/tmp/cc", f"tracker.uri=sqlite:///{tmp_path}/mlflow.db", "train.steps=3",
+        "optimizer.warmup_steps=2", "train.resume=never", "tracker.kind=console",
+        f"hydra.run.dir={tmp_path}/outputs/job/compile",
     ]  # fmt: skip
     assert not stale.exists()
 
@@ -167,6 +236,7 @@ def test_the_neuron_backends_variables_are_exported(capsys: pytest.CaptureFixtur
     env = neuron_env(to_run_config(compose_cfg(*O7)))
     assert code == 0 and env["XLA_USE_BF16"] == "1"  # HLAT-7B: BF16 with stochastic rounding
     exports = [line for line in out.splitlines() if line.startswith("export ") and "MASTER_ADDR" not in line]
+    assert exports.pop(0) == f'export PATH={shlex.quote(str(Path(install().python).parent))}:"$PATH"'  # first
     elastic = ["export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
                "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30"]  # torch elastic's, after the backend's  # fmt: skip
     assert exports == [f"export {k}={shlex.quote(v)}" for k, v in env.items()] + elastic

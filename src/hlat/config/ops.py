@@ -39,6 +39,11 @@ class ClusterConfig(_Frozen):
     nodes: int = 1
     """Hosts in the job. The world size is ``nodes x nproc_per_node``; more than one node is started on every host by
     the launcher ``hlat launch`` renders (torchrun, Slurm, or a Kubeflow PyTorchJob on EKS)."""
+    cpus_per_task: int | None = None
+    """CPUs of one node that its torch elastic agent and trainers get under Slurm (``--cpus-per-task`` of the task
+    ``hlat launch --target slurm`` runs per node, and ``hydra.launcher.cpus_per_task``): 128 on trn1.32xlarge.
+    null: every CPU Slurm allocates on the node (the sbatch script's ``srun`` takes ``$SLURM_CPUS_ON_NODE``; the
+    job is ``--exclusive``)."""
     instance_type: str | None = None
     """Cloud instance type of a node (``trn1.32xlarge``), for the Kubernetes node selector and the docs."""
     efa_devices: int = 0
@@ -111,6 +116,10 @@ class ClusterConfig(_Frozen):
             f"cluster.device_memory_gib={self.device_memory_gib} must be > 0 or null",
         )
         _check(self.nodes >= 1, f"cluster.nodes={self.nodes} must be >= 1")
+        _check(
+            self.cpus_per_task is None or self.cpus_per_task >= 1,
+            f"cluster.cpus_per_task={self.cpus_per_task} must be >= 1 or null (every CPU of the node)",
+        )
         _check(self.efa_devices >= 0, f"cluster.efa_devices={self.efa_devices} must be >= 0")
         _check(self.max_restarts >= 0, f"cluster.max_restarts={self.max_restarts} must be >= 0 (0: no supervision)")
         for key in ("intra_node_gb_s", "inter_node_gbit_s", "memory_gb_s"):

@@ -6,22 +6,26 @@ as YAML). They all start the trainer the same way ``python train.py`` supervises
 elastic agent (``torchrun``) per node, a c10d rendezvous on the first node, and ``--max-restarts`` from
 ``cluster.max_restarts``, so a failed rank restarts the whole job from its newest checkpoint. They also leave a
 preempted trainer ``train.preempt_grace_s`` + 10 s to checkpoint the step in flight (``hlat.preempt``), and the Slurm
-script requeues such a job. ``hlat launch`` and ``hlat compile`` (``hlat.deploy.commands``) compose the config,
-validate the parallel layout and call them.
+script requeues such a job. The shell scripts run hlat's interpreter (``<python> -m torch.distributed.run``) and
+``train.py`` by absolute path from the checkout (:class:`hlat.deploy.render.Install`), needing nothing of the shell
+that starts them; the PyTorchJob runs the image's ``torchrun train.py``. ``hlat launch`` and ``hlat compile``
+(``hlat.deploy.commands``) compose the config, validate the parallel layout and call them.
 """
 
 from hlat.deploy.k8s import pytorchjob, to_yaml
 from hlat.deploy.render import (
+    Install,
     compile_overrides,
     job_name,
     node_script,
-    sbatch_script,
     torchrun_argv,
     torchrun_line,
     train_overrides,
 )
+from hlat.deploy.slurm import sbatch_script
 
 __all__ = [
+    "Install",
     "compile_overrides",
     "job_name",
     "node_script",

@@ -19,15 +19,16 @@ from hlat.config import ConfigError, RunConfig
 from hlat.deploy.k8s import FSX_CLAIM, FSX_MOUNT, pytorchjob, to_yaml
 from hlat.deploy.render import (
     RDZV_PORT,
+    TRAIN_SCRIPT,
+    Install,
     check_name,
     compile_overrides,
-    default_cpus,
     job_name,
     layout,
     node_script,
-    sbatch_script,
     train_overrides,
 )
+from hlat.deploy.slurm import default_cpus, sbatch_script
 
 SUFFIX = {"torchrun": ".sh", "slurm": ".sbatch", "eks": ".yaml"}
 
@@ -48,16 +49,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--run-dir",
         metavar="DIR",
-        help="hydra.run.dir shared by every rank, node and restart, on storage all nodes see "
-        "(default: outputs/<name>; on EKS <fsx mount>/hlat/<name>); ignored if the overrides set "
+        help="hydra.run.dir shared by every rank, node and restart, on storage all nodes see, made absolute "
+        "(default: ./outputs/<name>; on EKS <fsx mount>/hlat/<name>); ignored if the overrides set "
         "hydra.run.dir. Reuse it to continue the job from its newest checkpoint",
     )
-    p.add_argument("--port", type=int, default=RDZV_PORT, help=f"rendezvous port on the first node ({RDZV_PORT})")
+    p.add_argument(
+        "--port", type=int, default=RDZV_PORT, help=f"rendezvous port on the first node, met by hostname ({RDZV_PORT})"
+    )
     p.add_argument(
         "--cpus-per-task",
         type=int,
         metavar="N",
-        help="Slurm: CPUs of one node (default: from cluster.instance_type, 128 on trn1.32xlarge)",
+        help="Slurm: CPUs of one node (default: cluster.cpus_per_task, else from cluster.instance_type, else every "
+        "CPU Slurm allocates on the node)",
     )
 
 
@@ -67,13 +71,16 @@ def parser(command: str) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(
             prog="hlat launch",
             description="Render the files that start a run on a cluster: a script for every node (torchrun), a "
-            "Slurm batch script, or a Kubeflow PyTorchJob for EKS.",
+            "Slurm batch script, or a Kubeflow PyTorchJob for EKS. The scripts run this interpreter and this "
+            "checkout's train.py by absolute path, so they start from any shell and directory on nodes that see the "
+            "same paths; without tracker.uri, MLflow's store is mlflow.db in this directory, by absolute path.",
         )
         p.add_argument(
             "--target",
             choices=["torchrun", "slurm", "eks"],
             required=True,
-            help="torchrun: a bash script for every node; slurm: an sbatch script; eks: a Kubeflow PyTorchJob",
+            help="torchrun: a bash script for every node, run with MASTER_ADDR=<the first node's hostname>; slurm: "
+            "an sbatch script; eks: a Kubeflow PyTorchJob (the image's torchrun and train.py)",
         )
         p.add_argument(
             "--image",
@@ -119,6 +126,28 @@ def run_env(cfg: RunConfig) -> dict[str, str]:
     return dict(neuron.neuron_env(cfg))
 
 
+def install() -> Install:
+    """This interpreter and the checkout holding ``train.py``: what the rendered scripts run, by absolute path."""
+    root = Path(__file__).resolve().parents[3]
+    if not (root / TRAIN_SCRIPT).is_file():
+        raise UsageError(f"no {TRAIN_SCRIPT} in {root}: hlat launch renders scripts from an hlat checkout (pip -e)")
+    return Install(python=os.path.abspath(sys.executable), root=str(root))
+
+
+def pinned_overrides(cfg: RunConfig, overrides: Sequence[str], target: str) -> list[str]:
+    """``overrides`` plus ``tracker.uri=<the default store, absolute>`` for MLflow without a ``tracker.uri``.
+
+    MLflow's default store is ``mlflow.db`` in the working directory of each process; pinned here (where
+    ``hlat launch`` runs), every node and every requeue writes the one store. Not on EKS: a pod's paths are its
+    image's.
+    """
+    if target == "eks" or cfg.tracker.kind != "mlflow" or cfg.tracker.uri is not None:
+        return list(overrides)
+    from hlat.trackers import default_uri
+
+    return [*overrides, f"tracker.uri={default_uri()}"]
+
+
 def check_cluster(cfg: RunConfig) -> None:
     """Refuse a cluster that cannot run more than one node as configured."""
     c = cfg.cluster
@@ -151,8 +180,11 @@ def prepare(args: argparse.Namespace, command: str) -> tuple[RunConfig, str, lis
     layout(cfg)  # the parallel layout (ParallelDims.build) fits the cluster
     name = args.name or job_name(cfg, args.overrides)
     check_name(name)
-    default_dir = f"{args.fsx_mount.rstrip('/')}/hlat/{name}" if args.target == "eks" else f"outputs/{name}"
-    overrides = train_overrides(args.overrides, args.run_dir or default_dir)
+    if args.target == "eks":
+        run_dir = args.run_dir or f"{args.fsx_mount.rstrip('/')}/hlat/{name}"
+    else:
+        run_dir = os.path.abspath(args.run_dir or f"outputs/{name}")
+    overrides = train_overrides(pinned_overrides(cfg, args.overrides, args.target), run_dir)
     if steps is not None:
         compose(compile_overrides(cfg, overrides, steps))  # the short run must validate too
     return cfg, name, overrides, steps
@@ -164,16 +196,12 @@ def render(args: argparse.Namespace, command: str) -> tuple[str, str]:
     env = run_env(cfg)
     stem = f"{name}-compile" if steps is not None else name
     if args.target == "torchrun":
-        text = node_script(cfg, overrides, env, name=name, port=args.port, compile_steps=steps)
+        text = node_script(cfg, overrides, env, name=name, install=install(), port=args.port, compile_steps=steps)
         return stem + SUFFIX["torchrun"], text
     if args.target == "slurm":
-        cpus = args.cpus_per_task or default_cpus(cfg.cluster)
-        if cpus is None:
-            raise UsageError(
-                f"cluster={cfg.cluster.name} (instance_type {cfg.cluster.instance_type}) has no known CPU count: "
-                "pass --cpus-per-task with the CPUs of one node"
-            )
-        text = sbatch_script(cfg, overrides, env, name=name, cpus_per_task=cpus, port=args.port, compile_steps=steps)
+        cpus = args.cpus_per_task or cfg.cluster.cpus_per_task or default_cpus(cfg.cluster)
+        text = sbatch_script(cfg, overrides, env, name=name, install=install(), cpus_per_task=cpus, port=args.port,
+                             compile_steps=steps)  # fmt: skip
         return stem + SUFFIX["slurm"], text
     if not args.image:
         raise UsageError(

@@ -1,4 +1,4 @@
-"""The trainer's command line on one node and the shell scripts around it: a per-node script and a Slurm sbatch.
+"""The trainer's command line on one node, and the per-node script around it (``hlat.deploy.slurm``: the sbatch).
 
 Each node runs one torch elastic agent, ``torchrun``, with ``cluster.nproc_per_node`` trainer processes. Nodes meet
 in a c10d rendezvous hosted on the first node (``$MASTER_ADDR``), and ``--max-restarts`` is
@@ -9,10 +9,19 @@ Every rank on every node, and every restart, has to write to one run directory: 
 looks for the newest checkpoint. Hydra's default ``outputs/<date>/<time>`` differs from process to process, so the
 launch pins ``hydra.run.dir`` (:func:`train_overrides`).
 
+Nothing of the submitting shell is assumed (no venv on ``PATH``, no working directory): the scripts run the
+interpreter ``hlat launch`` ran in (``<python> -m torch.distributed.run``) on the absolute path of ``train.py``, from
+the checkout's root (:class:`Install`). Nodes meet at the first node's *hostname*: torch decides which agent hosts
+the c10d store by comparing the endpoint with its own host name, so an IP address works only where it is the
+address that host's name resolves to.
+
 Preemption (``hlat.preempt``): torchrun forwards SIGTERM and Slurm's warning signal (``PET_SIGNALS_TO_HANDLE``) to
 the trainers, which checkpoint the step in flight within ``train.preempt_grace_s``, and waits that plus 10 s for
 them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; torch versions without it wait 30 s). The sbatch script asks Slurm for
 SIGUSR1 that long before the time limit and requeues the job when the trainers leave the preemption marker.
+
+The pieces both scripts share are public here: :func:`command_text`, :func:`export_lines`, :func:`purpose_lines`,
+:func:`fresh_compile_dir` and :data:`ULIMIT`.
 """
 
 from __future__ import annotations
@@ -22,18 +31,22 @@ import posixpath
 import re
 import shlex
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from hlat.config import ClusterConfig, RunConfig
+from hlat.config import RunConfig
 from hlat.parallel import ParallelDims
-from hlat.preempt import AGENT_SIGNALS, MARKER, launcher_grace_s
+from hlat.preempt import AGENT_SIGNALS, launcher_grace_s
 
 RDZV_PORT = 29400
 """Port of the c10d rendezvous store on the first node (torchrun's default for c10d)."""
 NOFILE = 65535
 """Open-file limit for the trainer processes (the Neuron scripts raise it; reference neuron-nxd.md §2.1)."""
-ULIMIT = f'ulimit -n {NOFILE} || ulimit -n "$(ulimit -Hn)"'
-"""Raise the open-file limit, or to the hard limit where that is lower (a failed ``ulimit`` must not end the job)."""
+ULIMIT = f'ulimit -n {NOFILE} 2>/dev/null || ulimit -n "$(ulimit -Hn)" || true'
+"""Raise the open-file limit, or to the hard limit where that is lower; a failed ``ulimit`` must not end the job,
+which runs under ``set -e``."""
 TRAIN_SCRIPT = "train.py"
+TORCHRUN_MODULE = "torch.distributed.run"
+"""What ``torchrun`` runs: ``<python> -m torch.distributed.run`` needs nothing on ``PATH``."""
 COMPILE_WRAPPER = "neuron_parallel_compile"
 """Runs the command in graph-extraction mode and compiles every graph it saw into the Neuron cache, in parallel."""
 COMPILE_SUBDIR = "compile"
@@ -48,10 +61,36 @@ HOST_ONLY_KEYS = (
 )
 """The only keys that :func:`compile_overrides` may change. None of them changes a traced graph: the learning rate is
 a host-side float (``hlat.optim``), and the others are file and tracking settings."""
-INSTANCE_VCPUS = {"trn1.32xlarge": 128, "trn1n.32xlarge": 128, "trn1.2xlarge": 8}
-"""vCPUs of the instance types the cluster presets name (``#SBATCH --cpus-per-task``)."""
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Install:
+    """Where hlat is installed on the nodes, as absolute paths (the same on every node: a shared file system).
+
+    Attributes:
+        python: The interpreter of hlat's environment (``sys.executable`` of ``hlat launch``, not resolved: a venv's
+            ``bin/python`` symlink is what makes it the venv).
+        root: The checkout holding ``train.py`` and ``conf/``.
+    """
+
+    python: str
+    root: str
+
+    def __post_init__(self) -> None:
+        if not (posixpath.isabs(self.python) and posixpath.isabs(self.root)):
+            raise ValueError(f"Install paths must be absolute, got python={self.python!r} root={self.root!r}")
+
+    @property
+    def train_script(self) -> str:
+        """The absolute path of ``train.py``."""
+        return posixpath.join(self.root, TRAIN_SCRIPT)
+
+    def setup_lines(self) -> list[str]:
+        """Shell lines that put the environment's ``bin`` first on ``PATH`` and enter the checkout."""
+        bin_dir = shlex.quote(posixpath.dirname(self.python))
+        return [f'export PATH={bin_dir}:"$PATH"', f"cd {shlex.quote(self.root)}"]
 
 
 class ShellWord(str):
@@ -138,11 +177,15 @@ def compile_overrides(cfg: RunConfig, overrides: Sequence[str], steps: int) -> l
     return [o for o in overrides if override_key(o) not in replaced] + changed
 
 
-def torchrun_argv(cfg: RunConfig, overrides: Sequence[str], *, endpoint: str, rdzv_id: str) -> list[str]:
+def torchrun_argv(
+    cfg: RunConfig, overrides: Sequence[str], *, endpoint: str, rdzv_id: str, install: Install | None = None
+) -> list[str]:
     """``torchrun ... train.py <overrides>`` for one node of ``cfg.cluster``, as a list of words.
 
     One node uses ``--standalone`` (a private rendezvous). More nodes meet at ``endpoint`` (``host:port`` of the
-    first node) under ``rdzv_id``.
+    first node, by hostname) under ``rdzv_id``. With ``install`` the command is ``<python> -m torch.distributed.run
+    <root>/train.py``; without, bare ``torchrun train.py`` (a container image, whose ``PATH`` and working directory
+    provide both).
     """
     c = cfg.cluster
     if c.nodes == 1:
@@ -160,7 +203,12 @@ def torchrun_argv(cfg: RunConfig, overrides: Sequence[str], *, endpoint: str, rd
             "--rdzv-id",
             rdzv_id,
         ]
-    return ["torchrun", *words, "--max-restarts", str(c.max_restarts), TRAIN_SCRIPT, *overrides]
+    launcher, script = (
+        (["torchrun"], TRAIN_SCRIPT)
+        if install is None
+        else ([install.python, "-m", TORCHRUN_MODULE], install.train_script)
+    )
+    return [*launcher, *words, "--max-restarts", str(c.max_restarts), script, *overrides]
 
 
 def shell_join(words: Sequence[str]) -> str:
@@ -168,9 +216,12 @@ def shell_join(words: Sequence[str]) -> str:
     return " ".join(w if isinstance(w, ShellWord) else shlex.quote(w) for w in words)
 
 
-def torchrun_line(cfg: RunConfig, overrides: Sequence[str], *, rdzv_id: str, port: int = RDZV_PORT) -> str:
+def torchrun_line(
+    cfg: RunConfig, overrides: Sequence[str], *, rdzv_id: str, port: int = RDZV_PORT, install: Install | None = None
+) -> str:
     """The per-node torchrun command as one shell line. It meets at ``$MASTER_ADDR:<port>``, the first node."""
-    return shell_join(torchrun_argv(cfg, overrides, endpoint=ShellWord(f'"$MASTER_ADDR:{port}"'), rdzv_id=rdzv_id))
+    endpoint = ShellWord(f'"$MASTER_ADDR:{port}"')
+    return shell_join(torchrun_argv(cfg, overrides, endpoint=endpoint, rdzv_id=rdzv_id, install=install))
 
 
 def launch_env(cfg: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
@@ -208,19 +259,21 @@ def layout(cfg: RunConfig) -> str:
     )
 
 
-def _command(cfg: RunConfig, overrides: Sequence[str], name: str, port: int, compile_steps: int | None) -> str:
+def command_text(
+    cfg: RunConfig, overrides: Sequence[str], name: str, port: int, compile_steps: int | None, install: Install
+) -> str:
     """The torchrun command (wrapped in neuron_parallel_compile for a compile), broken before ``train.py``."""
     endpoint = ShellWord(f'"$MASTER_ADDR:{port}"')
     if compile_steps is not None:
         overrides = compile_overrides(cfg, overrides, compile_steps)
-    words = torchrun_argv(cfg, overrides, endpoint=endpoint, rdzv_id=name)
+    words = torchrun_argv(cfg, overrides, endpoint=endpoint, rdzv_id=name, install=install)
     if compile_steps is not None:
         words = [COMPILE_WRAPPER, *words]
-    cut = words.index(TRAIN_SCRIPT)
+    cut = words.index(install.train_script)
     return f"{shell_join(words[:cut])} \\\n  {shell_join(words[cut:])}"
 
 
-def _fresh_compile_dir(cfg: RunConfig, overrides: Sequence[str], steps: int) -> str:
+def fresh_compile_dir(cfg: RunConfig, overrides: Sequence[str], steps: int) -> str:
     """``rm -rf`` of the compile run's directory: its ``train.resume=never`` refuses one that holds checkpoints.
 
     Only where one process runs it before any rank starts (the batch script, or a single node's script).
@@ -228,11 +281,12 @@ def _fresh_compile_dir(cfg: RunConfig, overrides: Sequence[str], steps: int) -> 
     return f"rm -rf -- {shlex.quote(str(run_dir_of(compile_overrides(cfg, overrides, steps))))}"
 
 
-def _exports(env: Mapping[str, str]) -> list[str]:
+def export_lines(env: Mapping[str, str]) -> list[str]:
+    """``export NAME=value`` lines, each value quoted for the shell (:func:`launch_env` checked the names)."""
     return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
 
 
-def _purpose(cfg: RunConfig, compile_steps: int | None) -> list[str]:
+def purpose_lines(cfg: RunConfig, compile_steps: int | None) -> list[str]:
     """Comment lines saying what the script does."""
     lines = [f"# {layout(cfg)}."]
     if compile_steps is not None:
@@ -250,6 +304,7 @@ def node_script(
     env: Mapping[str, str],
     *,
     name: str,
+    install: Install,
     port: int = RDZV_PORT,
     compile_steps: int | None = None,
 ) -> str:
@@ -260,100 +315,22 @@ def node_script(
         overrides: The Hydra overrides ``train.py`` gets, ``hydra.run.dir`` included (:func:`train_overrides`).
         env: Variables to export (e.g. ``hlat.backends.neuron.neuron_env``).
         name: Job name, used as the rendezvous id.
+        install: hlat's interpreter and checkout on the nodes.
         port: Rendezvous port on the first node.
         compile_steps: Render the ahead-of-time compile of this many steps instead of the run.
     """
     head = ["#!/usr/bin/env bash", f"# {name}{' (compile)' if compile_steps is not None else ''}: rendered by hlat."]
     if cfg.cluster.nodes > 1:
         head.append(
-            f"# Start it on each of the {cfg.cluster.nodes} nodes from the hlat checkout, with MASTER_ADDR "
-            "set to the address of the first node."
+            f"# Start it on each of the {cfg.cluster.nodes} nodes, from any directory, with MASTER_ADDR set to the "
+            "hostname of the first node\n# (the name that node calls itself: torch picks the rendezvous host by "
+            "hostname, an IP address may not match)."
         )
-    lines = [*head, *_purpose(cfg, compile_steps), "set -euo pipefail"]
+    lines = [*head, *purpose_lines(cfg, compile_steps), "set -euo pipefail"]
     if cfg.cluster.nodes > 1:
-        lines.append(': "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node (the rendezvous host)}"')
-    lines += [*_exports(launch_env(cfg, env)), ULIMIT]
+        lines.append(': "${MASTER_ADDR:?set MASTER_ADDR to the hostname of the first node (the rendezvous host)}"')
+    lines += [*install.setup_lines(), *export_lines(launch_env(cfg, env)), ULIMIT]
     if compile_steps is not None and cfg.cluster.nodes == 1:
-        lines.append(_fresh_compile_dir(cfg, overrides, compile_steps))
-    lines.append(f"exec {_command(cfg, overrides, name, port, compile_steps)}")
-    return "\n".join(lines) + "\n"
-
-
-def default_cpus(cluster: ClusterConfig) -> int | None:
-    """The vCPUs of one node from ``cluster.instance_type``, or None when the type is not in :data:`INSTANCE_VCPUS`."""
-    return INSTANCE_VCPUS.get(cluster.instance_type or "")
-
-
-def sbatch_script(
-    cfg: RunConfig,
-    overrides: Sequence[str],
-    env: Mapping[str, str],
-    *,
-    name: str,
-    cpus_per_task: int,
-    port: int = RDZV_PORT,
-    compile_steps: int | None = None,
-) -> str:
-    """A Slurm batch script for the whole job: one task per node (``srun``), each running the node's torchrun.
-
-    The first host of the allocation hosts the rendezvous. The agents get all of their node's CPUs
-    (``--cpus-per-task``), so Slurm's CPU binding does not squeeze 32 trainer processes onto one core.
-
-    A run (not a compile) asks Slurm for SIGUSR1 ``train.preempt_grace_s`` + 10 s before the time limit, sent to the
-    job steps: torchrun forwards it, the trainers checkpoint the step in flight and rank 0 leaves
-    ``<run dir>/preempted.json``. torchrun's own exit status does not say that (it exits 1 after a signal), so the
-    script requeues the job (``--requeue``) when that marker is there, and the requeued job continues from the
-    checkpoint into the same run directory and MLflow run (``train.resume=auto``). ``scancel`` signals the batch
-    shell too, so a cancelled job is not requeued.
-
-    Args:
-        cfg: The validated run config.
-        overrides: The Hydra overrides ``train.py`` gets, ``hydra.run.dir`` included (:func:`train_overrides`).
-        env: Variables to export (``srun`` passes them to every node).
-        name: Slurm job name and rendezvous id.
-        cpus_per_task: CPUs of one node (:func:`default_cpus`).
-        port: Rendezvous port on the first node.
-        compile_steps: Render the ahead-of-time compile of this many steps instead of the run.
-    """
-    c = cfg.cluster
-    job = f"{name}-compile" if compile_steps is not None else name
-    sbatch = [f"--job-name={job}", f"--nodes={c.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus_per_task}"]
-    if c.device == "cuda" and c.backend == "torch":
-        sbatch.append(f"--gpus-per-node={c.devices_per_node}")
-    sbatch += ["--exclusive", "--output=%x-%j.out"]
-    preemptible = compile_steps is None
-    if preemptible:  # the requeued job appends to the same output file
-        sbatch += [f"--signal=USR1@{launcher_grace_s(cfg.train.preempt_grace_s)}", "--requeue", "--open-mode=append"]
-    lines = [
-        "#!/bin/bash",
-        *(f"#SBATCH {s}" for s in sbatch),
-        f"# Rendered by hlat; submit it from the hlat checkout: sbatch {job}.sbatch",
-        *_purpose(cfg, compile_steps),
-        *(["# Near its time limit the job checkpoints the step in flight and requeues itself."] if preemptible else []),
-        "set -euo pipefail",
-        "",
-    ]
-    if c.nodes > 1:
-        lines += ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', "export MASTER_ADDR"]
-    lines += [*_exports(launch_env(cfg, env)), ULIMIT]
-    if compile_steps is not None:
-        lines.append(_fresh_compile_dir(cfg, overrides, compile_steps))
-    srun = f"srun --kill-on-bad-exit=1 {_command(cfg, overrides, name, port, compile_steps)}"
-    if not preemptible:
-        return "\n".join([*lines, "", srun]) + "\n"
-    run_dir = run_dir_of(overrides)
-    if run_dir is None:
-        raise ValueError("sbatch_script needs the run's hydra.run.dir (see train_overrides)")
-    marker = shlex.quote(posixpath.join(run_dir, MARKER))
-    lines += [
-        f"rm -f -- {marker}",
-        "",
-        "status=0",
-        f"{srun} || status=$?",
-        f"if [ -e {marker} ]; then  # the trainers stopped on a signal with a checkpoint: continue in a new allocation",
-        '  echo "hlat: preempted with a checkpoint; requeueing job $SLURM_JOB_ID"',
-        '  scontrol requeue "$SLURM_JOB_ID"',
-        "fi",
-        'exit "$status"',
-    ]
+        lines.append(fresh_compile_dir(cfg, overrides, compile_steps))
+    lines.append(f"exec {command_text(cfg, overrides, name, port, compile_steps, install)}")
     return "\n".join(lines) + "\n"
