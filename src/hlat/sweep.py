@@ -55,6 +55,9 @@ way to kill a sweep) computes what the same run without them does."""
 
 WAIT_S = 600.0
 """How long a rank other than 0 waits for rank 0's decision before giving up."""
+DONE = ("finished", "skipped")
+"""Job statuses of a job that completed; any other (``failed``, ``killed``, ``preempted``, ``interrupted``, none
+recorded) fails the sweep."""
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -203,6 +206,60 @@ def parent_tags(run_dir: Path, experiment: str) -> dict[str, str]:
     return {"mlflow.parentRunId": sweep["parent_run_id"], "hlat.sweep_dir": str(Path(run_dir).parent)}
 
 
+def record_dead_job(job_dir: Path, status: str, reason: str, *, logs: list[str], mlflow_run_id: str | None) -> str:
+    """Record a job that ended without reporting back (the launcher's side, ``hlat.sweep_launcher``).
+
+    A status the job recorded itself (``preempted`` or ``interrupted`` by a signal, or ``finished`` before its result
+    was lost) is kept; otherwise the job is recorded ``status`` (``killed``: cancelled or killed from outside;
+    ``failed``) with ``reason``, its logs ``logs`` and its MLflow run, so :class:`SweepCallback` can name it and close
+    its run.
+
+    Returns:
+        The job's recorded status.
+    """
+    record = read_record(job_dir)
+    if record.get("status") in (*DONE, "preempted", "interrupted"):
+        return record["status"]
+    record.update(status=status, reason=reason, logs=logs, objective=None)
+    record["mlflow_run_id"] = record.get("mlflow_run_id") or mlflow_run_id
+    Path(job_dir).mkdir(parents=True, exist_ok=True)
+    _write_json(Path(job_dir) / JOB_FILE, record)
+    return status
+
+
+def swept_overrides(job: list[str], command_line: list[str]) -> list[str]:
+    """The overrides that tell this job from the other jobs of its sweep, e.g. ``["optimizer.beta2=0.95"]``.
+
+    Args:
+        job: The job's overrides (``hydra.overrides.task`` inside the job), as the sweeper normalized them.
+        command_line: The sweep's command-line overrides (``optimizer.beta2=0.95,0.99 train.steps=6``).
+
+    Returns:
+        The job's overrides of keys the command line sweeps (``a=1,2``, ``range``, ``choice``...) or does not set at
+        all (the sweeper's ``hydra.sweeper.params``); the shared, fixed ones are left out.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    fixed = {o.key_or_group for o in parser.parse_overrides(command_line) if not o.is_sweep_override()}
+    return [text for text, o in zip(job, parser.parse_overrides(job), strict=True) if o.key_or_group not in fixed]
+
+
+def default_run_name(job_dir: Path) -> str | None:
+    """A sweep job's MLflow run name, its swept overrides joined by ``,`` (None outside a tracked sweep).
+
+    Read from the job's HydraConfig and the sweep's ``sweep.json``, so it is the same under every launcher (the
+    basic one, submitit's local processes, Slurm jobs).
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    path = Path(job_dir).parent / SWEEP_FILE
+    command_line = json.loads(path.read_text()).get("overrides") if path.exists() else None
+    if command_line is None or not HydraConfig.initialized():
+        return None
+    return ",".join(swept_overrides(list(HydraConfig.get().overrides.task), list(command_line))) or None
+
+
 def job_records(sweep_dir: Path) -> dict[Path, dict[str, Any]]:
     """Every job record under a sweep directory, by job directory."""
     return {p.parent: json.loads(p.read_text()) for p in sorted(Path(sweep_dir).rglob(JOB_FILE))}
@@ -224,7 +281,9 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
     A failing job is reported and recorded, never raised: the sweep goes on with its other jobs, and
     :class:`SweepCallback` fails the sweep at its end if any job failed. A job stopped by a signal (``hlat.preempt``:
     SIGTERM, Ctrl-C, Slurm's warning) is recorded ``preempted`` (or ``interrupted``) and ends the sweep: the process
-    exits 85 (or 128 + the signal), and running the same sweep again continues it.
+    exits 85 (or 128 + the signal), and running the same sweep again continues it. (Under Hydra's submitit launchers
+    only that job's process ends; ``hlat.sweep_launcher`` collects the other jobs and the sweep fails at its end.)
+    A run with no ``tracker.run_name`` is named after the job's swept overrides (:func:`default_run_name`).
 
     Args:
         hydra_cfg: The job's composed config.
@@ -245,7 +304,7 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
     cfg, stopped = None, None
     run_id, losses, status = None, [], "failed"
     try:
-        cfg = to_run_config(hydra_cfg)
+        hydra_cfg, cfg = _named(hydra_cfg, to_run_config(hydra_cfg), job_dir)
         if cfg.train.dry_run:  # a plan, no run: nothing to skip, record or compare
             train(hydra_cfg, cfg)
             return math.inf
@@ -282,6 +341,21 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
     value = objective(uri, run_id, losses) if status != "failed" else math.nan
     finish_job(job_dir, mlflow_run_id=run_id, status=status, objective=value)
     return value if math.isfinite(value) else math.inf
+
+
+def _named(hydra_cfg: Any, cfg: Any, job_dir: Path) -> tuple[Any, Any]:
+    """The job's configs with ``tracker.run_name`` set to :func:`default_run_name` where the user set none.
+
+    ``tracker.run_name`` is not hashed (:data:`UNHASHED`): the name changes no skip or continue decision.
+    """
+    from omegaconf import OmegaConf
+
+    from hlat.run import to_run_config
+
+    if cfg.tracker.run_name is not None or not (name := default_run_name(job_dir)):
+        return hydra_cfg, cfg
+    hydra_cfg = OmegaConf.merge(hydra_cfg, {"tracker": {"run_name": name}})
+    return hydra_cfg, to_run_config(hydra_cfg)
 
 
 def _stop(job_dir: Path, e: BaseException, run_id: str | None, status: str) -> NoReturn:

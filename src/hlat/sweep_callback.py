@@ -1,8 +1,11 @@
 """The Hydra callback of every multirun (``hydra.callbacks.sweep`` in ``conf/config.yaml``).
 
-At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.sweep``). At the
-end it compares the sweep's runs as ``hlat compare --sweep <dir>`` does (``comparison.md``, ``comparison.png`` in
-the sweep directory and on the parent run) and fails the sweep if a job failed, naming the jobs and their logs.
+At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.sweep``), and puts
+hlat's subclass of Hydra's submitit launcher in place of the plugin's (``hlat.sweep_launcher``: a job that is killed
+or cancelled does not crash the sweep; on Slurm, a cluster without accounting is refused first). At the end it
+compares the sweep's runs as ``hlat compare --sweep <dir>`` does (``comparison.md``, ``comparison.png`` in the sweep
+directory and on the parent run) and fails the sweep (exit 1) if a job failed, was killed or was stopped, naming the
+jobs and their logs, closing their MLflow runs and marking the parent run FAILED (a job failed) or KILLED.
 A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.preempt``) marks its parent run
 KILLED on the way out, never leaving it RUNNING. Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
 """
@@ -46,6 +49,28 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _logs(job_dir: Path, record: dict[str, Any]) -> list[str]:
+    """Where a job's output is: its ``train.log`` and what its launcher recorded (submitit's stdout and stderr)."""
+    return [str(job_dir / "train.log"), *record.get("logs", [])]
+
+
+def _close_job_runs(uri: str, undone: dict[Path, dict[str, Any]]) -> None:
+    """Mark the MLflow runs of jobs that died without closing them (SIGKILL, scancel) KILLED or FAILED.
+
+    Never RUNNING forever; running the sweep again continues them (``hlat.sweep.decide``), in the same run.
+    """
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    for job_dir, record in undone.items():
+        run_id = record.get("mlflow_run_id")
+        try:
+            if run_id and client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, "FAILED" if record.get("status") == "failed" else "KILLED")
+        except Exception:  # the sweep fails anyway; a run that cannot be closed must not hide why
+            log.exception("could not close the MLflow run %s of job %s", run_id, job_dir)
+
+
 class SweepCallback(Callback):
     """MLflow parent run, comparison report and failure summary of a Hydra multirun."""
 
@@ -55,6 +80,11 @@ class SweepCallback(Callback):
         self._handlers: dict[int, Any] = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hlat import sweep_launcher
+
+        sweep_launcher.adopt(config)  # the plugin's submitit launchers -> hlat's: a dead job does not crash the sweep
+        if config.hydra.launcher.get("_target_") == f"{sweep_launcher.OURS}SlurmLauncher":
+            sweep_launcher.require_accounting()  # before the parent run: never a sweep that cannot see a job die
         uri = _uri(config)
         if sweep.rank() != 0 or uri is None:
             return
@@ -84,7 +114,8 @@ class SweepCallback(Callback):
             "hlat.sweep_dir": str(sweep_dir.resolve()), "hlat.sweep_overrides": overrides[:5000],
             "mlflow.note.content": f"Hydra multirun `{config.hydra.job.config_name}` {overrides}"[:5000]})  # fmt: skip
         (sweep_dir / sweep.SWEEP_FILE).write_text(json.dumps(
-            {"parent_run_id": run.info.run_id, "experiment": name, "uri": uri}, indent=2) + "\n")  # fmt: skip
+            {"parent_run_id": run.info.run_id, "experiment": name, "uri": uri,
+             "overrides": list(config.hydra.overrides.task)}, indent=2) + "\n")  # fmt: skip
         log.info("sweep %s: MLflow parent run %s in experiment %r", sweep_dir, run.info.run_id, name)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -92,25 +123,31 @@ class SweepCallback(Callback):
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         records = sweep.job_records(sweep_dir)
-        failed = {d: r for d, r in records.items() if r.get("status") == "failed"}
-        counts = {s: sum(r.get("status") == s for r in records.values()) for s in ("finished", "skipped", "failed")}
+        # Not done: failed here, killed or cancelled outside (hlat.sweep_launcher records those), stopped by a signal.
+        undone = {d: r for d, r in records.items() if r.get("status") not in sweep.DONE}
+        counts = {s: sum(r.get("status") == s for r in records.values()) for s in (*sweep.DONE, "failed")}
+        counts["killed or stopped"] = len(undone) - counts["failed"]
         print(f"hlat: sweep {sweep_dir}: {len(records)} jobs, " + ", ".join(f"{n} {s}" for s, n in counts.items()))
         parent = (
             json.loads((sweep_dir / sweep.SWEEP_FILE).read_text()) if (sweep_dir / sweep.SWEEP_FILE).exists() else None
         )
         uri = _uri(config)
+        if uri is not None:
+            _close_job_runs(uri, undone)
         if uri is not None and sweep.recorded_run_ids(sweep_dir):
             self._compare(uri, sweep_dir, parent)
         if parent is not None:
             from mlflow import MlflowClient
 
-            MlflowClient(tracking_uri=uri).set_terminated(parent["parent_run_id"], "FAILED" if failed else "FINISHED")
+            status = "FAILED" if counts["failed"] else "KILLED" if undone else "FINISHED"
+            MlflowClient(tracking_uri=uri).set_terminated(parent["parent_run_id"], status)
         self._release()
-        if failed:
-            jobs = "; ".join(f"{d.name} (log: {d / 'train.log'})" for d in failed)
-            print(f"hlat: {len(failed)} of {len(records)} jobs failed: {jobs}. Fix the cause and run the same "
-                  "command again: finished jobs are skipped and the failed ones continue from their newest "
-                  "checkpoint", file=sys.stderr)  # fmt: skip
+        if undone:
+            jobs = "; ".join(f"{d.name} {r.get('status', 'killed')} (logs: {', '.join(_logs(d, r))})"
+                             for d, r in undone.items())  # fmt: skip
+            print(f"hlat: {len(undone)} of {len(records)} jobs did not finish: {jobs}. Fix the cause and run the same "
+                  "command again: finished jobs are skipped and the others continue from their newest checkpoint",
+                  file=sys.stderr)  # fmt: skip
             raise SystemExit(1)  # Hydra turns a callback's exceptions into warnings; the sweep must fail
 
     def _release(self) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,56 @@ def test_a_killed_sweep_run_again_continues_its_dead_job_then_skips_everything(t
     assert len(client.search_runs([exp.experiment_id], f"tags.`{sweep.HASH_TAG}` != ''")) == 2
 
 
+def _kill_when_hanging(sweep: subprocess.Popen, root: Path, job: str, timeout_s: float = 240) -> None:
+    """SIGKILL, from outside, the process of sweep job ``job`` once it hangs (``fault.hang_at``, after a checkpoint)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while not (markers := list(root.glob(f"multirun/*/*/{job}/checkpoints/faults/hang-*"))):
+        assert sweep.poll() is None and time.monotonic() < deadline, "the job never reached its hang"
+        time.sleep(0.2)
+    lock = str((markers[0].parents[1] / ".lock").resolve())  # held by the job's trainer (hlat.job_dir.hold_lock)
+    holders = [p for p in psutil.Process(sweep.pid).children(recursive=True)
+               if any(f.path == lock for f in p.open_files())]  # fmt: skip
+    assert len(holders) == 1, holders
+    holders[0].send_signal(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_job_killed_under_submitit_fails_the_sweep_after_the_others_and_continues_when_run_again(
+    tmp_path: Path, cache_dir
+) -> None:
+    from mlflow import MlflowClient
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    args = ["-m", *FAST, f"data.cache_dir={cache_dir}", "train.steps=4,6", "hydra/launcher=submitit_local"]
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, "fault.hang_at=5", "fault.hang_rank=0"]
+    with subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        _kill_when_hanging(p, tmp_path, "1")  # job 1 (6 steps) hangs after step 5; its checkpoint is step 4
+        out, err = p.communicate(timeout=240)
+    assert p.returncode == 1, err[-3000:]  # the sweep survived the kill, compared, then failed
+    seen: set[Path] = set()
+    first = new_sweep(tmp_path, seen)
+    rec = records(first)
+    assert rec["0"]["status"] == "finished" and rec["1"]["status"] == "killed"
+    assert "did not finish: 1 killed (logs: " in err and "/1/train.log" in err and "_log.err" in err  # named, logs
+    assert "| train.steps=4 |" in out and "| train.steps=6 |" in out  # compared; runs named by their overrides
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = client.get_run(json.loads((first / "sweep.json").read_text())["parent_run_id"])
+    killed = client.get_run(rec["1"]["mlflow_run_id"])
+    assert parent.info.status == "KILLED" and killed.info.status == "KILLED"  # never left RUNNING
+    assert {killed.info.run_name, client.get_run(rec["0"]["mlflow_run_id"]).info.run_name} == {
+        "train.steps=6", "train.steps=4"}  # fmt: skip
+
+    again = cli(*args, cwd=tmp_path, timeout=240)  # the fault is not part of the job's identity
+    assert again.returncode == 0, again.stderr[-3000:]
+    rec2 = records(new_sweep(tmp_path, seen))
+    assert rec2["0"]["status"] == "skipped" and rec2["1"]["decision"]["action"] == "resume"
+    assert rec2["1"]["status"] == "finished" and rec2["1"]["mlflow_run_id"] == killed.info.run_id  # the same run
+    steps = sorted({m.step for m in client.get_metric_history(killed.info.run_id, "train/loss")})
+    assert steps == [1, 2, 3, 4, 5, 6] and client.get_run(killed.info.run_id).info.status == "FINISHED"
+
+
 @pytest.mark.slow
 def test_optuna_sweep_minimizes_the_recorded_objective_and_replays_from_mlflow(tmp_path: Path, cache_dir) -> None:
     args = ["-m", "--config-dir", str(SWEEPS), "--config-name", "lr_warmup_optuna", *FAST,
@@ -170,7 +222,9 @@ def test_slurm_launcher_preset_asks_one_exclusive_task_per_node_of_the_cluster(t
         )
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
     assert params["nodes"] == "${cluster.nodes}"
+    assert params["cpus_per_task"] == "${cluster.cpus_per_task}"  # the cluster preset carries it
     params["nodes"], params["name"] = cfg.cluster.nodes, "train"  # what the launcher resolves in the sweep
+    params["cpus_per_task"] = cfg.cluster.cpus_per_task
     # The plugin's own mapping (SlurmLauncher.launch): base keys as they are, the others prefixed slurm_.
     base = set(OmegaConf.structured(BaseQueueConf).keys())
     executor = submitit.AutoExecutor(folder=str(tmp_path), cluster="slurm",
@@ -179,5 +233,5 @@ def test_slurm_launcher_preset_asks_one_exclusive_task_per_node_of_the_cluster(t
     executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
     sbatch = executor._executor._make_submission_file_text("python -u -m submitit.core._submit x", "uid")
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --partition=train",
-                 "#SBATCH --time=4320", "#SBATCH --signal=USR2@120"):  # fmt: skip
+                 "#SBATCH --time=4320", "#SBATCH --signal=USR2@120", "#SBATCH --cpus-per-task=128"):  # fmt: skip
         assert line in sbatch, sbatch

@@ -169,3 +169,68 @@ def test_slurm_rendezvous_meets_at_the_first_host(monkeypatch) -> None:
                        "SLURM_NTASKS": "4"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     assert launch.slurm_rendezvous() == (f"trn-3:{launch.RDZV_PORT}", "slurm-77", 4)
+
+
+def test_a_sweep_job_is_named_by_the_overrides_that_tell_it_from_the_others(tmp_path: Path, monkeypatch) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    command_line = ["model.dim=64", "optimizer.beta2=0.95,0.99", "tracker.plots=false", "optimizer.lr=range(1,3)"]
+    job = ["model.dim=64", "optimizer.beta2=0.99", "tracker.plots=False", "optimizer.lr=2", "model.scaled_init=true"]
+    # swept on the command line (a list, a range) or by the sweeper's own params (absent from the command line)
+    assert sweep.swept_overrides(job, command_line) == ["optimizer.beta2=0.99", "optimizer.lr=2",
+                                                        "model.scaled_init=true"]  # fmt: skip
+    assert sweep.swept_overrides(["model.dim=64"], ["model.dim=64"]) == []
+
+    job_dir = tmp_path / "sweep" / "1"
+    job_dir.mkdir(parents=True)
+    assert sweep.default_run_name(job_dir) is None  # no tracked sweep around it
+    (tmp_path / "sweep" / sweep.SWEEP_FILE).write_text(json.dumps({"parent_run_id": "p", "overrides": command_line}))
+    hydra = OmegaConf.create({"hydra": {"overrides": {"task": job}}})
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra.hydra))  # what the job sees, any launcher
+    assert sweep.default_run_name(job_dir) == "optimizer.beta2=0.99,optimizer.lr=2,model.scaled_init=true"
+
+    cfg = compose_cfg("tracker.experiment=sw")
+    named, run = sweep._named(cfg, to_run_config(cfg), job_dir)
+    name = "optimizer.beta2=0.99,optimizer.lr=2,model.scaled_init=true"
+    assert run.tracker.run_name == named.tracker.run_name == name
+    mine = compose_cfg("tracker.run_name=mine")
+    assert sweep._named(mine, to_run_config(mine), job_dir)[1].tracker.run_name == "mine"  # the user's name wins
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_only_rank_0_logs_info_to_the_console_under_any_launcher(tmp_path: Path, monkeypatch, capfd, rank) -> None:
+    import logging
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import configure_log
+    from omegaconf import open_dict
+
+    from tests.conftest import CONF
+
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.setenv("RANK", rank)  # an external torchrun's (srun's SLURM_PROCID alike)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir, cfg.hydra.job.name = str(tmp_path), "train"
+    HydraConfig.instance().set_config(cfg)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_log(cfg.hydra.job_logging)  # what Hydra does in every job process
+        logging.getLogger("hlat.test").info("narration")
+        logging.getLogger("hlat.test").warning("a problem")
+        for h in root.handlers:
+            h.flush()
+    finally:
+        for h in root.handlers:
+            if h not in saved[0]:
+                h.close()
+        root.handlers[:], root.level = saved
+    out = capfd.readouterr().out
+    assert "a problem" in out and ("narration" in out) == (rank == "0")  # rank N: warnings and worse only
+    log_file = tmp_path / ("train.log" if rank == "0" else f"train_rank{rank}.log")
+    assert "narration" in log_file.read_text()  # every rank keeps INFO in its own file

@@ -74,6 +74,17 @@ def register_configs() -> None:
     _register_resolvers()
 
 
+def _console_level(level: str = "INFO") -> str:
+    """``level`` on global rank 0, ``WARNING`` on the others (resolver of ``conf/hydra/job_logging/hlat.yaml``).
+
+    Under any launcher (torchrun, srun, Slurm tasks, hlat's own) one rank narrates on the console; the others speak up
+    on problems only, and keep their INFO lines in their own ``train_rank<N>.log``.
+    """
+    from hlat.launch import global_rank
+
+    return level if global_rank() == 0 else "WARNING"
+
+
 def _register_resolvers() -> None:
     """Resolvers that keep ranks of one job in one directory (``hydra.run.dir``, ``hydra.sweep.dir``, logs)."""
     from omegaconf import OmegaConf
@@ -81,6 +92,6 @@ def _register_resolvers() -> None:
     from hlat import launch
 
     for name, fn in (("hlat.job_stamp", launch.job_stamp), ("hlat.rank_zero_only", launch.rank_zero_only),
-                     ("hlat.rank_suffix", launch.rank_suffix)):  # fmt: skip
+                     ("hlat.rank_suffix", launch.rank_suffix), ("hlat.console_level", _console_level)):  # fmt: skip
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=name == "hlat.job_stamp")
