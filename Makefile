@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-neuron lint install clean
+.PHONY: demo test test-neuron test-cluster lint install clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -29,6 +29,13 @@ test: install
 test-neuron:
 	bash tests/neuron/setup_venv.sh
 	.venv-neuron/bin/python -m pytest -q tests/neuron $(ARGS)
+
+# The cluster lane (root; Linux network namespaces): a real two-node Slurm cluster with accounting, started and torn
+# down by the tests (tests/cluster/slurm.py); tests/cluster/install.sh apt-gets slurm-wlm munge slurmdbd mariadb-server
+# where missing.
+test-cluster: install
+	bash tests/cluster/install.sh
+	HLAT_CLUSTER_LANE=1 $(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
