@@ -220,6 +220,10 @@ def test_only_rank_0_logs_info_to_the_console_under_any_launcher(tmp_path: Path,
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     try:
+        configure_log(cfg.hydra.hydra_logging)  # what Hydra does first: its own lines ([HYDRA] Launching ...)
+        logging.getLogger("hydra.launcher").info("hydra's narration")
+        for h in root.handlers:
+            h.flush()
         configure_log(cfg.hydra.job_logging)  # what Hydra does in every job process
         logging.getLogger("hlat.test").info("narration")
         logging.getLogger("hlat.test").warning("a problem")
@@ -232,5 +236,6 @@ def test_only_rank_0_logs_info_to_the_console_under_any_launcher(tmp_path: Path,
         root.handlers[:], root.level = saved
     out = capfd.readouterr().out
     assert "a problem" in out and ("narration" in out) == (rank == "0")  # rank N: warnings and worse only
+    assert ("[HYDRA] hydra's narration" in out) == (rank == "0")
     log_file = tmp_path / ("train.log" if rank == "0" else f"train_rank{rank}.log")
     assert "narration" in log_file.read_text()  # every rank keeps INFO in its own file
