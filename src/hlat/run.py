@@ -17,7 +17,7 @@ import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hlat import checkpoint, preempt, sweep
+from hlat import attempt, checkpoint, preempt, sweep
 from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig
 from hlat.data import build_loader
@@ -105,6 +105,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         n_params, est = estimate_memory(cfg, dims)
         print(summary(cfg, dims, n_params, est, planned_budget(cfg.cluster)))
         return RunResult(cfg, None, history, None)
+    attempt.current(timeout_s=cfg.health.collective_timeout_s)  # every rank agrees which restart this is, first
     record_start(checkpoint_root(cfg, run_dir or hydra_output_dir()), t.resume, launched)  # before all that can fail
     backend = get_backend(cfg.cluster.backend, cfg)
     env = backend.setup(cfg.cluster, cfg.precision, t.seed)
