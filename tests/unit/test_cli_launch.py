@@ -240,3 +240,18 @@ def test_the_neuron_backends_variables_are_exported(capsys: pytest.CaptureFixtur
     elastic = ["export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
                "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30"]  # torch elastic's, after the backend's  # fmt: skip
     assert exports == [f"export {k}={shlex.quote(v)}" for k, v in env.items()] + elastic
+
+
+def test_the_scripts_run_train_py_from_the_checkout_or_an_images_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hlat.deploy import commands
+
+    got = install()
+    assert Path(got.root, "train.py").is_file() and os.access(got.python, os.X_OK)  # this checkout, pip -e
+    monkeypatch.setattr(commands, "__file__", str(tmp_path / "site-packages" / "hlat" / "deploy" / "commands.py"))
+    monkeypatch.chdir(tmp_path)  # a wheel install: no train.py beside the package
+    with pytest.raises(commands.UsageError, match="nor in the working directory"):
+        install()
+    (tmp_path / "train.py").write_text("")  # an image's /opt/hlat
+    assert install().root == str(tmp_path.resolve())

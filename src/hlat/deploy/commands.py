@@ -127,11 +127,20 @@ def run_env(cfg: RunConfig) -> dict[str, str]:
 
 
 def install() -> Install:
-    """This interpreter and the checkout holding ``train.py``: what the rendered scripts run, by absolute path."""
-    root = Path(__file__).resolve().parents[3]
-    if not (root / TRAIN_SCRIPT).is_file():
-        raise UsageError(f"no {TRAIN_SCRIPT} in {root}: hlat launch renders scripts from an hlat checkout (pip -e)")
-    return Install(python=os.path.abspath(sys.executable), root=str(root))
+    """This interpreter and the directory holding ``train.py``: what the rendered scripts run, by absolute path.
+
+    The checkout hlat is installed from (``pip install -e``), else the working directory (an image's ``/opt/hlat``,
+    where hlat is installed as a wheel beside ``train.py``).
+    """
+    checkout = Path(__file__).resolve().parents[3]
+    for root in (checkout, Path.cwd().resolve()):
+        if (root / TRAIN_SCRIPT).is_file():
+            return Install(python=os.path.abspath(sys.executable), root=str(root))
+    raise UsageError(
+        f"no {TRAIN_SCRIPT} in {checkout} (where hlat is installed) nor in the working directory {Path.cwd()}: run "
+        "hlat launch from an hlat checkout installed with pip install -e, or from the directory that holds train.py "
+        "(/opt/hlat in hlat's images)"
+    )
 
 
 def pinned_overrides(cfg: RunConfig, overrides: Sequence[str], target: str) -> list[str]:
