@@ -8,6 +8,7 @@ retries per agent): the ranks waited under different store prefixes and the job 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,10 +54,22 @@ def wait_all(agents: list[subprocess.Popen], tmp: Path, name: str) -> None:
             a.wait(max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for a in agents:
-            os.killpg(a.pid, signal.SIGKILL)
+            kill_tree(a)
         pytest.fail(f"job {name} hung for {JOB_TIMEOUT_S:.0f} s\n{logs(tmp, name)}")
     codes = [a.returncode for a in agents]
     assert codes == [0, 0], f"job {name} ended with {codes}\n{logs(tmp, name)}"
+
+
+def kill_tree(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and every process under it (torch elastic starts its trainers in sessions of their own)."""
+    try:
+        procs = [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    agent.wait(30)
 
 
 def logs(tmp: Path, name: str) -> str:

@@ -122,3 +122,32 @@ def test_preempted_job_checkpoints_requeues_and_finishes(
     client, runs = finished_runs(f"sqlite:///{tmp_path}/mlflow.db")
     assert [r.info.status for r in runs] == ["FINISHED"]
     assert max(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")) == steps
+
+
+def test_an_administrators_requeue_checkpoints_and_the_job_continues(
+    slurm_cluster: Cluster, tmp_path: Path, cache_dir: Path
+) -> None:
+    """``scontrol requeue`` of a running job (what an administrator or a preempting partition does): Slurm sends
+    SIGTERM, the trainers checkpoint the step in flight, and the requeued job resumes from that checkpoint (between
+    the regular ones) and finishes into the same MLflow run."""
+    steps, every = 100, 20
+    script = render(tmp_path, "cluster=cpu", f"train.steps={steps}", f"train.checkpoint_every={every}",
+                    f"data.cache_dir={cache_dir}", f"train.log_every={every}")  # fmt: skip
+    requeued = []
+
+    def requeue(job: str) -> bool:
+        if not list((tmp_path / "run").rglob(f"step_{every:08d}/manifest.json")):
+            return False
+        slurm_cluster.run(["scontrol", "requeue", job])
+        requeued.append(job)
+        return True
+
+    job, state = submit_and_wait(slurm_cluster, script, 300, on_running=requeue)
+    log = output(tmp_path)
+    assert requeued and state == "COMPLETED", log
+    assert "Restarts=1" in slurm_cluster.run(["scontrol", "show", "job", job]).stdout
+    off_grid = [p for p in (tmp_path / "run").rglob("step_*/manifest.json")
+                if int(p.parent.name.removeprefix("step_")) % every]  # fmt: skip
+    assert off_grid, "the SIGTERM of the requeue must checkpoint the step in flight"
+    assert "resum" in log.lower(), log
+    check_run(f"sqlite:///{tmp_path}/mlflow.db", steps)  # every step once in one run: no hole, no restart

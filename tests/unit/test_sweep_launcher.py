@@ -6,7 +6,7 @@ import json
 import math
 import os
 import pickle
-import time
+import signal
 from pathlib import Path
 
 import pytest
@@ -43,6 +43,11 @@ def test_an_exception_that_cannot_cross_the_pickle_boundary_becomes_a_plain_one(
     assert sweep_launcher.picklable(ok) is ok and ok.return_value == 1.5
 
 
+def _dies() -> None:
+    """A job whose process is killed before it reports (SIGKILL: the OOM killer, scancel's end, a lost node)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _launcher(tmp_path: Path) -> LocalLauncher:
     launcher = LocalLauncher(submitit_folder=str(tmp_path / ".submitit" / "%j"))
     launcher._job_dir = lambda overrides, idx: (tmp_path / "sweep" / str(idx), "run-of-job")  # no Hydra context
@@ -55,20 +60,15 @@ def test_each_job_is_collected_on_its_own_and_a_dead_one_is_recorded(tmp_path: P
 
     executor = submitit.AutoExecutor(folder=tmp_path / ".submitit" / "%j", cluster="local")
     executor.update_parameters(timeout_min=5)
-    cancelled = executor.submit(time.sleep, 120)
+    killed = executor.submit(_dies)  # (a job cancel()-ed while still starting up may instead run to its end)
     unreadable = executor.submit(_signal_exception)
     finished = executor.submit(_returns, 2.5)
     raised = executor.submit(math.sqrt, -1)
     escaped = executor.submit(_returns, ValueError("raised past run_job"))  # Hydra's FAILED JobReturn
-    while not (tmp_path / ".submitit" / cancelled.job_id / f"{cancelled.job_id}_0_log.out").exists():
-        time.sleep(0.1)
-    time.sleep(1)
-    cancelled.cancel()
     launcher = _launcher(tmp_path)
-    start = time.monotonic()
-    jobs = (cancelled, unreadable, finished, raised, escaped)
+    jobs = (killed, unreadable, finished, raised, escaped)
     rets = [launcher._collect(job, [f"x={i}"], i) for i, job in enumerate(jobs)]
-    assert time.monotonic() - start < 30  # a dead local job is not waited for 15 s
+    assert killed._results_timeout_s == sweep_launcher.LOCAL_RESULT_WAIT_S  # a dead local job is not waited 15 s for
     assert [r.status for r in rets] == [JobStatus.COMPLETED] * 5  # a failed JobReturn would end the sweeper
     assert [r.return_value for r in rets] == [math.inf, math.inf, 2.5, math.inf, math.inf]  # the worst objective
     records = {d.name: r for d, r in sweep.job_records(tmp_path / "sweep").items()}
