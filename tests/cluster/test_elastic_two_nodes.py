@@ -73,7 +73,8 @@ def kill_tree(agent: subprocess.Popen) -> None:
 
 
 def logs(tmp: Path, name: str) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(tmp.glob(f"{name}-*.log")))
+    paths = sorted(tmp.glob(f"{name}-*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in paths)
 
 
 def trainer_of(agent: subprocess.Popen) -> psutil.Process:

@@ -45,7 +45,7 @@ def wait(p: subprocess.Popen, tmp: Path) -> str:
 
 
 def logs(tmp: Path) -> str:
-    return "\n".join(p.read_text()[-6000:] for p in sorted(tmp.glob("sweep-*.log")))
+    return "\n".join(p.read_text(errors="replace")[-6000:] for p in sorted(tmp.glob("sweep-*.log")))
 
 
 def cancel_when_hanging(cluster: Cluster, p: subprocess.Popen, tmp: Path) -> str:
