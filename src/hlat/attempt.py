@@ -54,8 +54,8 @@ class AttemptError(RuntimeError):
 def current(store: Any | None = None, timeout_s: float | None = None) -> int:
     """This job's attempt: 0 for its first start, n after its n-th restart; the same number on every rank.
 
-    The first call agrees on it with the other ranks (which all call it at the same point of their start: the
-    process group's set-up, or the resume decision); later calls return the same number.
+    The first call agrees on it with the other ranks (every rank calls it first thing in ``hlat.run.main``; the
+    process group's set-up and the resume decision then read the same number back).
 
     Args:
         store: The job's shared store; None connects to torch elastic's (``MASTER_ADDR``/``MASTER_PORT``).
