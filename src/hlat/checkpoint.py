@@ -210,10 +210,11 @@ LAYOUT_KEYS = {
 """Other keys whose change makes the saved state unloadable, and why (there is no resharding or conversion)."""
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: config keys as dotted names (MLflow params, config hashes, diffs)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
@@ -244,9 +245,9 @@ def check_compatible(path: Path, config: dict[str, Any]) -> None:
     """
     meta = manifest(path) or {}
     if "config" in meta:
-        saved, now = _flat(meta["config"]), _flat(config)
+        saved, now = flatten(meta["config"]), flatten(config)
     elif "model" in meta:  # written before the whole config was recorded
-        saved, now = _flat({"model": meta["model"]}), _flat({"model": config.get("model", {})})
+        saved, now = flatten({"model": meta["model"]}), flatten({"model": config.get("model", {})})
     else:
         return
     changed = [k for k in sorted(set(saved) | set(now)) if not k.endswith(".name") and saved.get(k) != now.get(k)]

@@ -56,17 +56,6 @@ def to_run_config(hydra_cfg: DictConfig) -> RunConfig:
     return cfg
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (MLflow params are flat)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
 
 
@@ -81,7 +70,7 @@ def _start_tracking(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: 
     tracker, mlflow_tracker = build_tracker(
         cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra, run_id=run_id
     )
-    params = flatten(OmegaConf.to_container(hydra_cfg, resolve=True))
+    params = checkpoint.flatten(OmegaConf.to_container(hydra_cfg, resolve=True))
     tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
     for f in files:
         tracker.log_artifact(f)

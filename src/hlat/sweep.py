@@ -62,7 +62,7 @@ recorded) fails the sweep."""
 
 def config_hash(config: dict[str, Any]) -> str:
     """Hash of the resolved run config (``dataclasses.asdict`` of a RunConfig), :data:`UNHASHED` keys left out."""
-    from hlat.run import flatten
+    from hlat.checkpoint import flatten
 
     kept = {k: v for k, v in flatten(config).items() if k not in UNHASHED and not k.startswith(UNHASHED_GROUPS)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
