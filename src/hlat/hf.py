@@ -1,8 +1,16 @@
 """Hugging Face LLaMA layout: export hlat checkpoints for other tools, import LLaMA-layout models to train on.
 
 An exported directory is what ``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` read:
-``config.json``, ``model.safetensors``, ``generation_config.json`` and the sentencepiece tokenizer
-(``tokenizer.model``, ``tokenizer_config.json``, ``special_tokens_map.json``).
+``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer: hlat's sentencepiece model
+(``tokenizer.model``) and ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, with which
+transformers gives sentencepiece's ids for every text (``hlat.hf_tokenizer``).
+
+Start of sequence: hlat trains on documents packed as ``ids + [EOS]``, so the token before a document is EOS (id 2),
+never sentencepiece's ``<s>`` (id 1). The export says so: ``bos_token_id`` is EOS's id in ``config.json`` and
+``generation_config.json``, ``bos_token`` is ``"</s>"`` with ``add_bos_token`` false (a plain encode has no
+special token, as hlat's packing). lm-eval's ``hf`` model therefore starts rolling log-likelihood (perplexity)
+windows with EOS, as hlat's ``hlat`` model does, and gives its numbers; for tasks with a context (multiple choice,
+generation), where hlat's model puts EOS before the context, pass ``add_bos_token=True`` in ``--model_args``.
 
 The weight mapping is a relabelling plus two splits, with no rotary permutation: hlat's RoPE already is HF's
 rotate-half convention (``model.rope_tables``/``apply_rope``), so HF's ``q_proj``/``k_proj`` rows are hlat's
@@ -36,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 
 from hlat import checkpoint
 from hlat.config import ConfigError, ModelConfig
+from hlat.hf_tokenizer import write_tokenizer
 from hlat.inference import Tensors, check_tensors, expected_shapes, find_tokenizer, load_checkpoint_weights
 
 log = logging.getLogger(__name__)
@@ -139,23 +148,21 @@ def _spm_prefix(spm_path: Path) -> bool:
     return proto.normalizer_spec.add_dummy_prefix
 
 
-def _write_tokenizer(spm_path: Path, out: Path, max_len: int) -> tuple[int | None, int | None]:
-    """Copy the sentencepiece model and write HF's tokenizer files; returns (bos id, eos id)."""
+def _write_tokenizer(spm_path: Path, out: Path, max_len: int) -> int:
+    """Copy the sentencepiece model and write HF's tokenizer files (``hlat.hf_tokenizer``); returns the EOS id.
+
+    EOS is also the export's start-of-sequence token (``bos_token``/``bos_token_id``): hlat packs documents as
+    ``ids + [EOS]``, so EOS is what precedes every document in training (see ``hlat.hf_tokenizer``).
+    """
     from hlat.data.tokenizer import Tokenizer
 
     sp = Tokenizer(spm_path, num_threads=1).processor
-    ids = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id()}  # -1: none
-    piece = {k: sp.id_to_piece(i) for k, i in ids.items() if i >= 0}
+    ids = {"eos_token": sp.eos_id(), "unk_token": sp.unk_id()}  # -1: none
+    if ids["eos_token"] < 0:
+        raise ConfigError(f"{spm_path} has no EOS piece: hlat separates documents with EOS, so no model trained on it")
     shutil.copyfile(spm_path, out / SPM)
-    # hlat packs documents as ids + EOS, never with a BOS: HF tokenization must match what the model was trained on.
-    _dump(out / "tokenizer_config.json", {
-        "tokenizer_class": "LlamaTokenizer", **piece, "pad_token": None, "add_bos_token": False,
-        "add_eos_token": False, "add_prefix_space": _spm_prefix(spm_path), "legacy": False,
-        "clean_up_tokenization_spaces": False, "model_max_length": max_len, "sp_model_kwargs": {},
-        "spaces_between_special_tokens": False,
-    })  # fmt: skip
-    _dump(out / "special_tokens_map.json", piece)
-    return (ids["bos_token"] if ids["bos_token"] >= 0 else None), (ids["eos_token"] if ids["eos_token"] >= 0 else None)
+    write_tokenizer(spm_path, out, max_len, {k: sp.id_to_piece(i) for k, i in ids.items() if i >= 0})
+    return ids["eos_token"]
 
 
 def export_hf(checkpoint_path: Path, out_dir: Path, *, tokenizer: Path | None = None, dtype: str | None = None,
@@ -189,11 +196,11 @@ def export_hf(checkpoint_path: Path, out_dir: Path, *, tokenizer: Path | None = 
     spm_path = checkpoint_tokenizer(ckpt, tokenizer)
     _spm_prefix(spm_path)  # refuse a unigram tokenizer before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
-    bos, eos = _write_tokenizer(spm_path, out_dir, cfg.max_seq_len)
+    eos = _write_tokenizer(spm_path, out_dir, cfg.max_seq_len)
     tensors = {k: v.to(target) for k, v in to_hf(cfg, sd).items()}
     save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
-    _dump(out_dir / "config.json", hf_config(cfg, target, bos, eos))
-    _dump(out_dir / "generation_config.json", {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos})
+    _dump(out_dir / "config.json", hf_config(cfg, target, eos, eos))  # EOS starts a sequence too (module docstring)
+    _dump(out_dir / "generation_config.json", {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos})
     log.info("exported %s to %s (%s, tokenizer %s)", ckpt, out_dir, target, spm_path)
     return out_dir
 

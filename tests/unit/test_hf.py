@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hlat import checkpoint, hf
 from hlat.backends.torch import TorchBackend
@@ -21,9 +23,19 @@ VOCAB = 512
 # GQA with 2 query heads per kv head: the grouping of the fused qkv rows matters.
 CFG = ModelConfig(name="hf-test", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=VOCAB,
                   max_seq_len=64, norm_eps=1e-5, rope_theta=500.0, init_std=0.02, scaled_init=False)  # fmt: skip
-# Not a text that starts with a space: sentencepiece's dummy prefix then gives "▁▁", HF's Metaspace one "▁" (a known
-# difference of every LLaMA tokenizer converted to HF's tokenizers library, not of this export).
-TEXTS = ["Hello world, this is hlat.", "Tabs\tand  double  spaces,\nnew lines", "2024 naïve café 😀", "end space "]
+# Texts led by spaces too: sentencepiece's dummy prefix gives "▁▁▁" for "  x" (HF's LlamaTokenizer gave "▁▁").
+TEXTS = [
+    "Hello world, this is hlat.",
+    "Tabs\tand  double  spaces,\nnew lines",
+    "2024 naïve café 😀",
+    "end space ",
+    "  leading spaces",
+    "    ",
+    " ",
+    "",
+    "\n\tx",
+    "</s> is text, not EOS <s>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +109,7 @@ def test_export_then_import_gives_the_same_model(exported, tok) -> None:
         "model.safetensors",
         "generation_config.json",
         "tokenizer.model",
+        "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
     }
@@ -109,9 +122,13 @@ def test_export_then_import_gives_the_same_model(exported, tok) -> None:
         assert torch.equal(logits(cfg, sd), model(tokens()))
     meta = json.loads((out / "config.json").read_text())
     assert meta["num_key_value_heads"] == 2 and meta["head_dim"] == 16 and meta["torch_dtype"] == "float32"
-    assert (meta["bos_token_id"], meta["eos_token_id"]) == (tok.bos_id, tok.eos_id)
+    # EOS starts a sequence: hlat packs documents as ids + [EOS] (hlat.hf_tokenizer's docstring)
+    assert (meta["bos_token_id"], meta["eos_token_id"]) == (tok.eos_id, tok.eos_id)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (tok.eos_id, tok.eos_id)
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
-    assert tok_cfg["add_bos_token"] is False and tok_cfg["eos_token"] == tok.processor.id_to_piece(tok.eos_id)
+    eos = tok.processor.id_to_piece(tok.eos_id)
+    assert tok_cfg["add_bos_token"] is False and tok_cfg["eos_token"] == tok_cfg["bos_token"] == eos
 
 
 def test_hf_names_and_splits(exported) -> None:
@@ -142,6 +159,39 @@ def test_transformers_computes_the_same_logits(exported, tok) -> None:
     for text in TEXTS:  # the same ids as hlat's packing (no BOS), and back to the same text
         assert hf_tok(text)["input_ids"] == tok.encode([text])[0], text
         assert hf_tok.decode(tok.encode([text])[0]) == text
+    assert hf_tok.bos_token_id == hf_tok.eos_token_id == tok.eos_id  # what lm-eval's hf model starts texts with
+    with_bos = transformers.AutoTokenizer.from_pretrained(out, add_bos_token=True)  # lm-eval's add_bos_token=True
+    assert with_bos("x")["input_ids"] == [tok.eos_id, *tok.encode(["x"])[0]]
+
+
+# Pieces of text where tokenizers disagree: whitespace of every kind and length, the dummy prefix's "▁" typed in,
+# code, digits (split one by one), characters outside the vocabulary (byte fallback), the control pieces as text.
+SPACES = st.sampled_from([" ", "  ", "   ", "    ", "\t", "\n", "\r\n", "\u3000", "\u00a0", "▁"])
+WORDS = st.sampled_from(["the", "Return", "def f(x):", "__init__", "0", "2024", "3.14", "naïve", "😀", "日本語", "</s>",
+                         "<s>", "<unk>", "<0x41>", "x"])  # fmt: skip
+TEXT = st.one_of(
+    st.text(max_size=40), st.lists(st.one_of(SPACES, WORDS, st.text(max_size=3)), max_size=20).map("".join)
+)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers(exported) -> tuple:
+    """What transformers' AutoTokenizer loads from the export, and its tokenizer.json read by tokenizers alone."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    out = exported[2]
+    return transformers.AutoTokenizer.from_pretrained(out), tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=TEXT)
+def test_transformers_tokenizes_every_text_as_sentencepiece(hf_tokenizers, tok, text: str) -> None:
+    auto, raw = hf_tokenizers
+    ids = tok.encode([text])[0]
+    assert auto(text, add_special_tokens=False).input_ids == ids
+    assert auto(text).input_ids == ids  # add_bos_token is false: a plain encode is hlat's packing
+    assert raw.encode(text, add_special_tokens=False).ids == ids
+    assert auto.decode(ids) == tok.decode(ids)
 
 
 def test_weights_only_checkpoint_round_trip(exported, tmp_path) -> None:

@@ -1,0 +1,129 @@
+"""The Hugging Face tokenizer files of an export: ``tokenizer.json`` that tokenizes exactly as hlat's sentencepiece.
+
+hlat trains its sentencepiece BPE model with the identity normalization, ``add_dummy_prefix`` and
+``remove_extra_whitespaces=False`` (``hlat.data.tokenizer``): the only change sentencepiece makes to a text before
+merging is a "▁" put in front of it (the dummy prefix, also in front of a text that starts with spaces: ``"  a"``
+is ``"▁▁▁a"``) and every ASCII space written as "▁". transformers' ``LlamaTokenizer`` does not say that: its
+``Metaspace`` pre-tokenizer adds the prefix only where the text does not already start with a space, so a text led
+by spaces lost one (and in transformers 5 that class rebuilds its pipeline whatever ``tokenizer.json`` says). So an
+export writes its own ``tokenizer.json`` and names the generic ``PreTrainedTokenizerFast`` (transformers 5:
+``TokenizersBackend``), which runs that file as written:
+
+* normalizer: ``Prepend("▁")`` (non-empty texts only, as sentencepiece) then ``Replace(" ", "▁")``; no
+  pre-tokenizer, so the whole text is one word, as in sentencepiece;
+* model: BPE over sentencepiece's pieces and ids, byte fallback; the merges are every split of a normal piece into
+  two normal pieces, in the order of the merged piece's score (sentencepiece merges the highest-scoring pair);
+* decoder: "▁" back to spaces, byte pieces back to bytes, and one leading space dropped (the dummy prefix);
+* no added tokens, and ``split_special_tokens`` in ``tokenizer_config.json``: text is never read as a control
+  token. hlat's sentencepiece encodes ``"</s>"`` in a document as the characters it is, so the model never saw
+  id 2 where a text said "</s>". transformers adds the special tokens ``tokenizer_config.json`` declares (EOS,
+  ``<unk>``) for decoding (``skip_special_tokens``); the ``tokenizers`` library alone, reading ``tokenizer.json``,
+  treats them as ordinary pieces.
+
+A sentencepiece model with another normalization (``nmt_nfkc``, ``remove_extra_whitespaces``) is exported with a
+warning: the file reproduces the identity recipe only.
+
+Start of sequence: hlat packs documents as ``ids + [EOS]`` one after another (``hlat.data.packing``), so the token
+in front of every document's first token is EOS (id 2), never sentencepiece's ``<s>`` (id 1, unseen in training).
+The export declares that: ``bos_token`` is ``"</s>"`` (``bos_token_id`` 2 in ``config.json`` and
+``generation_config.json``) and ``add_bos_token`` is false, so a plain encode gives sentencepiece's ids. lm-eval's
+``hf`` model conditions the first token of a rolling log-likelihood (perplexity) window, and a continuation
+without a context, on ``tokenizer.bos_token_id``: 2, what hlat's own ``hlat`` model uses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_JSON = "tokenizer.json"
+SPACE = "▁"  # sentencepiece's whitespace symbol (U+2581)
+
+
+def _proto(spm_path: Path) -> Any:
+    """The parsed ``ModelProto`` of a sentencepiece model (needs protobuf, which mlflow brings)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(spm_path.read_bytes())
+    return proto
+
+
+def merges(pieces: list[tuple[str, float, bool]]) -> list[tuple[str, str]]:
+    """BPE merges reproducing sentencepiece's BPE encoding.
+
+    Args:
+        pieces: ``(piece, score, normal)`` per id; only normal pieces (not control, unknown, byte or unused) are
+            ever symbols of sentencepiece's merging.
+
+    Returns:
+        Every split ``(left, right)`` of a normal piece into two normal pieces, highest merged-piece score first
+        (ties: lower id first, then shorter left part), the order in which sentencepiece merges pairs.
+    """
+    normal = {p: i for i, (p, _, ok) in enumerate(pieces) if ok}
+    out = []
+    for piece, i in normal.items():
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+        out += [(-pieces[i][1], i, len(a), a, b) for a, b in splits if a in normal and b in normal]
+    return [(a, b) for *_, a, b in sorted(out)]
+
+
+def tokenizer_json(spm_path: Path) -> dict[str, Any]:
+    """The ``tokenizers`` serialization that encodes and decodes as the sentencepiece model at ``spm_path``."""
+    proto = _proto(spm_path)
+    norm = proto.normalizer_spec
+    if norm.name != "identity" or norm.remove_extra_whitespaces or norm.precompiled_charsmap:
+        log.warning("%s normalizes text (rule %r, remove_extra_whitespaces=%s); the exported tokenizer.json does "
+                    "not, so transformers may tokenize some texts differently", spm_path, norm.name,
+                    norm.remove_extra_whitespaces)  # fmt: skip
+    pieces = [(p.piece, p.score, p.type == proto.SentencePiece.NORMAL) for p in proto.pieces]
+    prefix = norm.add_dummy_prefix
+    replace_space = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+    decoders = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}]  # fmt: skip
+    if prefix:  # sentencepiece drops the dummy prefix's space when decoding
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    unk = proto.pieces[proto.trainer_spec.unk_id].piece if proto.trainer_spec.unk_id >= 0 else None
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [],  # none: transformers adds the declared special tokens, not matched in text (below)
+        "normalizer": {"type": "Sequence", "normalizers":
+                       ([{"type": "Prepend", "prepend": SPACE}] if prefix else []) + [replace_space]},
+        "pre_tokenizer": None,
+        "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {}},
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": proto.trainer_spec.byte_fallback,
+                  "ignore_merges": False, "vocab": {p: i for i, (p, _, _) in enumerate(pieces)},
+                  "merges": [list(m) for m in merges(pieces)]},
+    }  # fmt: skip
+
+
+def write_tokenizer(spm_path: Path, out: Path, max_len: int, piece: dict[str, str]) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into ``out``.
+
+    Args:
+        spm_path: The sentencepiece model (copied next to them by the caller).
+        out: The export directory.
+        max_len: ``model_max_length``.
+        piece: The special pieces: ``eos_token`` (required), ``unk_token``; ``bos_token`` is set to EOS (see the
+            module docstring).
+    """
+    special = {**piece, "bos_token": piece["eos_token"]}
+    _dump(out / TOKENIZER_JSON, tokenizer_json(spm_path))
+    _dump(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", **special, "pad_token": None, "add_bos_token": False,
+        "add_eos_token": False, "split_special_tokens": True, "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len, "spaces_between_special_tokens": False,
+    })  # fmt: skip
+    _dump(out / "special_tokens_map.json", special)
+
+
+def _dump(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
