@@ -17,7 +17,16 @@ from dataclasses import asdict, dataclass, field
 from hlat.config import ConfigError, RunConfig
 from hlat.parallel import ParallelDims
 from hlat.perf_model import Hardware, StepEstimate, estimate_step
-from hlat.plan import Fix, GiB, MemoryEstimate, estimate_memory, planned_budget, suggest_fixes
+from hlat.plan import (
+    Fix,
+    GiB,
+    MemoryEstimate,
+    cluster_fix,
+    estimate_memory,
+    nothing_fits,
+    planned_budget,
+    suggest_fixes,
+)
 from hlat.plan import with_changes as _with_changes
 
 
@@ -38,7 +47,9 @@ class Plan:
     adapted: str = ""
     """Non-empty when the configured layout does not fit the world and a smaller pp/tp was planned instead."""
     fixes: list[Fix] = field(default_factory=list)
-    """When it does not fit: the changes the memory estimate predicts to fit."""
+    """When it does not fit: the changes the memory estimate predicts to fit (and the backend runs)."""
+    cluster_fix: Fix | None = None
+    """When it does not fit and no change does: the smallest cluster preset that would (``hlat.plan.cluster_fix``)."""
 
     @property
     def fits(self) -> bool:
@@ -70,13 +81,14 @@ def adapt_layout(cfg: RunConfig, world: int) -> tuple[RunConfig, str]:
     raise ConfigError(f"no tp x pp layout up to tp {par.tp} x pp {par.pp} fits a world of {world}")
 
 
-def make_plan(cfg: RunConfig, *, adapt: bool = False) -> Plan:
+def make_plan(cfg: RunConfig, *, adapt: bool = False, hint: bool = True) -> Plan:
     """Plan ``cfg`` for the world of its cluster preset.
 
     Args:
         cfg: A validated run config.
         adapt: When the layout does not fit the world, plan the nearest smaller one (``adapt_layout``) instead of
             raising.
+        hint: When nothing the cluster runs fits, look for the smallest cluster preset that would (``cluster_fix``).
 
     Raises:
         ConfigError: The layout does not fit the world (and ``adapt`` is false).
@@ -97,7 +109,8 @@ def make_plan(cfg: RunConfig, *, adapt: bool = False) -> Plan:
     except ConfigError as e:
         why = str(e)
     fixes = suggest_fixes(cfg, dims, budget) if mem.total > budget else []
-    return Plan(cfg, dims, n, mem, budget, step, why, note, fixes)
+    other = cluster_fix(cfg) if hint and mem.total > budget and not fixes else None
+    return Plan(cfg, dims, n, mem, budget, step, why, note, fixes, other)
 
 
 def _activation_grid(cfg: RunConfig, dims: ParallelDims) -> list[str]:
@@ -131,7 +144,7 @@ def _memory_lines(p: Plan) -> list[str]:
     for f in p.fixes:
         lines.append(f"  would fit: {' '.join(f.overrides)}  (~{f.memory.total / GiB:.2f} GiB)")
     if not p.fits and not p.fixes:
-        lines.append("  no single change of layout, checkpointing, micro-batch or node count fits")
+        lines += [f"  {clause}" for clause in nothing_fits(p.cfg, p.cluster_fix)]
     return lines
 
 
@@ -174,7 +187,9 @@ def plan_dict(p: Plan) -> dict:
                  "layout": {"tp": p.dims.tp, "pp": p.dims.pp, "dp": p.dims.dp}, "adapted": p.adapted,
                  "n_params": p.n_params, "memory": asdict(p.memory) | {"total": p.memory.total},
                  "budget": p.budget, "fits": p.fits,
-                 "fixes": [{"overrides": list(f.overrides), "total": f.memory.total} for f in p.fixes]}  # fmt: skip
+                 "fixes": [{"overrides": list(f.overrides), "total": f.memory.total} for f in p.fixes],
+                 "cluster_fix": {"overrides": list(p.cluster_fix.overrides), "total": p.cluster_fix.memory.total}
+                 if p.cluster_fix else None}  # fmt: skip
     if p.step is not None:
         s = p.step
         out["step"] = {"step_s": s.step_s, "components_s": s.components(),
@@ -187,7 +202,7 @@ def scaling_rows(cfg: RunConfig, nodes: Sequence[int]) -> list[dict]:
     """Plan ``cfg`` on each node count; scaling efficiency is MFU relative to the smallest count's."""
     rows = []
     for n in sorted(nodes):
-        p = make_plan(_with_changes(cfg, {"cluster.nodes": n}), adapt=True)
+        p = make_plan(_with_changes(cfg, {"cluster.nodes": n}), adapt=True, hint=False)
         rows.append(plan_dict(p))
     base = next((r["step"]["mfu"] for r in rows if "step" in r), None)
     for r in rows:

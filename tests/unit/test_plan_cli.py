@@ -66,7 +66,8 @@ def test_no_fix_falls_back_to_the_generic_advice() -> None:
     dims = ParallelDims.build(cfg.parallelism, 1, cfg.model, cfg.train)
     _, est = estimate_memory(cfg, dims)
     check_fits(est, est.total, cfg, dims=dims)  # fits exactly: no error
-    with pytest.raises(ConfigError, match=r"Use a smaller model \(model=tiny or model=small\)"):
+    with pytest.raises(ConfigError, match=r"this needs a cluster: see `hlat plan model=tiny cluster=p4d_1node[^`]*` .*"
+                       r"Otherwise: use a smaller model \(model=tiny or model=small\)"):  # fmt: skip
         check_fits(est, 1, cfg, dims=dims)
 
 

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from hlat.backends.neuron_model import NeuronAttentionCore, NeuronBlock, NeuronModelOptions, TokenLoss
-from hlat.config import ConfigError, ParallelismConfig, PrecisionConfig, RunConfig
+from hlat.config import ParallelismConfig, PrecisionConfig, RunConfig
+from hlat.layouts import check_neuron_precision
+from hlat.layouts import check_neuron_supported as check_supported
 from hlat.model import RMSNorm
 from hlat.parallel import ParallelDims
 
@@ -94,34 +96,8 @@ def precision_plan(p: PrecisionConfig, par: ParallelismConfig, seed: int) -> Neu
     Raises:
         ConfigError: for a combination NxD or torch-xla cannot honour, naming the keys and the fix.
     """
+    check_neuron_precision(p, par)  # hlat.layouts: what hlat launch and the planner's advice ask too
     low = p.param_dtype == "bfloat16"
-    if p.bf16_matmul == "emulated":
-        raise ConfigError(
-            "precision.bf16_matmul=emulated is a torch-backend policy for CPUs without fast bf16 kernels; on the "
-            "neuron backend bf16 matmuls are the hardware's (XLA_USE_BF16 / XLA_DOWNCAST_BF16): set "
-            "precision.bf16_matmul=auto"
-        )
-    if p.master_weights and not par.zero1:
-        raise ConfigError(
-            f"precision={p.name} (master_weights=true) on the neuron backend needs parallelism.zero1=true: NxD keeps "
-            "fp32 master weights inside its ZeRO-1 optimizer (without it neuronx_distributed raises 'Non Zero-1 "
-            "optimizer does not support use_master_weights'); add parallelism.zero1=true"
-        )
-    if low and p.fp32_grad_accum and not par.zero1:
-        raise ConfigError(
-            f"precision.fp32_grad_accum=true with bf16 parameters (precision={p.name}) on the neuron backend needs "
-            "parallelism.zero1=true (NxD's use_fp32_grad_acc lives in the ZeRO-1 optimizer); add "
-            "parallelism.zero1=true or set precision.fp32_grad_accum=false"
-        )
-    if low and not p.master_weights:
-        # XLA_USE_BF16: float and double both become bf16, so an "fp32" operation is impossible.
-        for key in ("fp32_softmax_ce", "fp32_reduce"):
-            if getattr(p, key):
-                raise ConfigError(
-                    f"precision.{key}=true cannot be honoured by precision={p.name} on the neuron backend: "
-                    "XLA_USE_BF16=1 turns every float and double tensor into bf16; set "
-                    f"precision.{key}=false or use precision=master_weights (XLA_DOWNCAST_BF16 keeps doubles in fp32)"
-                )
     env = {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if p.stochastic_rounding else "0"}
     if p.stochastic_rounding:
         env["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] = str(seed)
@@ -149,28 +125,6 @@ def precision_plan(p: PrecisionConfig, par: ParallelismConfig, seed: int) -> Neu
         reduce_dtype="float32" if p.fp32_reduce else "bfloat16",
         notes=[f"precision={p.name}: " + " ".join(f"{k}={v}" for k, v in sorted(env.items()))],
     )
-
-
-def check_supported(cfg: RunConfig) -> None:
-    """Refuse the settings the neuron backend cannot honour (before any compile or allocation).
-
-    Raises:
-        ConfigError: naming the key and the fix.
-    """
-    if cfg.train.on_nonfinite == "skip_step":
-        raise ConfigError(
-            "train.on_nonfinite=skip_step cannot be honoured on the neuron backend: NxD's optimizer all-reduces, "
-            "clips and applies the update inside step(), before the gradient norm is known; use "
-            "train.on_nonfinite=rollback (reload the last checkpoint, skip the batch) or halt"
-        )
-    par = cfg.parallelism
-    if cfg.tracker.layer_grad_norms_every and (par.tp > 1 or par.pp > 1):
-        raise ConfigError(
-            f"tracker.layer_grad_norms_every={cfg.tracker.layer_grad_norms_every} with parallelism.tp={par.tp}, "
-            f"pp={par.pp} on the neuron backend: each rank holds other shards and pipeline stages, so per-layer "
-            "norms averaged over the ranks would be wrong; set tracker.layer_grad_norms_every=0 (train/grad_norm, "
-            "NxD's global pre-clip norm, is logged anyway) or run with tp=1 and pp=1"
-        )
 
 
 def neuron_env(cfg: RunConfig) -> dict[str, str]:

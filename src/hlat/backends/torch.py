@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hlat import safe_load
+from hlat import layouts, safe_load
 from hlat.backends.base import Env
 from hlat.backends.torch_dist import (
     Ranks,
@@ -98,7 +98,7 @@ class TorchBackend:
         par = par or ParallelismConfig()
         with torch.device("meta"):
             model = model_fn()
-        _check_supported(dims, model.cfg.kv_heads)
+        layouts.check_torch_layout(dims, model.cfg, self.precision)  # before anything is materialized
         model.to_empty(device=self.device)
         model.init_weights(self.seed)  # fp32, keyed by seed and name: every precision and layout starts alike
         if init_state is not None:  # train.init_from: before the dtype cast and the TP split (gate_up reordering)
@@ -108,11 +108,6 @@ class TorchBackend:
             model.to(DTYPE[p.param_dtype])
             model.init_rope()  # .to() cast the rotary tables too; they stay fp32
         fp32_accum = p.param_dtype != "float32" and p.fp32_grad_accum
-        if fp32_accum and dims.dp > 1 and dims.tp > 1:
-            raise ConfigError(
-                "precision.fp32_grad_accum=true with tensor and data parallelism together is not built on the torch "
-                f"backend yet (precision={p.name}, tp={dims.tp}, dp={dims.dp}): use precision=bf16_sr, tp=1 or dp=1"
-            )
         # fp32 accumulation under DP: no DDP (it reduces the bf16 .grad of every micro-batch); each rank accumulates
         # its micro-batches into fp32 main_grad and forward_backward averages those once per step (Megatron's way).
         self.fp32_accum, self.fp32_dp = fp32_accum, fp32_accum and dims.dp > 1
@@ -245,20 +240,6 @@ class TorchBackend:
 
 
 EXTRA = "extra.rank{rank}.pt"
-
-
-def _check_supported(dims: ParallelDims, kv_heads: int) -> None:
-    """Refuse, before anything is materialized, the layouts the torch backend does not implement yet."""
-    todo = []
-    if dims.tp > kv_heads:
-        todo.append(f"kv-head replication (parallelism.tp={dims.tp} > {kv_heads} kv heads)")
-    if dims.pp > 1:
-        todo.append(f"pipeline parallelism (parallelism.pp={dims.pp})")
-    if todo:
-        raise ConfigError(
-            f"the torch backend does not implement {'; '.join(todo)} yet (the neuron backend is "
-            "the target for these layouts); lower the degrees or use parallelism=single, dp or tp2"
-        )
 
 
 def compile_blocks(model: nn.Module) -> None:

@@ -1,8 +1,10 @@
 """``hlat launch`` and ``hlat compile``: compose and validate the run's config, then render (or run) its launch files.
 
 Both take Hydra overrides exactly like ``python train.py``. Nothing is rendered unless the config composes and
-validates and the parallel layout fits the cluster (``ParallelDims.build``), so a bad layout fails here and not
-on 2,048 NeuronCores. Bad input prints one ``hlat: error: ...`` line and exits 2.
+validates, the parallel layout fits the cluster (``ParallelDims.build``) and the backend runs it (the trainer's own
+``hlat.layouts.check_layout``: no pipeline parallelism or kv-head replication on the torch backend), so a bad
+layout fails here and not on 2,048 NeuronCores. Bad input prints one ``hlat: error: ...`` (or ``hlat: configuration
+error: ...``) line and exits 2.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from hlat.deploy.render import (
     check_name,
     compile_overrides,
     job_name,
-    layout,
     node_script,
     train_overrides,
 )
 from hlat.deploy.slurm import default_cpus, sbatch_script
+from hlat.layouts import check_layout
 
 SUFFIX = {"torchrun": ".sh", "slurm": ".sbatch", "eks": ".yaml"}
 
@@ -186,7 +188,7 @@ def prepare(args: argparse.Namespace, command: str) -> tuple[RunConfig, str, lis
             raise UsageError("--run runs the compile on this node; with --target slurm submit the script with sbatch")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port={args.port} is not a TCP port (1-65535)")
-    layout(cfg)  # the parallel layout (ParallelDims.build) fits the cluster
+    check_layout(cfg)  # the layout fits the cluster (ParallelDims.build) and the backend runs it, as the trainer checks
     name = args.name or job_name(cfg, args.overrides)
     check_name(name)
     if args.target == "eks":
