@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import logging
 import os
 import sys
 import time
@@ -19,20 +18,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from hlat.config import RunConfig
 
-USAGE = """hlat COMMAND [hydra overrides...]
+COMMANDS = ("train", "summary", "plan", "data", "compare", "doctor", "bench", "eval", "export", "import", "launch",
+            "compile")  # fmt: skip
+"""Every ``hlat`` command, in the order USAGE lists them."""
+
+USAGE = f"""usage: hlat {{{",".join(COMMANDS)}}} [args...]
+
+train, summary, plan, doctor, eval, launch and compile take Hydra overrides (key=value, group=option), as
+`python train.py` does.
 
 commands:
   train     train as configured (same as `python train.py ...`)
-  summary   validate, count parameters on the meta device, estimate memory, and exit (train.dry_run=true)
+  summary   validate, count parameters, estimate memory per rank, and exit: config only, no torch (train.dry_run)
   plan      memory per device, step time, MFU and cost per 4M tokens on the cluster, predicted without hardware:
             `hlat plan [overrides] [--nodes 4,8,16,32,64] [--json] [--paper]` (docs/planner.md)
   data      prepare data: `hlat data prepare INPUT... --output DIR`, `hlat data tokenizer --data PATH ...`
             (see `hlat data --help`)
   compare   compare MLflow runs: `hlat compare --experiment NAME | --runs ID... | --sweep DIR [--out DIR]`
   doctor    pre-flight health check of the configured cluster: per rank, device, matmul TFLOP/s, all-reduce /
-            all-gather bandwidth and latency; names the failing nodes: `hlat doctor [overrides]` (docs/health.md)
+            all-gather bandwidth and latency; names the failing nodes; writes the report to outputs/doctor/
+            (MLflow with --mlflow): `hlat doctor [--out FILE.md] [--mlflow] [overrides]` (docs/health.md)
   bench     `hlat bench peak`: measure this host's matmul peak FLOP/s (the CPU MFU denominator) and cache it
   eval      lm-evaluation-harness on checkpoints: `hlat eval checkpoint=PATH tasks=local|hlat_suite|truthfulness`
   export    `hlat export CHECKPOINT --out DIR`: the Hugging Face LLaMA layout (config.json, safetensors, tokenizer)
@@ -41,9 +50,6 @@ commands:
   compile   ahead-of-time Neuron compile of the run: `hlat compile [--steps N] [--target torchrun|slurm] [--run]
             overrides...` (see `hlat launch --help`, `hlat compile --help`)
 """
-COMMANDS = ("train", "summary", "plan", "data", "compare", "doctor", "bench", "eval", "export", "import", "launch",
-            "compile")  # fmt: skip
-"""Every ``hlat`` command, in the order USAGE lists them."""
 # ConfigError messages of the shared data code name config keys; `hlat data tokenizer` names its flags.
 _FLAG_NAMES = {"data.path": "--data", "data.text_column": "--text-column", "model.vocab_size": "--vocab-size",
                "data.tokenizer_type": "--type"}  # fmt: skip
@@ -70,8 +76,7 @@ def compose_run_config(overrides: Sequence[str]) -> RunConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from hlat.config import ConfigError, register_configs
-    from hlat.run import to_run_config
+    from hlat.config import ConfigError, register_configs, to_run_config
 
     register_configs()
     try:
@@ -192,20 +197,46 @@ _VALUE_HINTS = {
 
 
 def _hydra_train(argv: list[str]) -> None:
+    """``hlat train``: ``python train.py`` under another name (its log file is still ``train.log``)."""
     import hydra
-    from omegaconf import DictConfig
 
     from hlat.config import register_configs
-    from hlat.run import entry
 
     register_configs()
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
     def task(cfg: DictConfig) -> None:
         job_started()
+        from hlat.run import entry  # torch and the trainer: only once the config composed
+
         entry(cfg)
 
+    if not any(a.startswith("hydra.job.name=") for a in argv):
+        argv = [*argv, "hydra.job.name=train"]  # the task function's file (cli.py) would name the log cli.log
     sys.argv = ["hlat", *argv]  # Hydra reads its overrides from sys.argv
+    run_hydra(task, argv)
+
+
+def _hydra_summary(argv: list[str]) -> None:
+    """``hlat summary``: compose and validate as ``hlat train`` would, print ``plan.summary_text``; no run dir."""
+    import hydra
+
+    from hlat.config import ConfigError, register_configs, to_run_config
+    from hlat.plan import summary_text
+
+    register_configs()
+
+    @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
+    def task(cfg: DictConfig) -> None:
+        job_started()
+        try:
+            print(summary_text(to_run_config(cfg)))
+        except ConfigError as e:
+            print(f"hlat: configuration error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    sys.argv = ["hlat", *argv, "train.dry_run=true", "hydra.output_subdir=null", "hydra/job_logging=none",
+                "hydra.run.dir=.", "hydra.job.name=summary"]  # fmt: skip
     run_hydra(task, argv)
 
 
@@ -242,9 +273,10 @@ def data_parser() -> argparse.ArgumentParser:
 
 def _data(argv: list[str]) -> None:
     from hlat.config import ConfigError
+    from hlat.logs import console_logging
 
     args = data_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    console_logging("%(message)s")
     try:
         if args.data_command == "prepare":
             from hlat.data.prepare import prepare
@@ -294,7 +326,9 @@ def _eval(argv: list[str]) -> int:
         overrides.append(f"{_EVAL_ALIASES[key]}={value}" if eq and key in _EVAL_ALIASES else a)
     if not any(o.startswith("eval=") for o in overrides):
         overrides.insert(0, "eval=local")
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    from hlat.logs import console_logging
+
+    console_logging("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         from hlat.eval_run import main as eval_main
 
@@ -307,7 +341,10 @@ def _eval(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hlat`` console script."""
+    from hlat.logs import route_library_logs
+
     argv = sys.argv[1:] if argv is None else argv
+    route_library_logs()  # mlflow's INFO chatter: to the run's log file (or nowhere), never the console
     if argv and argv[0] == "data":  # before the top-level parser, which would answer `hlat data --help` itself
         _data(argv[1:])
         return
@@ -349,11 +386,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"hlat: unknown command {argv[0]!r}{hint}. The commands are: {', '.join(COMMANDS)} "
               "(`hlat --help` says what each does)", file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
-    command, rest = argv[0], argv[1:]
-    if command == "summary":
-        rest = [*rest, "train.dry_run=true", "hydra.output_subdir=null", "hydra/job_logging=none",
-                "hydra.run.dir=."]  # fmt: skip
-    _hydra_train(rest)
+    if argv[0] == "summary":
+        _hydra_summary(argv[1:])
+        return
+    _hydra_train(argv[1:])
 
 
 if __name__ == "__main__":

@@ -232,10 +232,13 @@ def _log_file(run_dir: Path) -> str:
 
 def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str, str] | None:
     """One (re)started trainer: rebuild the config, log like Hydra does, train. Returns a final error, or None."""
+    from hlat.logs import LibraryFilter
     from hlat.run import main
 
+    console = logging.StreamHandler(sys.stdout)
+    console.addFilter(LibraryFilter())  # mlflow's INFO lines to the file only, as under Hydra's job logging
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True,
-                        handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log_file)])  # fmt: skip
+                        handlers=[console, logging.FileHandler(log_file)])  # fmt: skip
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates; the others speak up on problems
     # A restart is logged by hlat.attempt once the ranks agree on it (this agent's own count can be 0 on a node

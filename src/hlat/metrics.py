@@ -20,6 +20,7 @@ from hlat.backends.base import Backend
 from hlat.config import ClusterConfig
 from hlat.loop import PHASES, NullTimer, StepOutput, StepTimer, TrainState
 from hlat.precision import global_norm, grad_of
+from hlat.sizing import flops_per_token  # noqa: F401  (defined torch-free for the planner; re-exported)
 
 Rows = list[tuple[int, dict[str, float]]]
 """Metric rows ``(step, {name: value})`` in step order."""
@@ -92,18 +93,6 @@ class SpikeDetector:
         self.durations = Counter({int(k): v for k, v in state["durations"].items()})
 
 
-def flops_per_token(n_params: int, n_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
-                    *, causal: bool = False) -> float:  # fmt: skip
-    """Training FLOPs per token, PaLM's formula (Chowdhery et al. 2022, App. B): 6N + 12·L·H·Q·T.
-
-    N counts the parameters that take part in matmuls: all of them minus the input embedding table (a lookup).
-    12·L·H·Q·T is the attention score and value matmuls, forward and backward, over the full T x T matrix.
-    ``causal=True`` halves that term (6·L·H·Q·T): the FLOPs a causal kernel actually needs.
-    """
-    attn = (6 if causal else 12) * n_layers * n_heads * head_dim * seq_len
-    return 6 * (n_params - n_embedding) + attn
-
-
 # Published dense peak TFLOP/s per device by compute dtype (vendor datasheets; no sparsity).
 PEAK_TFLOPS = {
     "H100": {"bfloat16": 989.4, "float32": 66.9},  # SXM; fp32 without TF32
@@ -161,6 +150,16 @@ def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: st
         how = "" if key in ("float32", "bfloat16") else f" --dtypes {key}"
         return None, f"this CPU's {key} matmul peak is not measured yet: run `hlat bench peak{how}` once to get MFU"
     return flops, f"measured {key} matmul peak (hlat bench peak)"
+
+
+def first_peak_hint(source: str, cache_dir: str) -> bool:
+    """Whether to print "no MFU metric: ``source``" now: once per host (``hlat.peak.first_hint``), not every run.
+
+    Every run still records ``source`` in its ``perf.peak_source`` tag (and ``perf.peak_tflops`` param).
+    """
+    from hlat.peak import first_hint
+
+    return first_hint(source, cache_dir)
 
 
 class Uptime:

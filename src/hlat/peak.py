@@ -245,6 +245,25 @@ def cached_peak(dtype_name: str, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> f
     return value if math.isfinite(value) and value > 0 else None
 
 
+def first_hint(text: str, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> bool:
+    """True the first time this host (same fingerprint) is given the hint ``text``; False every time after.
+
+    The "no MFU: run `hlat bench peak`" hint would otherwise open every run. A marker file next to the peak cache
+    (``<cache_dir>/peak-<fingerprint>.hint-<hash of text>``) remembers it was shown; a directory that cannot be
+    written says True (the hint is shown again rather than lost).
+    """
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    try:
+        marker = cache_path(cache_dir).with_suffix(f".hint-{digest}")
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.open("x").close()
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure this host's matmul peaks, cache them and print a markdown table of GFLOP/s.
 

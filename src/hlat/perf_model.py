@@ -39,9 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hlat.config import ClusterConfig, ConfigError, RunConfig
-from hlat.metrics import flops_per_token
 from hlat.parallel import ParallelDims
-from hlat.precision import BYTES, bytes_per_param
+from hlat.sizing import BYTES, bytes_per_param, flops_per_token  # torch-free: `hlat plan` starts without torch
 
 GB = 1e9
 """Bandwidths are in decimal units, as the data sheets give them."""

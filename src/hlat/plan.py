@@ -10,13 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
-import torch
-
 from hlat.config import ClusterConfig, ConfigError, ModelConfig, RunConfig
-from hlat.model import count_params
 from hlat.parallel import ParallelDims, valid_tp
-from hlat.precision import BYTES, bytes_per_param
+from hlat.sizing import BYTES, bytes_per_param, count_params  # torch-free: `hlat plan` / `hlat summary` start fast
 
 GiB = 1024**3
 
@@ -66,7 +62,10 @@ _PARAM_COUNTS: dict[tuple, int] = {}
 
 
 def param_count(model: ModelConfig) -> int:
-    """``hlat.model.count_params``, remembered per architecture (the planner asks for the same one many times)."""
+    """``hlat.sizing.count_params``, remembered per architecture (the planner asks for the same one many times).
+
+    Arithmetic, equal to building the model on the meta device (``hlat.model.count_params``; tests/unit/test_model.py).
+    """
     key = dataclasses.astuple(model)
     if key not in _PARAM_COUNTS:
         _PARAM_COUNTS[key] = count_params(model)
@@ -101,23 +100,34 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims) -> float:
 def check_fits(est: MemoryEstimate, budget_bytes: int, cfg: RunConfig, *, dims: ParallelDims | None = None) -> None:
     """Raise a ConfigError naming what to change when the estimate exceeds the device budget.
 
-    The message suggests the first changes, in order of cost, that the estimate predicts to fit (``suggest_fixes``).
-    ``dims`` is the run's layout; without it, the one ``cfg.cluster`` plans.
+    The message suggests the first changes, in order of cost, that the estimate predicts to fit and that the
+    backend and launch path of ``cfg.cluster`` can run (``suggest_fixes``); when there are none, the smallest
+    cluster preset predicted to fit (``cluster_fix``). ``dims`` is the run's layout; without it, the one
+    ``cfg.cluster`` plans. A layout the backend cannot run at all is refused as such first
+    (``hlat.layouts.check_layout``): advice built on top of it would not run either.
     """
     if est.total <= budget_bytes:
         return
+    from hlat.layouts import check_layout
+
     if dims is None:
         try:
             dims = ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)
         except ConfigError:
-            dims = None
+            dims = None  # the cluster's world does not fit the layout: no advice
+    if dims is not None:
+        check_layout(cfg, dims)  # a layout the backend refuses: that, not the estimate, is the problem
     fixes = suggest_fixes(cfg, dims, budget_bytes) if dims is not None else []
     fix = ("Use a smaller model (model=tiny or model=small), a smaller train.micro_batch_size / train.seq_len, "
            "or a cluster with more devices.")  # fmt: skip
     if fixes:
         shown = " or ".join(f"`{' '.join(f.overrides)}` (~{f.memory.total / GiB:.1f} GiB)" for f in fixes)
-        fix = (f"The planner predicts these would fit: {shown} (`hlat plan` with the same overrides shows the "
-               f"breakdown). Otherwise: {fix[0].lower()}{fix[1:]}")  # fmt: skip
+        launch = (" (more nodes: start every node with what `hlat launch` renders)"
+                  if any("cluster.nodes=" in o for f in fixes for o in f.overrides) else "")  # fmt: skip
+        fix = (f"The planner predicts these would fit: {shown}{launch} (`hlat plan` with the same overrides shows "
+               f"the breakdown). Otherwise: {fix[0].lower()}{fix[1:]}")  # fmt: skip
+    elif dims is not None:
+        fix = f"{': '.join(nothing_fits(cfg, cluster_fix(cfg)))}. Otherwise: {fix[0].lower()}{fix[1:]}"
     raise ConfigError(
         f"model={cfg.model.name} needs about {est.total / GiB:.1f} GiB per rank "
         f"(weights {est.params / GiB:.1f}, grads {est.grads / GiB:.1f}, AdamW state {est.optimizer / GiB:.1f}, "
@@ -157,7 +167,7 @@ def _candidate_changes(cfg: RunConfig, dims: ParallelDims) -> Iterator[dict[str,
     """Single changes that save memory, cheapest first.
 
     Sequence parallelism, selective then full checkpointing, ZeRO-1, smaller micro-batches, more tensor parallelism
-    within a node, more pipeline stages, more nodes.
+    within a node, more pipeline stages, more nodes (where the cluster can add nodes: ``can_add_nodes``).
     """
     par, c = cfg.parallelism, cfg.cluster
     if dims.tp > 1 and not par.sequence_parallel:
@@ -177,16 +187,18 @@ def _candidate_changes(cfg: RunConfig, dims: ParallelDims) -> Iterator[dict[str,
     for pp in range(dims.pp + 1, cfg.model.n_layers + 1):
         if cfg.model.n_layers % pp == 0:
             yield {"parallelism.pp": pp}
-    for factor in (2, 4, 8, 16, 32):
+    for factor in NODE_FACTORS[1:] if can_add_nodes(c) else ():
         yield {"cluster.nodes": c.nodes * factor}
 
 
 def _try(cfg: RunConfig, dims: ParallelDims, changes: dict[str, Any], budget: int) -> Fix | None:
-    """The fix ``changes`` make, if the config stays valid and the estimate fits ``budget``."""
+    """The fix ``changes`` make, if the config stays valid, its backend runs it and the estimate fits ``budget``."""
+    from hlat.layouts import check_layout
+
     try:
         new = with_changes(cfg, changes)
         world = dims.world_size * new.cluster.nodes // cfg.cluster.nodes
-        new_dims = ParallelDims.build(new.parallelism, world, new.model, new.train)
+        new_dims = check_layout(new, ParallelDims.build(new.parallelism, world, new.model, new.train))
     except ConfigError:
         return None
     _, est = estimate_memory(new, new_dims)
@@ -195,6 +207,9 @@ def _try(cfg: RunConfig, dims: ParallelDims, changes: dict[str, Any], budget: in
 
 def suggest_fixes(cfg: RunConfig, dims: ParallelDims, budget_bytes: int, limit: int = 2) -> list[Fix]:
     """Up to ``limit`` changes, cheapest first, that the estimate predicts to fit ``budget_bytes`` per device.
+
+    Only changes that the backend runs (``hlat.layouts.check_layout``, the trainer's own check) and that add nodes
+    only where the cluster can (``can_add_nodes``).
 
     Single changes come first (in ``_candidate_changes`` order). When none fits alone, every memory saver is taken
     together (sequence parallelism, full checkpointing, ZeRO-1, micro-batch 1, the widest tensor parallelism within a
@@ -210,7 +225,7 @@ def suggest_fixes(cfg: RunConfig, dims: ParallelDims, budget_bytes: int, limit: 
             savers |= ch  # later candidates are stronger: full over selective, smaller micro-batches, wider tp
     savers = {k: v for k, v in savers.items() if getattr(_group(cfg, k), k.split(".")[1]) != v}
     pps = [d for d in range(cfg.parallelism.pp, cfg.model.n_layers + 1) if cfg.model.n_layers % d == 0]
-    for factor in (1, 2, 4, 8, 16, 32):
+    for factor in NODE_FACTORS if can_add_nodes(cfg.cluster) else NODE_FACTORS[:1]:
         for pp in pps:
             ch = savers | ({"parallelism.pp": pp} if pp != cfg.parallelism.pp else {})
             ch |= {"cluster.nodes": cfg.cluster.nodes * factor} if factor > 1 else {}
@@ -226,15 +241,98 @@ def _group(cfg: RunConfig, key: str) -> Any:
     return getattr(cfg, key.split(".")[0])
 
 
+NODE_FACTORS = (1, 2, 4, 8, 16, 32)
+"""The node counts the advice tries, as multiples of ``cluster.nodes``."""
+
+
+def can_add_nodes(cluster: ClusterConfig) -> bool:
+    """Whether the advice may add nodes to ``cluster``.
+
+    A preset of a cloud node type (``cluster.instance_type``: trn1, p4d, p5) or one that already spans nodes can
+    grow; a preset of this machine (``cluster=cpu``, ``cpu_x2``, ``gpu_8x``, ``xla_cpu``) is one host. trn1 nodes talk
+    only over EFA, so a neuron cluster without ``cluster.efa_devices`` stays on one node (``hlat launch`` refuses it).
+    """
+    if cluster.backend == "neuron" and cluster.efa_devices == 0:
+        return False
+    return cluster.nodes > 1 or cluster.instance_type is not None
+
+
+def cluster_presets() -> list[ClusterConfig]:
+    """Every preset of ``conf/cluster/``, its ``defaults`` parents merged in (what ``cluster=<name>`` composes)."""
+    import yaml
+
+    from hlat.cli import config_dir
+
+    root = config_dir() / "cluster"
+
+    def load(name: str) -> dict[str, Any]:
+        data = yaml.safe_load((root / f"{name}.yaml").read_text()) or {}
+        merged: dict[str, Any] = {}
+        for parent in data.pop("defaults", []):
+            merged |= {} if parent == "_self_" else load(parent)
+        return merged | data
+
+    presets = []
+    for f in sorted(root.glob("*.yaml")):
+        try:
+            presets.append(ClusterConfig(**load(f.stem)))
+        except (ConfigError, TypeError, OSError, yaml.YAMLError):
+            continue  # not a plain preset (an interpolation, an unknown key): Hydra composes it, the advice skips it
+    return presets
+
+
+def cluster_fix(cfg: RunConfig) -> Fix | None:
+    """The smallest cluster preset (fewest devices once fixed) on which ``cfg``, or a change of it, fits and runs.
+
+    Only presets of known hardware (``cluster.device_memory_gib``): a preset of this machine plans against this
+    host's memory. The overrides start with ``cluster=<preset>``; None when no preset fits.
+    """
+    best: Fix | None = None
+    for cluster in cluster_presets():
+        if cluster.device_memory_gib is None or cluster.name == cfg.cluster.name:
+            continue
+        new, budget, par = dataclasses.replace(cfg, cluster=cluster), planned_budget(cluster), cfg.parallelism
+        world = cluster.world_size
+        dims = ParallelDims(world, par.tp, par.pp, max(1, world // (par.tp * par.pp)))  # a start, maybe invalid
+        fix = _try(new, dims, {}, budget) or next(iter(suggest_fixes(new, dims, budget, limit=1)), None)
+        if fix is not None and (best is None or fix.dims.world_size < best.dims.world_size):
+            best = Fix((f"cluster={cluster.name}", *fix.overrides), fix.memory, fix.dims)
+    return best
+
+
+def nothing_fits(cfg: RunConfig, fix: Fix | None) -> tuple[str, str]:
+    """That no change ``cfg.cluster`` runs fits, and where to look instead (``fix``: ``cluster_fix``'s), as two clauses.
+
+    ``check_fits`` joins them into its sentence; ``hlat plan`` prints each on a line of its own.
+    """
+    c = cfg.cluster
+    one_host = not can_add_nodes(c)
+    head = (f"No change that cluster={c.name} can run ({c.backend} backend{', one host' if one_host else ''}) is "
+            f"predicted to fit: this needs {'a' if one_host else 'another'} cluster")  # fmt: skip
+    if fix is None:
+        return head, "no preset in conf/cluster/ is predicted to fit it either"
+    return head, (f"see `hlat plan model={cfg.model.name} {' '.join(fix.overrides)}` with your other overrides "
+                  f"(~{fix.memory.total / GiB:.1f} GiB per device)")  # fmt: skip
+
+
 def planned_budget(cluster: ClusterConfig) -> int:
     """Bytes one rank may use, for a dry run: ``cluster.device_memory_gib``, else this host's share of its memory."""
     if cluster.device_memory_gib is not None:
         free = int(cluster.device_memory_gib * GiB)
-    elif cluster.device == "cuda" and torch.cuda.is_available():
-        free = torch.cuda.mem_get_info()[0]
+    elif cluster.device == "cuda" and (cuda_free := _cuda_free_bytes()) is not None:
+        free = cuda_free
     else:
+        import psutil
+
         free = psutil.virtual_memory().available // cluster.nproc_per_node
     return int(free * cluster.memory_fraction)
+
+
+def _cuda_free_bytes() -> int | None:
+    """Free memory of the current CUDA device, or None without one (torch is imported only for a cuda cluster)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
 
 
 def check_world(cluster: ClusterConfig, world_size: int) -> None:
@@ -266,3 +364,14 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
         f"memory per rank: ~{est.total / GiB:.2f} GiB (weights {est.params / GiB:.2f}, grads {est.grads / GiB:.2f}, "
         f"{opt} {est.optimizer / GiB:.2f}, activations {est.activations / GiB:.2f}) of {budget / GiB:.1f} GiB available"
     )
+
+
+def summary_text(cfg: RunConfig) -> str:
+    """The ``hlat summary`` (``train.dry_run=true``) text: parameters, batch and memory per rank.
+
+    Planned for the cluster's world without touching a device: config arithmetic only (``hlat.sizing``,
+    ``hlat.plan``), no torch.
+    """
+    dims = ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)
+    n_params, est = estimate_memory(cfg, dims)
+    return summary(cfg, dims, n_params, est, planned_budget(cfg.cluster))

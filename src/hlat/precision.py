@@ -1,6 +1,6 @@
 """Precision policies on the torch backend: stochastic rounding, fp32 grad accumulation, a low-precision AdamW.
 
-Also the memory each mode costs per parameter (``bytes_per_param``), for the planner and the run's parameters.
+Also the memory each mode costs per parameter (``bytes_per_param``, defined in the torch-free ``hlat.sizing``).
 
 Trainium rounds fp32 -> bf16 stochastically in hardware (``NEURON_RT_STOCHASTIC_ROUNDING_EN=1``); no GPU or CPU does.
 Here the optimizer computes its update in fp32 and writes each bf16 tensor it owns through ``round_to_bf16_``, with
@@ -11,17 +11,15 @@ differ only in where the update lands and how it is rounded: forward and backwar
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.optim.adamw import adamw as functional_adamw  # torch.optim deletes the submodule name
 
 from hlat.config import OptimizerConfig, PrecisionConfig
+from hlat.sizing import BYTES, BytesPerParam, bytes_per_param  # noqa: F401  (torch-free, for the planner)
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BYTES = {"float32": 4, "bfloat16": 2}
-"""Bytes per element of each supported dtype name."""
 _LOW16 = 0xFFFF
 _HIGH16 = -0x10000  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 bf16 mantissa bits
 
@@ -265,38 +263,3 @@ def build_optimizer(
     """The precision mode's AdamW (``optimizer_spec``) over ``groups``."""
     cls, kwargs = optimizer_spec(cfg, precision, seed)
     return cls(groups, **kwargs)
-
-
-@dataclass(frozen=True)
-class BytesPerParam:
-    """Training-state bytes per parameter under a precision mode, before any sharding."""
-
-    params: int
-    """The model's parameters."""
-    grads: int
-    """Gradients (the fp32 accumulation buffer when there is one)."""
-    optimizer: int
-    """AdamW's two moments."""
-    master: int
-    """The fp32 master copy (0 without master weights)."""
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.master
-
-    def as_params(self) -> dict[str, int]:
-        """Flat run parameters for the tracker."""
-        return {f"memory.bytes_per_param.{k}": v for k, v in vars(self).items()} | {
-            "memory.bytes_per_param.total": self.total
-        }
-
-
-def bytes_per_param(p: PrecisionConfig) -> BytesPerParam:
-    """Memory accounting of a mode: fp32 16 B, bf16 / bf16_sr 8 B (10 with fp32_grad_accum), master_weights 18 B."""
-    low = p.param_dtype != "float32"
-    return BytesPerParam(
-        params=BYTES[p.param_dtype],
-        grads=4 if (p.fp32_grad_accum or not low) else BYTES[p.param_dtype],
-        optimizer=2 * BYTES[p.optimizer_dtype],
-        master=4 if p.master_weights else 0,
-    )

@@ -19,22 +19,23 @@ from omegaconf import DictConfig, OmegaConf
 
 from hlat import attempt, checkpoint, preempt, sweep
 from hlat.backends import get_backend
-from hlat.config import ConfigError, RunConfig
+from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.data import build_loader
 from hlat.eval_run import EvalScheduler
 from hlat.faults import FaultInjector
 from hlat.health.monitors import Monitors
 from hlat.health.preflight import log_preflight, preflight
 from hlat.loop import NULL_TIMER, HaltedError, NonFiniteError, StepTimer, TrainState, fit, timed_hook
-from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, flops_per_token, resolve_peak_flops
+from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
-from hlat.plan import check_fits, check_world, estimate_memory, planned_budget, summary
-from hlat.precision import bytes_per_param
+from hlat.plan import check_fits, check_world, estimate_memory, summary, summary_text
+from hlat.progress import ProgressBar
 from hlat.provenance import write_provenance
 from hlat.resume import job_record, record_start, restore, rollback
-from hlat.trackers import History, ProgressBar, SeriesRecorder, build_tracker, check_reachable
+from hlat.sizing import bytes_per_param, flops_per_token
+from hlat.trackers import History, SeriesRecorder, build_tracker, check_reachable
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,6 @@ class RunResult:
     state: TrainState | None
     history: History
     mlflow_run_id: str | None
-
-
-def to_run_config(hydra_cfg: DictConfig) -> RunConfig:
-    """Validate the composed config once (every ``__post_init__`` runs) and return frozen dataclasses."""
-    cfg = OmegaConf.to_object(hydra_cfg)
-    assert isinstance(cfg, RunConfig), f"conf/config.yaml must start from base_config, got {type(cfg)}"
-    return cfg
 
 
 PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
@@ -89,10 +83,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     cfg = to_run_config(hydra_cfg)
     t = cfg.train
     history = History()
-    if t.dry_run:  # planned for the cluster's world, without touching a device: runs anywhere
-        dims = ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, t)
-        n_params, est = estimate_memory(cfg, dims)
-        print(summary(cfg, dims, n_params, est, planned_budget(cfg.cluster)))
+    if t.dry_run:  # planned for the cluster's world, without touching a device: runs anywhere (`hlat summary`)
+        print(summary_text(cfg))
         return RunResult(cfg, None, history, None)
     attempt.current(timeout_s=cfg.health.collective_timeout_s)  # every rank agrees which restart this is, first
     record_start(checkpoint_root(cfg, run_dir or hydra_output_dir()), t.resume, launched)  # before all that can fail
@@ -134,7 +126,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     state, job = restore(backend, resume_from, model, optimizer, data, spikes) if resume_from else (TrainState(), {})
     uptime, job_run_id = job_record(job, checkpoint.read_job(root) if resume != "never" else {}, launched)
 
-    progress = ProgressBar(total=t.steps, initial=state.step) if env.rank == 0 else None
+    progress = ProgressBar(t.steps, state.step, every=t.progress_every or t.log_every) if env.rank == 0 else None
     tags = {
         "backend": backend.name,
         "precision.bf16_matmul": env.bf16_matmul or "n/a",  # the policy that ran; n/a: no bf16 matmuls
@@ -160,8 +152,8 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     if env.rank == 0:
         checkpoint.write_job(root, {"mlflow_run_id": run_id, "uptime": uptime.state_dict()})
         preempt.unmark(run_dir, mlflow_tracker)  # a preempted run that continues is no longer waiting to resume
-    if throughput.peak_flops is None:
-        log.info("no MFU metric: %s", peak_source)
+    if throughput.peak_flops is None and env.rank == 0 and first_peak_hint(peak_source, cfg.data.cache_dir):
+        log.info("no MFU metric: %s (said once per host; the run's tag perf.peak_source keeps it)", peak_source)
     if health is not None and env.rank == 0:
         log_preflight(health, tracker, run_dir / "health" / "preflight.md")
 
@@ -224,7 +216,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
                                      functools.partial(restore, backend, model=model, optimizer=optimizer, data=data,
                                                        spikes=spikes))  # fmt: skip
                     if progress is not None:
-                        progress.bar.reset(total=t.steps)
+                        progress.reset()
             saver.close()
             status = "FINISHED"
             if env.rank == 0 and cfg.tracker.plots:

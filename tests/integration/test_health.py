@@ -58,8 +58,8 @@ def test_doctor_on_two_processes_measures_every_rank_and_notes_the_slow_one(tmp_
     from mlflow import MlflowClient
 
     db = tmp_path / "mlflow.db"
-    r = doctor("cluster=cpu_x2", "health.inject_slow_rank=1", *FAST_CHECKS, f"tracker.uri=sqlite:///{db}",
-               cwd=tmp_path)  # fmt: skip
+    r = doctor("cluster=cpu_x2", "health.inject_slow_rank=1", *FAST_CHECKS, f"tracker.uri=sqlite:///{db}", "--mlflow",
+               "--out", str(tmp_path / "doctor.md"), cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # one node, no peak: reported, not judged
     rows = table_rows(r.stdout)
     assert sorted(rows) == [0, 1]
@@ -77,6 +77,7 @@ def test_doctor_on_two_processes_measures_every_rank_and_notes_the_slow_one(tmp_
     assert run.data.metrics["preflight/notes"] == 1.0
     assert run.data.metrics["preflight/world_allreduce_busbw_gbps"] > 0
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"doctor.md"}
+    assert (tmp_path / "doctor.md").read_text().startswith("# pre-flight check: passed")  # --out
 
 
 def common(cache_dir: Path, tmp_path: Path) -> list[str]:

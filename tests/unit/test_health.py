@@ -399,15 +399,21 @@ def test_a_failed_preflight_is_final_and_a_hang_is_named_when_restarts_run_out(t
     assert launch._exit_text(1, tmp_path) == "exit code 1"
 
 
-def test_hlat_doctor_is_a_subcommand_and_checks_one_process(capsys) -> None:
-    """`hlat doctor` with one process (cluster=cpu): the table of rank 0 and a pass; no MLflow with tracker=console."""
+def test_hlat_doctor_is_a_subcommand_and_checks_one_process(capsys, tmp_path: Path, monkeypatch) -> None:
+    """`hlat doctor` with one process (cluster=cpu): the table of rank 0 and a pass, in a report file; no MLflow
+    without --mlflow (the default tracker is mlflow: no mlflow.db appears)."""
     from hlat.cli import main as hlat_main
 
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        hlat_main(["doctor", "tracker=console", "health.matmul_size=128", "health.matmul_seconds=0.05",
+        hlat_main(["doctor", "health.matmul_size=128", "health.matmul_seconds=0.05",
                    "health.matmul_repeats=1", "health.min_matmul_fraction=0"])  # fmt: skip  # no peak to hold it to
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     row = next(line for line in out.splitlines() if line.startswith("| ") and "| 0 |" in line)
     assert row.rstrip().endswith("ok |") and "cpu ok" in row
     assert "hlat doctor: all 1 rank(s) on 1 node(s) passed" in out
+    (report,) = (tmp_path / "outputs" / "doctor").glob("*-cpu.md")
+    assert f"hlat doctor: report written to {report.relative_to(tmp_path)}" in out
+    assert row in report.read_text() and report.read_text().startswith("# pre-flight check: passed")
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()

@@ -109,7 +109,7 @@ def test_logging_does_not_wait_for_a_slow_server_and_retries_failures(tmp_path: 
 
 def test_the_progress_bar_shows_the_loss_and_ignores_rows_without_one() -> None:
     """Rows of the pre-flight record and the straggler reports reach every tracker; they carry no loss."""
-    bar = ProgressBar(total=10)
+    bar = ProgressBar(total=10, plain=False)  # the tqdm bar (a terminal); plain lines: test_quiet_output.py
     bar.log_metrics([(0, {"preflight/passed": 1.0})])
     bar.log_metrics([(2, {"health/slowest_rank": 1.0})])
     assert not bar.bar.postfix  # nothing was set, and nothing raised

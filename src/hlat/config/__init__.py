@@ -8,7 +8,9 @@ Nothing below ``run.py`` ever sees a ``DictConfig``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hlat.config.base import DTYPES, ConfigError, _check, _Frozen
 from hlat.config.health import HealthConfig
@@ -25,7 +27,7 @@ from hlat.config.train import (
 __all__ = [
     "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalTask", "FaultConfig", "HealthConfig",
     "ModelConfig", "OptimizerConfig", "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig",
-    "TrainConfig", "register_configs",
+    "TrainConfig", "register_configs", "to_run_config",
 ]  # fmt: skip
 
 
@@ -80,18 +82,43 @@ def _console_level(level: str = "INFO") -> str:
     Under any launcher (torchrun, srun, Slurm tasks, hlat's own) one rank narrates on the console; the others speak up
     on problems only, and keep their INFO lines in their own ``train_rank<N>.log``.
     """
-    from hlat.launch import global_rank
+    import os
 
-    return level if global_rank() == 0 else "WARNING"
+    # hlat.launch.global_rank, read here: `hlat summary`'s Hydra logging must not import the launcher (nor torch)
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    return level if rank == 0 else "WARNING"
+
+
+def _launch_resolver(name: str) -> Callable[..., Any]:
+    """``hlat.launch.<name>``, imported when a config first resolves it.
+
+    ``hlat summary`` and ``hlat plan`` then compose without importing the launcher (and torch, through it).
+    """
+
+    def resolve(*args: Any) -> Any:
+        from hlat import launch
+
+        return getattr(launch, name)(*args)
+
+    return resolve
 
 
 def _register_resolvers() -> None:
     """Resolvers that keep ranks of one job in one directory (``hydra.run.dir``, ``hydra.sweep.dir``, logs)."""
     from omegaconf import OmegaConf
 
-    from hlat import launch
-
-    for name, fn in (("hlat.job_stamp", launch.job_stamp), ("hlat.rank_zero_only", launch.rank_zero_only),
-                     ("hlat.rank_suffix", launch.rank_suffix), ("hlat.console_level", _console_level)):  # fmt: skip
+    for name, fn in (("hlat.job_stamp", _launch_resolver("job_stamp")),
+                     ("hlat.rank_zero_only", _launch_resolver("rank_zero_only")),
+                     ("hlat.rank_suffix", _launch_resolver("rank_suffix")),
+                     ("hlat.console_level", _console_level)):  # fmt: skip
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=name == "hlat.job_stamp")
+
+
+def to_run_config(hydra_cfg: Any) -> RunConfig:
+    """Validate the composed config once (every ``__post_init__`` runs) and return frozen dataclasses."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(hydra_cfg)
+    assert isinstance(cfg, RunConfig), f"conf/config.yaml must start from base_config, got {type(cfg)}"
+    return cfg

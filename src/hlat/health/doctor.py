@@ -6,8 +6,9 @@ under an external ``torchrun`` (several nodes: ``torchrun --nnodes N ... -m hlat
 every node) it is one of them. Each process sets up its backend exactly as training does (device, threads, the
 process group: gloo, NCCL, or XLA on trn1), and local rank 0 of each node first runs ``neuron-ls`` and
 ``nccom-test`` when they are installed (before any process claims the NeuronCores). It prints a table per rank and
-the failing nodes, logs the result to MLflow (experiment ``<tracker.experiment>-health``, one run per check), and
-exits 0 (healthy), 1 (a node failed) or 2 (configuration error).
+the failing nodes, writes the table to a markdown file (``--out``; default ``outputs/doctor/<time>-<cluster>.md``)
+and prints its path; with ``--mlflow`` it also logs the result to MLflow (experiment ``<tracker.experiment>-health``,
+one run per check). It exits 0 (healthy), 1 (a node failed) or 2 (configuration error).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from hlat.health.report import HealthReport
 
 log = logging.getLogger(__name__)
 
-USAGE = """hlat doctor [hydra overrides...]
+USAGE = """hlat doctor [--out FILE.md] [--mlflow] [hydra overrides...]
 
 Pre-flight health check of the cluster the overrides configure (the same overrides as `python train.py`): per rank,
 the device computes a known matmul correctly, matmul TFLOP/s against the expected peak and the median rank, and
@@ -34,22 +36,37 @@ all-reduce / all-gather bus bandwidth and latency within each node and over the 
 installed. Thresholds: health.min_matmul_fraction, health.min_relative_fraction, health.expected_busbw_gbps_intra /
 _world, health.min_bandwidth_fraction. Exit 0: healthy, 1: a node failed (named), 2: configuration error.
 
+options:
+  --out FILE.md  where the report (the table and the verdict) goes; default outputs/doctor/<time>-<cluster>.md
+  --mlflow       also log the result to MLflow: a run in experiment <tracker.experiment>-health (tracker.uri;
+                 tracker=console turns it off), with preflight/* metrics and the table as doctor.md
+
 examples:
   hlat doctor cluster=cpu_x2
-  hlat doctor cluster=gpu_8x health.expected_busbw_gbps_intra=150
+  hlat doctor cluster=gpu_8x health.expected_busbw_gbps_intra=150 --mlflow
   torchrun --nnodes 4 --nproc-per-node 32 ... -m hlat.health.doctor cluster=trn1_x4
 """
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hlat doctor``: check, print the table, log to MLflow; returns the exit status (0, 1 or 2)."""
+    """``hlat doctor``: check, print the table, write the report (and log to MLflow with ``--mlflow``).
+
+    Returns:
+        The exit status: 0 (healthy), 1 (a node failed) or 2 (configuration error, a bad flag).
+    """
     from hlat.launch import LOG_FORMAT, JobFailedError, global_rank
+    from hlat.logs import console_logging
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        argv, out, to_mlflow = _flags(argv)
+    except ValueError as e:
+        print(f"hlat doctor: {e}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    console_logging(LOG_FORMAT)
     try:
         from hlat.cli import compose_run_config
 
@@ -63,12 +80,51 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if global_rank() == 0:  # under an external torchrun every rank has the report; one prints it
         print(report.table())
-        _log_to_mlflow(cfg, report)
+        _write_report(cfg, report, out)
+        if to_mlflow:
+            _log_to_mlflow(cfg, report)
         if report.passed:
             print(f"hlat doctor: all {len(report.ranks)} rank(s) on {report.nodes} node(s) passed")
         else:
             print(f"hlat doctor: {report.failure_message()}", file=sys.stderr)
     return 0 if report.passed else 1
+
+
+def _flags(argv: list[str]) -> tuple[list[str], Path | None, bool]:
+    """Split ``--out FILE`` / ``--out=FILE`` and ``--mlflow`` from the Hydra overrides.
+
+    Raises:
+        ValueError: ``--out`` without a file, or another ``--`` flag.
+    """
+    rest, out, to_mlflow = [], None, False
+    it = iter(argv)
+    for a in it:
+        if a == "--mlflow":
+            to_mlflow = True
+        elif a == "--out" or a.startswith("--out="):
+            value = a.partition("=")[2] if "=" in a else next(it, "")
+            if not value:
+                raise ValueError("--out needs a file name (--out FILE.md)")
+            out = Path(value).expanduser()
+        elif a.startswith("--"):
+            raise ValueError(f"unknown option {a!r} (the options are --out FILE.md and --mlflow)")
+        else:
+            rest.append(a)
+    return rest, out, to_mlflow
+
+
+def _write_report(cfg: RunConfig, report: HealthReport, out: Path | None) -> Path | None:
+    """The markdown report at ``out`` (default ``outputs/doctor/<time>-<cluster>.md``); its path is printed."""
+    from hlat.health.preflight import write_table
+
+    path = out or Path("outputs", "doctor", f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{cfg.cluster.name}.md")
+    try:
+        write_table(report, path)
+    except OSError as e:
+        print(f"hlat doctor: could not write the report to {path}: {e}", file=sys.stderr)
+        return None
+    print(f"hlat doctor: report written to {path}")
+    return path
 
 
 def check(cfg: RunConfig, overrides: list[str]) -> HealthReport:
