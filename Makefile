@@ -7,21 +7,29 @@ PY := $(VENV)/bin/python
 # a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-neuron test-cluster lint install clean
+.PHONY: demo test test-neuron test-cluster test-readme lint install install-dev clean
 
+# Two stamps: `make demo` installs what a run needs (torch + hlat), `make test` adds the dev tools on top.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
+install-dev: $(VENV)/.installed-dev
+
 demo: install
 	$(PY) train.py $(ARGS)
+	@echo "next: source $(VENV)/bin/activate   # once per shell: python, hlat and mlflow in the README are the project's"
 
-test: install
+test: install-dev
 	$(PY) -m pytest -q $(ARGS)
 
 # The NxD lane: the neuron backend against the real NeuronX Distributed 0.17 on torch-xla's CPU device, in its own
@@ -33,11 +41,16 @@ test-neuron:
 # The cluster lane (root; Linux network namespaces): a real two-node Slurm cluster with accounting, started and torn
 # down by the tests (tests/cluster/slurm.py); tests/cluster/install.sh apt-gets slurm-wlm munge slurmdbd mariadb-server
 # where missing.
-test-cluster: install
+test-cluster: install-dev
 	bash tests/cluster/install.sh
 	HLAT_CLUSTER_LANE=1 $(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 
-lint: install
+# The README lane: every command of README.md, run as written in a fresh shell after `make demo` (tiny overrides where
+# a command trains; tests/readme/test_readme.py lists the few that cannot run here and why).
+test-readme: install-dev
+	HLAT_README_LANE=1 $(PY) -m pytest -q -p no:cacheprovider tests/readme $(ARGS)
+
+lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 

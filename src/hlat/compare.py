@@ -264,12 +264,34 @@ def build_parser(prog: str = "hlat compare") -> argparse.ArgumentParser:
     sel = ap.add_mutually_exclusive_group(required=True)
     sel.add_argument("--experiment", metavar="NAME", help="all runs of this MLflow experiment")
     sel.add_argument("--runs", metavar="ID", nargs="+", help="these MLflow run ids")
-    sel.add_argument("--sweep", metavar="DIR", help="the runs of this Hydra multirun directory (tag run_dir)")
+    sel.add_argument(
+        "--sweep",
+        metavar="DIR",
+        help="the runs of this Hydra multirun directory (tag run_dir), or of the newest one under DIR (multirun/NAME)",
+    )
     ap.add_argument(
-        "--out", metavar="DIR", type=Path, default=Path("comparison"), help="output directory (default: comparison/)"
+        "--out",
+        metavar="DIR",
+        type=Path,
+        help="output directory (default: the sweep's directory with --sweep, else comparison/)",
     )
     ap.add_argument("--all-statuses", action="store_true", help="include runs that are not FINISHED")
     return ap
+
+
+def newest_sweep(path: Path) -> Path:
+    """The Hydra multirun directory ``hlat compare --sweep`` means by ``path``.
+
+    ``path`` itself when it is one (it has ``multirun.yaml``) or none is below it; else the newest one below it,
+    named on stderr, so ``multirun/scaled_init`` means that sweep's latest run.
+    """
+    if (path / "multirun.yaml").is_file() or not path.is_dir():
+        return path
+    found = sorted(path.glob("**/multirun.yaml"), key=lambda p: (p.stat().st_mtime, str(p)))
+    if not found:
+        return path
+    print(f"hlat compare: the newest sweep under {path}: {found[-1].parent}", file=sys.stderr)
+    return found[-1].parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         errors exit through argparse with status 2.
     """
     args = build_parser().parse_args(argv)
+    if args.sweep is not None:
+        args.sweep = str(newest_sweep(Path(args.sweep)))
     try:
         runs = select_runs(
             args.uri,
@@ -300,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         what = f"sweep {args.sweep}"
     else:
         what = "selected runs"
-    md, png = write_report(runs, args.out, title=f"Comparison of {len(runs)} MLflow runs: {what}")
+    out = args.out or (Path(args.sweep) if args.sweep is not None else Path("comparison"))
+    md, png = write_report(runs, out, title=f"Comparison of {len(runs)} MLflow runs: {what}")
     print(summary_table(runs))
     print(f"\nreport: {md}\nplot:   {png}")
     return 0

@@ -54,6 +54,7 @@ def test_every_job_of_every_sweep_config_is_a_valid_run(name: str, cache_dir: Pa
         jobs = job_overrides(params)
         assert len(jobs) >= (1 if optuna else 2), f"sweeps/{name}.yaml sweeps nothing"
         assert "tracker.experiment" not in params and master.tracker.experiment not in ("hlat", None)
+        assert master.tracker.run_name is None, "runs are named by the overrides that differ between the jobs"
         for overrides in jobs:
             cfg = compose(config_name=name, overrides=[*search, *overrides], return_hydra_config=True)
             HydraConfig.instance().set_config(cfg)  # ${hydra:job.override_dirname} in the run name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -398,3 +399,24 @@ def test_peak_memory_column_appears_when_logged_and_prefers_cuda() -> None:
     assert "fault.name" not in compare.differing_keys(
         [run("a", {"fault.name": "kill"}), run("b", {"fault.name": "none"})]
     )
+
+
+def test_main_writes_into_the_sweep_and_finds_its_newest(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hlat compare --sweep multirun` (no --out) reads the newest sweep below it and writes into that sweep's folder,
+    never into ./comparison of the working directory."""
+    sweep = store.root / SWEEP
+    sweep.mkdir(parents=True, exist_ok=True)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    older = store.root / "multirun" / "2025-01-01" / "00-00-00"  # a sweep of no runs, older than the real one
+    older.mkdir(parents=True)
+    (older / "multirun.yaml").write_text("hydra: {}\n")
+    os.utime(older / "multirun.yaml", (1, 1))
+    monkeypatch.chdir(tmp_path)
+    assert compare.main(["--uri", store.uri, "--sweep", str(store.root / "multirun")]) == 0
+    captured = capsys.readouterr()
+    assert f"the newest sweep under {store.root / 'multirun'}: {sweep}" in captured.err
+    assert (sweep / "comparison.md").is_file() and (sweep / "comparison.png").is_file()
+    assert not (tmp_path / "comparison").exists()
+    assert compare.main(["--uri", store.uri, "--sweep", str(older)]) == 2  # a sweep dir is taken as it is
