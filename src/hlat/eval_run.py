@@ -149,8 +149,9 @@ class MlflowSink:
             except MlflowException:
                 log.warning("training run %s is not in %s: logging the evaluation to a run of its own",
                             self.train_run_id, self.uri)  # fmt: skip
-        exp = self._client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else self._client.create_experiment(self.experiment)
+        from hlat.trackers import experiment_id
+
+        exp_id = experiment_id(self._client, self.experiment)
         run = self._client.create_run(exp_id, run_name=f"eval-{ckpt.parent.parent.name}-{ckpt.name}",
                                       tags={"hlat.kind": "eval", "hlat.checkpoint": str(ckpt)})  # fmt: skip
         self._run_id = run.info.run_id

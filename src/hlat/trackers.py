@@ -1,4 +1,4 @@
-"""Experiment trackers: MLflow, a console printer, and the progress bar. Rank 0 only.
+"""Experiment trackers: MLflow, a console printer (the progress bar: hlat.progress). Rank 0 only.
 
 A tracker receives python values, never tensors: metrics arrive as rows ``(step, {name: value})`` once
 per log interval (see ``metrics.MetricsLogger``).
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import tempfile
 import threading
 import time
 from array import array
@@ -18,7 +17,19 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from hlat.config import ConfigError, TrackerConfig
+from hlat.config import TrackerConfig
+from hlat.mlflow_store import (  # noqa: F401  (re-exported: their home is hlat.mlflow_store)
+    EXPERIMENT_KIND_TAG,
+    LOSS,
+    MODEL_TRAINING,
+    UI_QUERY,
+    check_reachable,
+    default_uri,
+    experiment_id,
+    ui_address,
+    ui_page,
+)
+from hlat.progress import ProgressBar  # noqa: F401  (its home is hlat.progress; re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +73,6 @@ class NoopTracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         pass
-
-
-class ProgressBar(NoopTracker):
-    """A tqdm bar over optimizer steps with loss, tokens/s and ETA; also a loop hook."""
-
-    def __init__(self, total: int, initial: int = 0) -> None:
-        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0)
-
-    def __call__(self, state: Any, out: Any) -> None:  # loop hook: advance without touching the device
-        self.bar.update(state.step - self.bar.n)
-
-    def log_metrics(self, rows: Rows) -> None:
-        _, last = rows[-1]
-        if "train/loss" not in last:  # rows of other sources (pre-flight, straggler reports) carry no loss
-            return
-        self.bar.set_postfix(
-            loss=f"{last['train/loss']:.3f}", tok_s=f"{last.get('perf/tokens_per_s', 0):,.0f}", refresh=False
-        )
-
-    def finish(self, status: str = "FINISHED") -> None:
-        self.bar.close()
 
 
 class History(NoopTracker):
@@ -165,103 +155,6 @@ class MultiTracker:
             t.finish(status)
 
 
-def default_uri() -> str:
-    """A sqlite store ``mlflow.db`` in the working directory (``mlflow ui`` opens it from there)."""
-    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-_SERVER_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
-"""Default ports of the ``tracker.uri`` schemes whose server :func:`check_reachable` asks."""
-
-
-def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0) -> None:
-    """Fail fast, before any data or model is built, when the MLflow store of ``tracker.uri`` cannot be used.
-
-    An http(s) server gets one ``GET /health`` (through the proxies of the environment, as MLflow's requests go)
-    and a database server one TCP connect, each of at most ``timeout_s`` seconds where MLflow itself would retry
-    for minutes; any HTTP answer counts as reachable. A sqlite file's directory must exist and be writable; a
-    ``file:`` store's directory must be (or become) a writable directory. Other schemes (databricks, ...) are left
-    to MLflow. Only rank 0 tracks, so only rank 0 checks.
-
-    Raises:
-        ConfigError: The server does not answer or the store cannot be written; names ``tracker.uri`` and the fixes.
-    """
-    if rank != 0 or cfg.kind != "mlflow":
-        return
-    from urllib.parse import urlsplit
-
-    uri = cfg.uri or default_uri()
-    parts = urlsplit(uri)
-    scheme = parts.scheme.split("+")[0].lower()  # postgresql+psycopg2 -> postgresql
-    shown = uri.replace(f":{parts.password}@", ":***@") if parts.password else uri  # never print a password
-    fixes = ("fix tracker.uri, drop it (the local store ./mlflow.db) or use tracker=console" if cfg.uri else
-             "run from a writable directory, set tracker.uri to a writable store or use tracker=console")  # fmt: skip
-    if scheme in _SERVER_PORTS:
-        host, port = parts.hostname or "localhost", parts.port or _SERVER_PORTS[scheme]
-        error = _http_error(uri, timeout_s) if scheme.startswith("http") else _connect_error(host, port, timeout_s)
-        if error is not None:
-            start = f"mlflow server --host {host} --port {port}" if scheme.startswith("http") else "the database"
-            raise ConfigError(f"tracker.uri={shown}: nothing answers at {host}:{port} within {timeout_s:g} s "
-                              f"({error}); start the server ({start}), {fixes}")  # fmt: skip
-        return
-    if scheme == "sqlite":
-        db = uri.removeprefix("sqlite:///")
-        if db in ("", ":memory:") or db == uri:
-            return
-        problem = _store_dir_problem(Path(db).parent, create=False)
-    elif scheme in ("file", ""):
-        problem = _store_dir_problem(Path(parts.path if scheme == "file" else uri).expanduser(), create=True)
-    else:
-        return
-    if problem is not None:
-        raise ConfigError(f"tracker.uri={uri}: {problem}; {fixes}")
-
-
-def _http_error(uri: str, timeout_s: float) -> str | None:
-    """Why ``GET <uri>/health`` got no HTTP answer at all (None: it got one, whatever its status)."""
-    import ssl
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError:  # an answer: an auth proxy, an old server without /health
-        return None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, ssl.SSLError):  # a certificate MLflow may be told to accept: its business
-            return None
-        return str(getattr(e.reason, "strerror", None) or e.reason)
-    except (OSError, ValueError) as e:  # TimeoutError, a reset connection, a malformed URL
-        return str(e) or type(e).__name__
-
-
-def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
-    """Why a TCP connect to ``host:port`` failed (None: it succeeded)."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except OSError as e:
-        return e.strerror or str(e) or type(e).__name__
-
-
-def _store_dir_problem(where: Path, *, create: bool) -> str | None:
-    """Why the local store directory ``where`` cannot be used (None: it can); ``create``: MLflow makes it if absent."""
-    probe = where
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{probe} is a file, not a directory"
-    if probe != where and not create:
-        return f"the directory {where} does not exist (the sqlite store does not create it)"
-    try:  # a real write: permissions, read-only mounts and pseudo filesystems alike
-        with tempfile.TemporaryFile(dir=probe, prefix=".hlat-write-test-"):
-            pass
-    except OSError as e:
-        return f"cannot write into {probe} ({e.strerror or e})"
-    return None
-
-
 class MLflowTracker(NoopTracker):
     """Logs to MLflow through ``MlflowClient.log_batch`` from a background thread, so logging never blocks a step.
 
@@ -269,6 +162,11 @@ class MLflowTracker(NoopTracker):
     the buffer reaches a full batch, and on every call when ``flush_every_s`` is 0). One HTTP call per point
     manages ~160 points/s against a server; batches reach ~5,000/s. A failed send is kept and retried at the next
     flush; ``finish`` stops the thread and sends what is left from the caller, where an error is raised.
+
+    A new run's first metric is ``train/loss``: other metrics (the pre-flight record at step 0) wait in the buffer
+    for the first loss, and MLflow's system metrics start once it is sent. MLflow's compare view charts the first
+    metric of a run by default (its parallel-coordinates plot; a sqlite store lists a run's metrics in the order
+    they first came), which was otherwise a ``system/`` or ``preflight/`` one.
     """
 
     def __init__(self, cfg: TrackerConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> None:
@@ -287,23 +185,32 @@ class MLflowTracker(NoopTracker):
             for key, value in tags.items():
                 self.client.set_tag(self.run_id, key, value)
         else:
-            exp = self.client.get_experiment_by_name(cfg.experiment)
-            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
+            self.experiment_id = experiment_id(self.client, cfg.experiment)
             self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
         self.flush_every_s = cfg.flush_every_s
-        self._system = None
-        if cfg.system_metrics:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            self._system = SystemMetricsMonitor(self.run_id, resume_logging=previous is not None,
-                                                tracking_uri=self.uri)  # fmt: skip
-            self._system.start()
+        self._system: Any = None
+        self._system_metrics, self._continued = cfg.system_metrics, previous is not None
+        self._loss_sent = previous is not None  # a continued run's metrics are in MLflow's order already
         self._pending: list[Any] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        if self._loss_sent:
+            self._start_system_metrics()
         self._thread = threading.Thread(target=self._background, name="hlat-mlflow-flush", daemon=True)
         self._thread.start()
+
+    def _start_system_metrics(self) -> None:
+        """Start MLflow's system metrics monitor (``tracker.system_metrics``), once, unless the run is finishing."""
+        if not self._system_metrics:
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        with self._lock:
+            if self._system is not None or self._stopping:
+                return
+            self._system = SystemMetricsMonitor(self.run_id, resume_logging=self._continued, tracking_uri=self.uri)
+        self._system.start()
 
     def _find(self, run_id: str) -> Any:
         """The run ``run_id`` in this store, or None (with a warning) when it is not there."""
@@ -350,9 +257,17 @@ class MLflowTracker(NoopTracker):
             except Exception:  # a server hiccup must not kill the thread; the batch is retried next time
                 log.warning("MLflow log_batch failed; retrying at the next flush", exc_info=True)
 
-    def flush(self) -> None:
-        """Send buffered metrics, at most 1000 per request; unsent ones go back to the buffer on error."""
+    def flush(self, *, everything: bool = False) -> None:
+        """Send buffered metrics, at most 1000 per request; unsent ones go back to the buffer on error.
+
+        Until the run's first ``train/loss`` is sent, the other metrics wait for it (``everything``: send them
+        anyway; also when they fill a batch) and then follow it.
+        """
         with self._lock:
+            if not self._loss_sent:
+                if not everything and len(self._pending) < _MAX_METRICS and all(m.key != LOSS for m in self._pending):
+                    return
+                self._pending.sort(key=lambda m: m.key != LOSS)  # stable: the losses first, the rest in order
             pending, self._pending = self._pending, []
         for i in range(0, len(pending), _MAX_METRICS):
             try:
@@ -361,6 +276,9 @@ class MLflowTracker(NoopTracker):
                 with self._lock:
                     self._pending[:0] = pending[i:]
                 raise
+        if pending and not self._loss_sent:
+            self._loss_sent = True
+            self._start_system_metrics()
 
     def sync(self) -> bool:
         """Send every buffered metric now, from the caller; a failure is logged, not raised. Returns success.
@@ -370,7 +288,7 @@ class MLflowTracker(NoopTracker):
         the run's history that nothing logs again.
         """
         try:
-            self.flush()
+            self.flush(everything=True)
         except Exception:
             log.warning("MLflow log_batch failed before a checkpoint; the metrics are retried at the next flush",
                         exc_info=True)  # fmt: skip
@@ -381,25 +299,22 @@ class MLflowTracker(NoopTracker):
         self.client.log_artifact(self.run_id, str(path))
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self._system is not None:
-            self._system.finish()
-        self._stopping = True
+        with self._lock:
+            self._stopping = True  # from here on no system metrics monitor starts
         self._wake.set()
         self._thread.join()
         try:
-            self.flush()
+            if self._system is not None:
+                self._system.finish()
+            self.flush(everything=True)
         finally:
             self.client.set_terminated(self.run_id, status)
 
     def ui_hint(self) -> str:
-        """One line telling the user how to open this run."""
-        page = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        if self.uri.startswith(("http://", "https://")):  # a tracking server: its UI is at the same address
-            return f"MLflow run {self.run_id} (experiment {self.experiment_id}): {self.uri.rstrip('/')}/{page}"
-        return (
-            f"MLflow run {self.run_id} (experiment {self.experiment_id}). Open it with: "
-            f"mlflow ui --backend-store-uri {self.uri}  then http://127.0.0.1:5000/{page}"
-        )
+        """One line telling the user how to open this run (in the UI's model-training view)."""
+        where = ui_address(self.uri, ui_page(self.experiment_id, self.run_id))
+        sep = ":" if self.uri.startswith(("http://", "https://")) else ". Open it with:"
+        return f"MLflow run {self.run_id} (experiment {self.experiment_id}){sep} {where}"
 
 
 def build_tracker(

@@ -164,7 +164,8 @@ class TrackerConfig(_Frozen):
     layer_grad_norms_every: int = 0
     """Every this many steps, log the gradient norm of each layer (``grad_norm/layers.<i>``, ...); 0: off, no cost."""
     system_metrics: bool = True
-    """MLflow's own system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s, in MLflow's thread."""
+    """MLflow's own system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s, in MLflow's thread,
+    from the run's first logged loss on (so the UI's compare view defaults to the loss, not a system metric)."""
     skip_finished: bool = True
     """In a multirun (``-m``), a job whose config (``hlat.sweep.config_hash``) already FINISHED in this experiment
     is skipped, and one whose earlier run died continues from its checkpoints; false runs every job again."""
