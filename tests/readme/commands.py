@@ -53,6 +53,8 @@ class Policy:
         output: Text the command's output must contain.
         extra: Overrides appended besides :data:`TINY` (``tiny`` only).
         setup: A name from ``tests/readme/test_readme.py``'s setups, run before the command (the user's own data).
+        port: Where a ``serve`` command answers.
+        probe: Text the answer of a ``serve`` command must contain.
     """
 
     action: str
@@ -108,7 +110,7 @@ EXCEPTIONS: dict[str, Policy] = {
 
 def _default(text: str) -> Policy | None:
     words = shlex.split(text)
-    trains = words[:2] in (["python", "train.py"], ["hlat", "train"]) or words[:2] == ["torchrun", "train.py"]
+    trains = words[:2] in (["python", "train.py"], ["hlat", "train"])
     if trains and not any(w.startswith("train.dry_run=true") for w in words):
         return Policy("tiny")
     if words[:2] == [".venv-neuron/bin/python", "train.py"]:
