@@ -32,7 +32,7 @@ from hlat.config import register_configs
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
-from hlat.peak import DEFAULT_CACHE_DIR
+from hlat.plan.peak import DEFAULT_CACHE_DIR
 
 CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
 EMULATED = (("fp32", "native"), ("bf16", "emulated"), ("bf16_sr", "emulated"), ("master_weights", "emulated"))

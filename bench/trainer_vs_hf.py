@@ -45,8 +45,8 @@ synchronized at both ends on CUDA; CPU work is synchronous), and the order of th
 round, so a slow patch of a shared machine hits all of them alike. Reported per contender: median seconds/step over
 rounds with min-max, tokens/s = batch x seq_len / median, MFU = tokens/s x ``hlat.metrics.flops_per_token`` (PaLM's
 6N + 12·L·H·Q·T, non-causal: ``perf/mfu`` of a training run; the same shape, so the same number for both) / the peak
-(on CPU this host's matmul peak from ``hlat.peak.cached_peak``, measured and cached with ``measure_and_cache`` first
-if missing or with ``--measure-peak``; on CUDA ``resolve_peak_flops``'s published figure), and the ratio hlat/HF of
+(on CPU this host's matmul peak from ``hlat.plan.peak.cached_peak``, measured and cached with
+``measure_and_cache`` first if missing or with ``--measure-peak``; on CUDA ``resolve_peak_flops``'s published figure), and the ratio hlat/HF of
 tokens/s: eager vs eager, compiled vs compiled, hlat's best vs HF's best. torch uses as many threads as the process
 has usable cores. The report is markdown to paste into bench/README.md.
 """
@@ -86,7 +86,7 @@ from hlat.metrics import flops_per_token, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
-from hlat.peak import cached_peak, host_info, measure_and_cache
+from hlat.plan.peak import cached_peak, host_info, measure_and_cache
 from hlat.precision import DTYPE
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -297,12 +297,12 @@ def peak_flops(cfg: RunConfig, remeasure: bool) -> tuple[float | None, str]:
     dtype = cfg.precision.compute_dtype
     if cfg.cluster.device != "cpu":
         return resolve_peak_flops(cfg.cluster, dtype, cfg.data.cache_dir)
-    measured_now = f"{dtype} matmul peak measured in this run by `hlat.peak.measure_and_cache` (and cached)"
+    measured_now = f"{dtype} matmul peak measured in this run by `hlat.plan.peak.measure_and_cache` (and cached)"
     if dtype in _MEASURED:  # measure_and_cache measures every dtype at once
         return _MEASURED[dtype], measured_now
     flops = None if remeasure else cached_peak(dtype, cfg.data.cache_dir)
     if flops is not None:
-        return flops, f"cached `hlat.peak` {dtype} matmul peak"
+        return flops, f"cached `hlat.plan.peak` {dtype} matmul peak"
     print(f"  measuring this host's matmul peak into {cfg.data.cache_dir} ...", file=sys.stderr, flush=True)
     _MEASURED.update(measure_and_cache(cfg.data.cache_dir))
     return _MEASURED[dtype], measured_now

@@ -222,7 +222,7 @@ def _hydra_summary(argv: list[str]) -> None:
     import hydra
 
     from hlat.config import ConfigError, register_configs, to_run_config
-    from hlat.plan import summary_text
+    from hlat.plan.memory import summary_text
 
     register_configs()
 
@@ -367,14 +367,14 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(doctor_main(argv[1:]))
     if argv and argv[0] == "plan":
-        from hlat.plan_report import main as plan_main
+        from hlat.plan.report import main as plan_main
 
         raise SystemExit(plan_main(argv[1:]))
     if argv and argv[0] == "bench":
         if argv[1:2] != ["peak"]:
             print("hlat: usage: hlat bench peak [--cache-dir DIR] [--size N] [--seconds S]", file=sys.stderr)
             raise SystemExit(2)
-        from hlat.peak import main as peak_main
+        from hlat.plan.peak import main as peak_main
 
         raise SystemExit(peak_main(argv[2:]))
     if not argv or argv[0] in ("-h", "--help"):

@@ -4,7 +4,7 @@ A layout (or a precision x parallelism combination) that a backend refuses is re
 the backend calls before it builds anything: the torch backend's ``build_model`` calls ``check_torch_layout``, the
 neuron backend's ``setup`` (through ``neuron_env`` and ``precision_plan``) ``check_neuron_supported`` and
 ``check_neuron_precision``. ``check_layout`` picks the ones of ``cfg.cluster.backend``; ``hlat launch`` /
-``hlat compile`` call it before rendering, and the planner (``hlat.plan``) offers no change it refuses. Pure: no
+``hlat compile`` call it before rendering, and the planner (``hlat.plan.memory``) offers no change it refuses. Pure: no
 torch, so ``hlat plan`` stays a config-only command.
 """
 

@@ -142,7 +142,7 @@ def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: st
             if key in name and compute_dtype in table:
                 return table[compute_dtype] * 1e12, f"published {key} {compute_dtype} peak"
         return None, f"no published {compute_dtype} peak for {name!r}: set cluster.peak_tflops to get MFU"
-    from hlat.peak import cached_peak, peak_key
+    from hlat.plan.peak import cached_peak, peak_key
 
     key = peak_key(compute_dtype, bf16_matmul)
     flops = cached_peak(key, cache_dir)
@@ -153,11 +153,11 @@ def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: st
 
 
 def first_peak_hint(source: str, cache_dir: str) -> bool:
-    """Whether to print "no MFU metric: ``source``" now: once per host (``hlat.peak.first_hint``), not every run.
+    """Whether to print "no MFU metric: ``source``" now: once per host (``hlat.plan.peak.first_hint``), not every run.
 
     Every run still records ``source`` in its ``perf.peak_source`` tag (and ``perf.peak_tflops`` param).
     """
-    from hlat.peak import first_hint
+    from hlat.plan.peak import first_hint
 
     return first_hint(source, cache_dir)
 

@@ -30,7 +30,7 @@ from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, first_peak_hi
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
-from hlat.plan import check_fits, check_world, estimate_memory, summary, summary_text
+from hlat.plan.memory import check_fits, check_world, estimate_memory, summary, summary_text
 from hlat.progress import ProgressBar
 from hlat.provenance import write_provenance
 from hlat.resume import job_record, record_start, restore, rollback

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from hlat.config import ConfigError
 from hlat.launch import supervise
-from hlat.plan import check_world, planned_budget
+from hlat.plan.memory import check_world, planned_budget
 from hlat.run import main, to_run_config
 from tests.conftest import CONF, compose_cfg
 

@@ -1,4 +1,4 @@
-"""hlat.peak: matmul peak measurement and its per-host cache (tiny sizes, CPU only)."""
+"""hlat.plan.peak: matmul peak measurement and its per-host cache (tiny sizes, CPU only)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hlat import peak
+from hlat.plan import peak
 
 TINY = {"n": 128, "seconds": 0.05, "repeats": 2}
 

@@ -18,9 +18,9 @@ from hlat.config import ConfigError, RunConfig
 from hlat.layouts import check_layout
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims
-from hlat.plan import GiB, can_add_nodes, check_fits, check_world, estimate_memory, planned_budget, suggest_fixes
-from hlat.plan_paper import compose
-from hlat.plan_report import make_plan
+from hlat.plan.memory import GiB, can_add_nodes, check_fits, check_world, estimate_memory, planned_budget, suggest_fixes
+from hlat.plan.paper import compose
+from hlat.plan.report import make_plan
 
 CPU_7B = ("model=7b", "cluster.device_memory_gib=16")  # the user's `python train.py model=7b`, at a fixed budget
 CASES = [
@@ -91,7 +91,7 @@ def test_cpu_7b_advice_names_no_pipeline_and_no_nodes_but_a_cluster() -> None:
 
 
 def test_hlat_plan_reports_the_cluster_instead_of_would_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    from hlat.plan_report import main
+    from hlat.plan.report import main
 
     assert main([*CPU_7B]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The step-time model's arithmetic against hand-computed values (hlat.perf_model)."""
+"""The step-time model's arithmetic against hand-computed values (hlat.plan.step_model)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 from hlat.config import ConfigError, RunConfig
 from hlat.metrics import Throughput, flops_per_token
 from hlat.parallel import ParallelDims
-from hlat.perf_model import (
+from hlat.plan.memory import param_count
+from hlat.plan.step_model import (
     CPT_TOKENS,
     Hardware,
     bubble_fraction,
@@ -21,7 +22,6 @@ from hlat.perf_model import (
     ring_all_gather_s,
     ring_all_reduce_s,
 )
-from hlat.plan import param_count
 from hlat.run import to_run_config
 from tests.conftest import compose_cfg
 

@@ -1,4 +1,4 @@
-"""The planner against the HLAT paper and the Neuron SDK (hlat.plan_paper; the table of docs/planner.md).
+"""The planner against the HLAT paper and the Neuron SDK (hlat.plan.paper; the table of docs/planner.md).
 
 Tolerance: the published figures are themselves reproducible only to about 9%: the SDK's throughput for the very
 same config (Llama2-7B, 16 trn1 nodes, TP8 DP64) is 92.9 seq/s in SDK 2.18 and 101.3 in SDK 2.20. A prediction is
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from hlat.config import ConfigError
-from hlat.plan import GiB, with_changes
-from hlat.plan_paper import (
+from hlat.plan.memory import GiB, with_changes
+from hlat.plan.paper import (
     CALIBRATION,
     PAPER_7B_32,
     PAPER_7B_64,
@@ -29,7 +29,7 @@ from hlat.plan_paper import (
     gpu_baseline,
     predicted,
 )
-from hlat.plan_report import make_plan
+from hlat.plan.report import make_plan
 
 TOL = SDK_7B_16.seq_per_s / SDK_7B_16_OLD.seq_per_s - 1  # 0.090: the SDK's own release-to-release spread
 

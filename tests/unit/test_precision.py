@@ -274,7 +274,7 @@ def test_bytes_per_param_per_mode() -> None:
 def test_zero1_shards_optimizer_and_master_in_the_estimate() -> None:
     from omegaconf import OmegaConf
 
-    from hlat.plan import estimate_memory
+    from hlat.plan.memory import estimate_memory
 
     cfg = OmegaConf.to_object(compose_cfg("model=70b", "precision=master_weights"))
     n, est = estimate_memory(cfg, ParallelDims(world_size=1024, tp=32, pp=8, dp=4))
@@ -288,7 +288,7 @@ def test_activation_estimate_follows_korthikanti_with_sp_checkpointing_and_pp() 
     """Table 2 of Korthikanti et al. for 7B shapes (s=4096, b=1, h=4096, a=32, L=32), at 16-bit."""
     from omegaconf import OmegaConf
 
-    from hlat.plan import activation_bytes
+    from hlat.plan.memory import activation_bytes
 
     def act(tp: int, pp: int, *overrides: str) -> float:
         batch = ("train.seq_len=4096", "train.micro_batch_size=1", "train.global_batch_size=1024")

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from hlat import cli, logs, peak, sizing
+from hlat import cli, logs, sizing
 from hlat.config import ModelConfig, to_run_config
 from hlat.model import count_params as count_on_meta
+from hlat.plan import peak
 from hlat.progress import ProgressBar
 from tests.conftest import CONF, compose_cfg
 

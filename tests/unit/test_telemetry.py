@@ -131,7 +131,7 @@ def test_peak_resolution_order(tmp_path, monkeypatch) -> None:
     assert peak == 95e12 and "trn1" in why
     peak, why = resolve_peak_flops(ClusterConfig(), "bfloat16", str(tmp_path))  # nothing cached in tmp_path
     assert peak is None and "hlat bench peak" in why
-    monkeypatch.setattr("hlat.peak.cached_peak", lambda dtype, cache_dir: 3.0e11 if dtype == "bfloat16" else None)
+    monkeypatch.setattr("hlat.plan.peak.cached_peak", lambda dtype, cache_dir: 3.0e11 if dtype == "bfloat16" else None)
     assert resolve_peak_flops(ClusterConfig(), "bfloat16", str(tmp_path))[0] == 3.0e11
     assert math.isclose(resolve_peak_flops(ClusterConfig(peak_tflops=0.3), "float32", "")[0], 3e11)
 

@@ -66,7 +66,7 @@ from hlat.backends.neuron_plan import (
 from hlat.backends.torch_dist import Ranks
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
 from hlat.parallel import ParallelDims
-from hlat.plan import planned_budget
+from hlat.plan.memory import planned_budget
 
 __all__ = [
     "XLA_MODULES", "NeuronBackend", "NeuronPrecision", "apply_env", "check_supported", "checkpoint_calls",

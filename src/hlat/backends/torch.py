@@ -40,7 +40,7 @@ from hlat.bf16_matmul import apply_policy, resolve_policy
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
 from hlat.loop import NULL_TIMER
 from hlat.parallel import ParallelDims
-from hlat.peak import DEFAULT_CACHE_DIR
+from hlat.plan.peak import DEFAULT_CACHE_DIR
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
 from hlat.recompute import apply_activation_checkpointing
 

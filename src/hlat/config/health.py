@@ -26,7 +26,7 @@ class HealthConfig(_Frozen):
     """Side n of the square matmuls timed per rank; null: 1024 on CPU, 8192 on an accelerator (small matrices do not
     fill an accelerator and read as a slow device)."""
     matmul_seconds: float = 0.25
-    """Length in seconds of each timed matmul window (``hlat.peak.measure_matmul_flops``)."""
+    """Length in seconds of each timed matmul window (``hlat.plan.peak.measure_matmul_flops``)."""
     matmul_repeats: int = 3
     """Timed matmul windows per rank; the best one counts (the peak a device can reach)."""
     min_matmul_fraction: float = 0.5

@@ -109,13 +109,13 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, seconds: floa
                  sync: Sync | None = None, emulated: bool = False) -> float:  # fmt: skip
     """Best-window FLOP/s of ``n x n`` matmuls on ``device``.
 
-    CPU and CUDA: :func:`hlat.peak.measure_matmul_flops` (the MFU denominator's own measurement, which waits for
+    CPU and CUDA: :func:`hlat.plan.peak.measure_matmul_flops` (the MFU denominator's own measurement, which waits for
     the device itself; ``emulated``: the bf16 matmul as ``precision.bf16_matmul=emulated`` runs it). Otherwise (a
     lazy device) a chain ``x = (x @ b) * s`` per window, so a graph compiler can neither drop nor merge the
     matmuls, then ``sync``.
     """
     if device.type in ("cpu", "cuda"):
-        from hlat.peak import measure_matmul_flops
+        from hlat.plan.peak import measure_matmul_flops
 
         return measure_matmul_flops(dtype, n=n, seconds=seconds, device=str(device), repeats=repeats,
                                     emulated=emulated)  # fmt: skip

@@ -27,7 +27,7 @@ moves ``2 (n - 1) / n x S`` per rank, an all-gather or reduce-scatter ``(n - 1) 
 are multiplied by ``cluster.intra_node_efficiency`` or ``cluster.inter_node_efficiency``, the achieved fractions.
 
 The efficiencies are the model's only free parameters; docs/planner.md gives their values, how the trn1 ones were
-fitted to two published throughputs (``hlat.plan_paper``), and how well the model predicts the others.
+fitted to two published throughputs (``hlat.plan.paper``), and how well the model predicts the others.
 
 Not modelled (each a few percent or less for the paper's recipes): latency terms of collectives, the vocabulary-
 parallel embedding and output layer's collectives, the imbalance of the first and last pipeline stages (embedding,

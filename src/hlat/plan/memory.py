@@ -1,6 +1,6 @@
 """Pre-flight memory estimate: refuse a run that cannot fit before anything is allocated, and name the fix.
 
-The step-time side of the planner is ``hlat.perf_model``; ``hlat plan`` (``hlat.plan_report``) prints both.
+The step-time side of the planner is ``hlat.plan.step_model``; ``hlat plan`` (``hlat.plan.report``) prints both.
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def summary_text(cfg: RunConfig) -> str:
     """The ``hlat summary`` (``train.dry_run=true``) text: parameters, batch and memory per rank.
 
     Planned for the cluster's world without touching a device: config arithmetic only (``hlat.sizing``,
-    ``hlat.plan``), no torch.
+    ``hlat.plan.memory``), no torch.
     """
     dims = ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)
     n_params, est = estimate_memory(cfg, dims)

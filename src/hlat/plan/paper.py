@@ -6,7 +6,7 @@ points, ``CALIBRATION``: the SDK's Llama2-7B throughput on 16 nodes (SDK 2.20, t
 HLAT's MFU on 64 nodes. Every other figure is a prediction, compared in ``validation_rows``. The step time is
 linear in 1/efficiency when no gradient reduction overlaps the backward (trn1), so the fit is a 2 x 2 solve.
 
-``python -m hlat.plan_paper`` (or ``hlat plan --paper``) prints the fit and the table of docs/planner.md.
+``python -m hlat.plan.paper`` (or ``hlat plan --paper``) prints the fit and the table of docs/planner.md.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from hlat.cli import compose_run_config
 from hlat.config import RunConfig
-from hlat.perf_model import Hardware, estimate_step
-from hlat.plan import GiB, with_changes
-from hlat.plan_report import Plan, make_plan
+from hlat.plan.memory import GiB, with_changes
+from hlat.plan.report import Plan, make_plan
+from hlat.plan.step_model import Hardware, estimate_step
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 ``hlat plan experiment=hlat_7b`` prints the report of one config (the overrides are ``python train.py``'s);
 ``--nodes 4,8,16,32,64`` sweeps the node count into a scaling table; ``--json`` prints the same as JSON;
-``--paper`` prints the validation against the HLAT paper (``hlat.plan_paper``). The memory model is
-``hlat.plan``, the step-time model ``hlat.perf_model``; docs/planner.md describes both and their errors.
+``--paper`` prints the validation against the HLAT paper (``hlat.plan.paper``). The memory model is
+``hlat.plan.memory``, the step-time model ``hlat.plan.step_model``; docs/planner.md describes both and their errors.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from hlat.config import ConfigError, RunConfig
 from hlat.parallel import ParallelDims
-from hlat.perf_model import Hardware, StepEstimate, estimate_step
-from hlat.plan import (
+from hlat.plan.memory import (
     Fix,
     GiB,
     MemoryEstimate,
@@ -27,7 +26,8 @@ from hlat.plan import (
     planned_budget,
     suggest_fixes,
 )
-from hlat.plan import with_changes as _with_changes
+from hlat.plan.memory import with_changes as _with_changes
+from hlat.plan.step_model import Hardware, StepEstimate, estimate_step
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Plan:
     n_params: int
     memory: MemoryEstimate
     budget: int
-    """Bytes one device may use (``hlat.plan.planned_budget``)."""
+    """Bytes one device may use (``hlat.plan.memory.planned_budget``)."""
     step: StepEstimate | None
     """None when the cluster preset has no step-time model (``no_step`` says why)."""
     no_step: str = ""
@@ -49,7 +49,7 @@ class Plan:
     fixes: list[Fix] = field(default_factory=list)
     """When it does not fit: the changes the memory estimate predicts to fit (and the backend runs)."""
     cluster_fix: Fix | None = None
-    """When it does not fit and no change does: the smallest cluster preset that would (``hlat.plan.cluster_fix``)."""
+    """When it does not fit and no change does: the smallest cluster preset that would (``memory.cluster_fix``)."""
 
     @property
     def fits(self) -> bool:
@@ -152,7 +152,7 @@ def _step_lines(p: Plan) -> list[str]:
     s, t = p.step, p.cfg.train
     if s is None:
         return [f"step time: not modelled ({p.no_step})"]
-    lines = [f"step time (hlat.perf_model; docs/planner.md): {s.step_s:.3f} s"]
+    lines = [f"step time (hlat.plan.step_model; docs/planner.md): {s.step_s:.3f} s"]
     for name, sec in s.components().items():
         if sec > 0:
             lines.append(f"  {name:<17}{sec:9.3f} s  {100 * sec / s.step_s:5.1f}%")
@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
 
     try:
         if args.paper:
-            from hlat.plan_paper import validation_report
+            from hlat.plan.paper import validation_report
 
             print(validation_report())
             return 0

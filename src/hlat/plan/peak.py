@@ -4,7 +4,7 @@ A CPU has no datasheet peak worth trusting (it depends on the vector units, the 
 threads torch uses and the torch build), so we measure it: square ``n×n`` matmuls in each dtype, best of several
 timed windows. The result is cached per host in ``<cache_dir>/peak-<fingerprint>.json``, where the fingerprint
 hashes everything that changes the answer (CPU model, usable cores, torch version, torch threads), so a cache
-directory shared between machines never hands one host another's peak. Run it as ``python -m hlat.peak``.
+directory shared between machines never hands one host another's peak. Run it as ``python -m hlat.plan.peak``.
 """
 
 from __future__ import annotations
