@@ -46,7 +46,8 @@ round, so a slow patch of a shared machine hits all of them alike. Reported per 
 rounds with min-max, tokens/s = batch x seq_len / median, MFU = tokens/s x ``hlat.metrics.flops_per_token`` (PaLM's
 6N + 12·L·H·Q·T, non-causal: ``perf/mfu`` of a training run; the same shape, so the same number for both) / the peak
 (on CPU this host's matmul peak from ``hlat.plan.peak.cached_peak``, measured and cached with
-``measure_and_cache`` first if missing or with ``--measure-peak``; on CUDA ``resolve_peak_flops``'s published figure), and the ratio hlat/HF of
+``measure_and_cache`` first if missing or with ``--measure-peak``; on CUDA ``resolve_peak_flops``'s published
+figure), and the ratio hlat/HF of
 tokens/s: eager vs eager, compiled vs compiled, hlat's best vs HF's best. torch uses as many threads as the process
 has usable cores. The report is markdown to paste into bench/README.md.
 """
