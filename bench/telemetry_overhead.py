@@ -23,9 +23,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from hlat import trackers
 from hlat.config import register_configs
 from hlat.run import main as run_main
+from hlat.track import trackers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -43,7 +43,7 @@ reported as "first step"; torch.compile starts from fresh on-disk caches unless 
 ``--rounds`` rounds: in each, every contender trains ``--steps`` steps in one timed block (the device is
 synchronized at both ends on CUDA; CPU work is synchronous), and the order of the contenders rotates from round to
 round, so a slow patch of a shared machine hits all of them alike. Reported per contender: median seconds/step over
-rounds with min-max, tokens/s = batch x seq_len / median, MFU = tokens/s x ``hlat.metrics.flops_per_token`` (PaLM's
+rounds with min-max, tokens/s = batch x seq_len / median, MFU = tokens/s x ``hlat.track.metrics.flops_per_token`` (PaLM's
 6N + 12·L·H·Q·T, non-causal: ``perf/mfu`` of a training run; the same shape, so the same number for both) / the peak
 (on CPU this host's matmul peak from ``hlat.plan.peak.cached_peak``, measured and cached with
 ``measure_and_cache`` first if missing or with ``--measure-peak``; on CUDA ``resolve_peak_flops``'s published
@@ -83,12 +83,12 @@ from hlat.backends.torch import TorchBackend
 from hlat.config import RunConfig, register_configs
 from hlat.data import build_loader
 from hlat.loop import StepOutput, TrainState, fit
-from hlat.metrics import flops_per_token, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan.peak import cached_peak, host_info, measure_and_cache
 from hlat.precision import DTYPE
+from hlat.track.metrics import flops_per_token, resolve_peak_flops
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 DTYPES = ("fp32", "bf16")

@@ -21,7 +21,7 @@ ARMS = ("fp32", "master_weights", "bf16_sr", "bf16", "bf16_sr-beta2-0.99")
 
 def load_runs(uri: str, experiment: str) -> dict[str, dict]:
     """Newest FINISHED run per run name: ``{name: {"id": ..., "loss": [(step, v)], "grad_norm": ..., ...}}``."""
-    from hlat.runs import select_runs
+    from hlat.track.runs import select_runs
 
     try:
         runs = select_runs(uri, experiment=experiment)  # oldest first

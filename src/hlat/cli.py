@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         _data(argv[1:])
         return
     if argv and argv[0] == "compare":
-        from hlat.compare import main as compare_main
+        from hlat.track.compare import main as compare_main
 
         raise SystemExit(compare_main(argv[1:]))
     if argv and argv[0] in ("launch", "compile"):

@@ -149,7 +149,7 @@ class MlflowSink:
             except MlflowException:
                 log.warning("training run %s is not in %s: logging the evaluation to a run of its own",
                             self.train_run_id, self.uri)  # fmt: skip
-        from hlat.trackers import experiment_id
+        from hlat.track.trackers import experiment_id
 
         exp_id = experiment_id(self._client, self.experiment)
         run = self._client.create_run(exp_id, run_name=f"eval-{ckpt.parent.parent.name}-{ckpt.name}",
@@ -173,7 +173,7 @@ class MlflowSink:
 
     def plot(self, out: Path, tokens_per_step: int) -> Path | None:
         """Every ``eval/`` metric of the run against tokens seen (Fig. 3 of the paper), logged as an artifact."""
-        from hlat.plots import plot_eval_curves
+        from hlat.track.plots import plot_eval_curves
 
         client, run_id = self._client, self._run_id
         if client is None or run_id is None:
@@ -209,7 +209,7 @@ def main(cfg: RunConfig) -> list[tuple[Path, list[Score]]]:
     job = checkpoint.read_job(root)
     sink = None
     if cfg.tracker.kind == "mlflow":
-        from hlat.trackers import default_uri
+        from hlat.track.trackers import default_uri
 
         sink = MlflowSink(cfg.tracker.uri or default_uri(), cfg.tracker.experiment, job.get("mlflow_run_id"))
     out_dir = root / "eval"

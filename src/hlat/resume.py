@@ -11,7 +11,7 @@ import torch
 
 from hlat import checkpoint
 from hlat.loop import HaltedError, NonFiniteError, TrainState
-from hlat.metrics import MetricsLogger, SpikeDetector, Uptime
+from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
 
 log = logging.getLogger(__name__)
 

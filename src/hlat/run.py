@@ -17,7 +17,7 @@ import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hlat import attempt, checkpoint, preempt, sweep
+from hlat import attempt, checkpoint, preempt
 from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.data import build_loader
@@ -26,16 +26,17 @@ from hlat.faults import FaultInjector
 from hlat.health.monitors import Monitors
 from hlat.health.preflight import log_preflight, preflight
 from hlat.loop import NULL_TIMER, HaltedError, NonFiniteError, StepTimer, TrainState, fit, timed_hook
-from hlat.metrics import MetricsLogger, SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan.memory import check_fits, check_world, estimate_memory, summary, summary_text
-from hlat.progress import ProgressBar
-from hlat.provenance import write_provenance
 from hlat.resume import job_record, record_start, restore, rollback
 from hlat.sizing import bytes_per_param, flops_per_token
-from hlat.trackers import History, SeriesRecorder, build_tracker, check_reachable
+from hlat.track import sweep
+from hlat.track.metrics import MetricsLogger, SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
+from hlat.track.progress import ProgressBar
+from hlat.track.provenance import write_provenance
+from hlat.track.trackers import History, SeriesRecorder, build_tracker, check_reachable
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ def _eval_scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> E
     if not e.every_tokens:
         return None
     from hlat.eval_run import eval_overrides
-    from hlat.trackers import default_uri
+    from hlat.track.trackers import default_uri
 
     if e.every_tokens < tokens_per_step * cfg.train.checkpoint_every:
         log.warning("eval.every_tokens=%d is below one checkpoint interval (%d tokens): evaluations happen at "
@@ -314,7 +315,7 @@ def _throughput(cfg: RunConfig, n_params: int, world_size: int, bf16_matmul: str
 
 def _plot(recorder: SeriesRecorder, spikes: SpikeDetector, out_dir: Path, tracker) -> None:
     """End-of-run plots as artifacts; a plotting failure is logged, never fails a finished run."""
-    from hlat.plots import training_plots
+    from hlat.track.plots import training_plots
 
     try:
         for f in training_plots({k: recorder.series(k) for k in PLOTTED}, spikes.histogram(), out_dir):
@@ -390,7 +391,7 @@ def entry(hydra_cfg: DictConfig) -> float | None:
     ``exit_code``); a failure a rerun can continue from (a halt, a full disk, restarts exhausted) prints what
     happened and how to continue, and exits 1. A run stopped by a signal with a checkpoint of the step in flight
     (``hlat.preempt``) prints the command that continues it and exits 85; one stopped without it (a second Ctrl-C)
-    exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.sweep.run_job` instead, which
+    exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.track.sweep.run_job` instead, which
     returns the job's objective (and exits only when the job was stopped by a signal).
     """
     from hydra.core.hydra_config import HydraConfig

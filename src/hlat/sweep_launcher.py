@@ -6,14 +6,14 @@ top of :class:`CollectingLauncher` here.
 
 The plugin's launcher waits for its jobs with ``job.results()``, which raises for the first job that was cancelled
 (``scancel``), killed (SIGKILL, out of memory, a lost node), failed outside Python or returned a result that cannot be
-unpickled: the sweep then ends with a stack trace before :class:`hlat.sweep_callback.SweepCallback` can compare the
+unpickled: the sweep then ends with a stack trace before :class:`hlat.track.sweep_callback.SweepCallback` can compare the
 jobs that finished, fail the sweep and close its MLflow parent run. These subclasses collect every job on its own:
 
 - **In the job**, the returned ``JobReturn`` is made picklable: an exception object that cannot cross the pickle
   boundary (torch elastic's ``SignalException`` needs a ``sigval`` its pickle does not carry) becomes a plain
   ``RuntimeError`` with the same text and traceback.
 - **In the launcher**, a job that did not report back is recorded in its ``sweep_job.json`` (``killed`` or
-  ``failed``, the reason, submitit's log files and the job's MLflow run: :func:`hlat.sweep.record_dead_job`) and
+  ``failed``, the reason, submitit's log files and the job's MLflow run: :func:`hlat.track.sweep.record_dead_job`) and
   reported to the sweeper as the objective +inf, the worst one. ``SweepCallback`` then names it, closes its MLflow
   run, marks the parent run FAILED or KILLED and exits 1; running the sweep again continues it from its checkpoint.
 - **On Slurm**, submitit learns that a job ended without a result only from ``sacct``: without Slurm accounting a
@@ -37,7 +37,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 from omegaconf import OmegaConf, open_dict
 
-from hlat import sweep
+from hlat.track import sweep
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class CollectingLauncher(plugin.BaseSubmititLauncher):
                 if k not in ("submitit_folder", "max_num_timeout")}  # fmt: skip
 
     def _collect(self, job: Any, overrides: list[str], idx: int) -> JobReturn:
-        """The job's result; for a job that died, its record (:func:`hlat.sweep.record_dead_job`) and +inf."""
+        """The job's result; for a job that died, its record (:func:`hlat.track.sweep.record_dead_job`) and +inf."""
         from submitit.core.utils import FailedJobError, UncompletedJobError
 
         if self._EXECUTOR == "local":  # its result file is written before the process ends, on a local disk
@@ -144,7 +144,7 @@ class CollectingLauncher(plugin.BaseSubmititLauncher):
             ret = job.results()[0]
             if ret.status != JobStatus.FAILED:
                 return ret
-            # The task raised past hlat.sweep.run_job (which records its own failures): a sweeper would re-raise it.
+            # The task raised past hlat.track.sweep.run_job (which records its own failures): a sweeper would re-raise it.
             killed, what = False, f"raised {_last_line(ret._return_value)}"
         except Exception as e:
             # No result at all: the process died (cancelled, SIGKILL, out of memory, a lost node). Else the job

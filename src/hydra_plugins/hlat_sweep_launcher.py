@@ -1,7 +1,7 @@
 """hlat's submitit launchers, where Hydra looks for plugins: a dead job does not crash the sweep.
 
 ``hydra/launcher=slurm`` (``conf/hydra/launcher/slurm.yaml``) names :class:`SlurmLauncher`; the plugin's own presets
-(``hydra/launcher=submitit_local``, ``submitit_slurm``) are swapped for these by ``hlat.sweep_callback`` at the start
+(``hydra/launcher=submitit_local``, ``submitit_slurm``) are swapped for these by ``hlat.track.sweep_callback`` at the start
 of a sweep. What they do is :class:`hlat.sweep_launcher.CollectingLauncher`.
 """
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hlat.trackers import ui_page
+from hlat.track.trackers import ui_page
 from tests.integration.mlflow_ui import (
     MlflowServer,
     Sweep,

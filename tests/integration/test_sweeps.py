@@ -16,10 +16,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from hlat import sweep
 from hlat.config import RunConfig
 from hlat.parallel import ParallelDims
 from hlat.run import to_run_config
+from hlat.track import sweep
 from tests.integration.test_train import ROOT, cli
 
 SWEEPS = ROOT / "sweeps"

@@ -129,7 +129,7 @@ def test_a_job_record_of_the_wrong_shape_reads_as_none(tmp_path: Path) -> None:
 
 
 def test_a_dead_tracking_server_is_named_in_seconds() -> None:
-    from hlat.trackers import check_reachable
+    from hlat.track.trackers import check_reachable
 
     with socket.socket() as s:  # a port nothing listens on: bound, never listening
         s.bind(("127.0.0.1", 0))
@@ -148,7 +148,7 @@ def test_a_dead_tracking_server_is_named_in_seconds() -> None:
 
 
 def test_a_server_that_accepts_but_never_answers_is_named_after_the_timeout() -> None:
-    from hlat.trackers import check_reachable
+    from hlat.track.trackers import check_reachable
 
     with socket.socket() as s:  # listening, never accepting: the connect succeeds, no HTTP answer comes
         s.bind(("127.0.0.1", 0))
@@ -163,7 +163,7 @@ def test_any_http_answer_and_other_ranks_pass(tmp_path: Path) -> None:
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from hlat.trackers import check_reachable
+    from hlat.track.trackers import check_reachable
 
     server = HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers every GET with 501: an answer
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -179,7 +179,7 @@ def test_any_http_answer_and_other_ranks_pass(tmp_path: Path) -> None:
 
 
 def test_a_local_store_that_cannot_be_written_is_named(tmp_path: Path) -> None:
-    from hlat.trackers import check_reachable
+    from hlat.track.trackers import check_reachable
 
     (tmp_path / "afile").write_text("")
     with pytest.raises(ConfigError, match=r"tracker\.uri=sqlite:///.*missing/m\.db: the directory .* does not exist"):

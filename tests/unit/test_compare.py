@@ -1,4 +1,4 @@
-"""hlat.compare: run selection from a real sqlite MLflow store, the comparison table, the report files, the CLI."""
+"""hlat.track.compare: run selection from a real sqlite MLflow store, the comparison table, the report files, the CLI."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hlat import compare
-from hlat.compare import RunData, differing_keys, select_runs, summary_table, write_report
+from hlat.track import compare
+from hlat.track.compare import RunData, differing_keys, select_runs, summary_table, write_report
 
 STEPS = list(range(1, 21))  # 20 logged points: the last 10% are steps 19 and 20
 SWEEP = "multirun/2026-01-01/00-00-00"
@@ -384,7 +384,7 @@ def test_main_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = "import sys, hlat.compare; print(sorted(m for m in ('mlflow', 'matplotlib') if m in sys.modules))"
+    code = "import sys, hlat.track.compare; print(sorted(m for m in ('mlflow', 'matplotlib') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -7,7 +7,7 @@ import torch
 
 from hlat.backends.torch import TorchBackend
 from hlat.loop import StepOutput, TrainState
-from hlat.metrics import MetricsLogger
+from hlat.track.metrics import MetricsLogger
 
 
 class CountingBackend(TorchBackend):

@@ -28,10 +28,10 @@ from hlat.config import (
     TrainConfig,
 )
 from hlat.loop import TrainState, fit
-from hlat.metrics import MetricsLogger
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
+from hlat.track.metrics import MetricsLogger
 from tests.fakes.neuron_api import FakeNeuronApi
 
 MODEL = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)

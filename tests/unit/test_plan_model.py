@@ -8,7 +8,6 @@ import pytest
 from omegaconf import OmegaConf
 
 from hlat.config import ConfigError, RunConfig
-from hlat.metrics import Throughput, flops_per_token
 from hlat.parallel import ParallelDims
 from hlat.plan.memory import param_count
 from hlat.plan.step_model import (
@@ -23,6 +22,7 @@ from hlat.plan.step_model import (
     ring_all_reduce_s,
 )
 from hlat.run import to_run_config
+from hlat.track.metrics import Throughput, flops_per_token
 from tests.conftest import compose_cfg
 
 GB = 1e9

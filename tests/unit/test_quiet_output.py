@@ -18,7 +18,7 @@ from hlat import cli, logs, sizing
 from hlat.config import ModelConfig, to_run_config
 from hlat.model import count_params as count_on_meta
 from hlat.plan import peak
-from hlat.progress import ProgressBar
+from hlat.track.progress import ProgressBar
 from tests.conftest import CONF, compose_cfg
 
 HEAVY = ("torch", "mlflow", "matplotlib", "pandas", "transformers")

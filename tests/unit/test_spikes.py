@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from hlat.backends.torch import TorchBackend
 from hlat.loop import StepOutput, TrainState
-from hlat.metrics import MetricsLogger, SpikeDetector
+from hlat.track.metrics import MetricsLogger, SpikeDetector
 
 NAN, INF = float("nan"), float("inf")
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hlat import checkpoint, launch, sweep
+from hlat import checkpoint, launch
 from hlat.config import ConfigError
 from hlat.run import to_run_config
+from hlat.track import sweep
 from tests.conftest import compose_cfg, lock_held_elsewhere
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from hlat.config import ClusterConfig
-from hlat.metrics import SpikeDetector, Throughput, flops_per_token, resolve_peak_flops
 from hlat.model import count_params
+from hlat.track.metrics import SpikeDetector, Throughput, flops_per_token, resolve_peak_flops
 from tests.conftest import compose_cfg
 
 
@@ -137,7 +137,7 @@ def test_peak_resolution_order(tmp_path, monkeypatch) -> None:
 
 
 def test_uptime_across_a_simulated_restart() -> None:
-    from hlat.metrics import Uptime
+    from hlat.track.metrics import Uptime
 
     job = Uptime(start=1000.0)
     job.add_productive(50.0)  # steps 1-50, checkpoint at t=1060 (10 s of start-up before the first step)

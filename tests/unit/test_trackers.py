@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hlat.config import TrackerConfig
-from hlat.trackers import History, MLflowTracker, NoopTracker, ProgressBar, build_tracker
+from hlat.track.trackers import History, MLflowTracker, NoopTracker, ProgressBar, build_tracker
 
 
 def test_off_rank_zero_everything_is_a_noop(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ from typing import ClassVar
 
 import pytest
 
-from hlat import sweep_callback, trackers
 from hlat.config import TrackerConfig
-from hlat.runs import RunData
-from hlat.trackers import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MLflowTracker, experiment_id, ui_page
+from hlat.track import sweep_callback, trackers
+from hlat.track.runs import RunData
+from hlat.track.trackers import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MLflowTracker, experiment_id, ui_page
 
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,7 @@ class TrackerConfig(_Frozen):
     """MLflow's own system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s, in MLflow's thread,
     from the run's first logged loss on (so the UI's compare view defaults to the loss, not a system metric)."""
     skip_finished: bool = True
-    """In a multirun (``-m``), a job whose config (``hlat.sweep.config_hash``) already FINISHED in this experiment
+    """In a multirun (``-m``), a job whose config (``hlat.track.sweep.config_hash``) already FINISHED in this experiment
     is skipped, and one whose earlier run died continues from its checkpoints; false runs every job again."""
 
     def __post_init__(self) -> None:

@@ -154,7 +154,7 @@ def pinned_overrides(cfg: RunConfig, overrides: Sequence[str], target: str) -> l
     """
     if target == "eks" or cfg.tracker.kind != "mlflow" or cfg.tracker.uri is not None:
         return list(overrides)
-    from hlat.trackers import default_uri
+    from hlat.track.trackers import default_uri
 
     return [*overrides, f"tracker.uri={default_uri()}"]
 

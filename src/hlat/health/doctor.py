@@ -227,7 +227,7 @@ def _log_to_mlflow(cfg: RunConfig, report: HealthReport) -> None:
     if cfg.tracker.kind != "mlflow":
         return
     from hlat.health.preflight import log_preflight
-    from hlat.trackers import MLflowTracker
+    from hlat.track.trackers import MLflowTracker
 
     tcfg = dataclasses.replace(cfg.tracker, experiment=f"{cfg.tracker.experiment}-health", system_metrics=False)
     tags = {"hlat.kind": "doctor", "cluster": cfg.cluster.name, "passed": str(report.passed)}

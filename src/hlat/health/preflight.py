@@ -129,7 +129,7 @@ def run_checks(cfg: RunConfig, env: Env, *, tools: Sequence[ToolResult] = (), sy
 
 
 def reference_peak(cluster: ClusterConfig) -> bool:
-    """Whether the peak :func:`hlat.metrics.resolve_peak_flops` finds for ``cluster`` is one to fail a rank against.
+    """Whether the peak :func:`hlat.track.metrics.resolve_peak_flops` finds for ``cluster`` is one to fail a rank against.
 
     A reference: ``cluster.peak_tflops`` or a device's published figure (its first two sources); not the figure this
     CPU host measured earlier with ``hlat bench peak`` (under whatever load it had then).
@@ -164,7 +164,7 @@ def _matmul_in_turn(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None, gro
 
 def _matmul(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None) -> tuple[float, float | None, str]:
     """This rank's matmul TFLOP/s, and the per-device peak it is held to (None if none is known) with its source."""
-    from hlat.metrics import resolve_peak_flops
+    from hlat.track.metrics import resolve_peak_flops
 
     h, dtype_name = cfg.health, cfg.precision.compute_dtype
     assert dtype_name in DTYPES, dtype_name

@@ -5,7 +5,7 @@ One optimizer step of a ``tp x pp x dp`` layout is modelled as
     step = (compute + tp_comm) * (m + pp - 1) / m      # m micro-batches per data-parallel rank, 1F1B pipeline
            + pp_p2p + dp_exposed + optimizer
 
-- **compute**: the hardware FLOPs one device executes per step (the trainer's model FLOPs, ``hlat.metrics.
+- **compute**: the hardware FLOPs one device executes per step (the trainer's model FLOPs, ``hlat.track.metrics.
   flops_per_token``, plus what activation checkpointing recomputes) over ``peak x compute_efficiency``. The
   efficiency is the one calibrated parameter of the compute side (docs/planner.md).
 - **tp_comm**: per layer and micro-batch, Megatron's tensor-parallel collectives (Korthikanti et al. 2022, §4.2.2):
@@ -46,7 +46,7 @@ GB = 1e9
 """Bandwidths are in decimal units, as the data sheets give them."""
 CPT_TOKENS = 4e6
 """Tokens in the cost per 4M tokens (CPT, the paper's §5.4), as the trainer's ``perf/cost_per_4m_tokens`` counts
-them (``hlat.metrics.Throughput``). One step of the paper's recipes is 1024 x 4096 = 4,194,304 tokens."""
+them (``hlat.track.metrics.Throughput``). One step of the paper's recipes is 1024 x 4096 = 4,194,304 tokens."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class StepEstimate:
     """AdamW update, memory bound."""
     tokens_per_step: int
     model_flops_per_token: float
-    """The trainer's MFU numerator (``hlat.metrics.flops_per_token``, non-causal)."""
+    """The trainer's MFU numerator (``hlat.track.metrics.flops_per_token``, non-causal)."""
     peak_flops: float
     """Peak FLOP/s of the whole cluster."""
     nodes: int

@@ -1,4 +1,4 @@
-"""Experiment trackers: MLflow, a console printer (the progress bar: hlat.progress). Rank 0 only.
+"""Experiment trackers: MLflow, a console printer (the progress bar: hlat.track.progress). Rank 0 only.
 
 A tracker receives python values, never tensors: metrics arrive as rows ``(step, {name: value})`` once
 per log interval (see ``metrics.MetricsLogger``).
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from hlat.config import TrackerConfig
-from hlat.mlflow_store import (  # noqa: F401  (re-exported: their home is hlat.mlflow_store)
+from hlat.track.mlflow_store import (  # noqa: F401  (re-exported: their home is hlat.track.mlflow_store)
     EXPERIMENT_KIND_TAG,
     LOSS,
     MODEL_TRAINING,
@@ -29,7 +29,7 @@ from hlat.mlflow_store import (  # noqa: F401  (re-exported: their home is hlat.
     ui_address,
     ui_page,
 )
-from hlat.progress import ProgressBar  # noqa: F401  (its home is hlat.progress; re-exported)
+from hlat.track.progress import ProgressBar  # noqa: F401  (its home is hlat.track.progress; re-exported)
 
 log = logging.getLogger(__name__)
 

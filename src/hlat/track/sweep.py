@@ -142,7 +142,7 @@ def _look_up(cfg: Any, h: str, job_dir: Path) -> Decision:
     from mlflow import MlflowClient
 
     from hlat.checkpoint import is_locked, latest
-    from hlat.trackers import default_uri
+    from hlat.track.trackers import default_uri
 
     client = MlflowClient(tracking_uri=cfg.tracker.uri or default_uri())
     exp = client.get_experiment_by_name(cfg.tracker.experiment)
@@ -187,10 +187,10 @@ def objective(uri: str | None, run_id: str | None, losses: list[float]) -> float
     if uri and run_id:
         from mlflow import MlflowClient
 
-        from hlat.runs import history
+        from hlat.track.runs import history
 
         losses = [v for _, v in history(MlflowClient(tracking_uri=uri), run_id, "train/loss")]
-    from hlat.runs import tail_mean
+    from hlat.track.runs import tail_mean
 
     return tail_mean(losses) if losses else math.nan
 
@@ -299,7 +299,7 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
     from hlat.checkpoint import read_job
     from hlat.preempt import AbortedError, PreemptedError
     from hlat.run import checkpoint_root, error_message, to_run_config
-    from hlat.trackers import default_uri
+    from hlat.track.trackers import default_uri
 
     cfg, stopped = None, None
     run_id, losses, status = None, [], "failed"

@@ -21,7 +21,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from hlat.runs import DEFAULT_URI, METRIC_KEYS, RunData, select_runs, tail_mean
+from hlat.track.runs import DEFAULT_URI, METRIC_KEYS, RunData, select_runs, tail_mean
 
 __all__ = ["METRIC_KEYS", "RunData", "differing_keys", "main", "plot", "select_runs", "summary_table", "write_report"]
 

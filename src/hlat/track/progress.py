@@ -1,6 +1,6 @@
 """The run's progress on rank 0: a tqdm bar on a terminal, one plain line every N steps in a log file.
 
-A tracker (``hlat.trackers``: it receives the metric rows, for the loss and tokens/s) and a loop hook (it advances
+A tracker (``hlat.track.trackers``: it receives the metric rows, for the loss and tokens/s) and a loop hook (it advances
 every step without touching the device).
 """
 

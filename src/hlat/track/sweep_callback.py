@@ -1,6 +1,6 @@
 """The Hydra callback of every multirun (``hydra.callbacks.sweep`` in ``conf/config.yaml``).
 
-At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.sweep``), and puts
+At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.track.sweep``), and puts
 hlat's subclass of Hydra's submitit launcher in place of the plugin's (``hlat.sweep_launcher``: a job that is killed
 or cancelled does not crash the sweep; on Slurm, a cluster without accounting is refused first). At the end it
 compares the sweep's runs as ``hlat compare --sweep <dir>`` does (``comparison.md``, ``comparison.png`` in the sweep
@@ -30,17 +30,17 @@ from typing import TYPE_CHECKING, Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from hlat import sweep
+from hlat.track import sweep
 
 if TYPE_CHECKING:
-    from hlat.runs import RunData
+    from hlat.track.runs import RunData
 
 log = logging.getLogger(__name__)
 
 
 def _uri(config: DictConfig) -> str | None:
     """The sweep's MLflow tracking URI, or None when it does not track to MLflow (or only plans: dry runs)."""
-    from hlat.trackers import default_uri
+    from hlat.track.trackers import default_uri
 
     tracker = config.get("tracker", {})
     if tracker.get("kind") != "mlflow" or config.get("train", {}).get("dry_run"):
@@ -66,7 +66,7 @@ def _logs(job_dir: Path, record: dict[str, Any]) -> list[str]:
 def _close_job_runs(uri: str, undone: dict[Path, dict[str, Any]]) -> None:
     """Mark the MLflow runs of jobs that died without closing them (SIGKILL, scancel) KILLED or FAILED.
 
-    Never RUNNING forever; running the sweep again continues them (``hlat.sweep.decide``), in the same run.
+    Never RUNNING forever; running the sweep again continues them (``hlat.track.sweep.decide``), in the same run.
     """
     from mlflow import MlflowClient
 
@@ -114,7 +114,7 @@ class SweepCallback(Callback):
         """Open the sweep's MLflow parent run and record it in ``sweep.json``."""
         from mlflow import MlflowClient
 
-        from hlat.trackers import experiment_id as get_experiment
+        from hlat.track.trackers import experiment_id as get_experiment
 
         client = MlflowClient(tracking_uri=uri)
         name = config.tracker.experiment
@@ -191,9 +191,9 @@ class SweepCallback(Callback):
         """``hlat compare --sweep`` over this sweep, then :func:`summarize` on its parent run (failures: logged)."""
         from mlflow import MlflowClient
 
-        from hlat.compare import summary_table, write_report
-        from hlat.runs import select_runs
-        from hlat.trackers import ui_address
+        from hlat.track.compare import summary_table, write_report
+        from hlat.track.runs import select_runs
+        from hlat.track.trackers import ui_address
 
         client = MlflowClient(tracking_uri=uri)
         try:
@@ -256,7 +256,7 @@ def summary_metrics(runs: Sequence[RunData]) -> list[tuple[str, float, int]]:
     ``comparison.md``), ``min_loss/<arm>`` and ``train_loss/<arm>``, its loss history (at most
     :data:`HISTORY_POINTS` points, at its own steps); and ``sweep/best_final_loss``, the lowest final loss.
     """
-    from hlat.compare import final_loss, min_loss
+    from hlat.track.compare import final_loss, min_loss
 
     out: list[tuple[str, float, int]] = []
     finals = []
@@ -274,8 +274,8 @@ def summary_metrics(runs: Sequence[RunData]) -> list[tuple[str, float, int]]:
 
 def _note(runs: Sequence[RunData], experiment_id: str, view: str, overrides: str) -> str:
     """The parent run's description (markdown): a link to the sweep's view and a table of its arms, each linked."""
-    from hlat.compare import final_loss, min_loss
-    from hlat.trackers import ui_page
+    from hlat.track.compare import final_loss, min_loss
+    from hlat.track.trackers import ui_page
 
     def cell(v: float | None) -> str:
         return "-" if v is None else f"{v:.4f}"
@@ -303,7 +303,7 @@ def sweep_view(name: str, runs: Sequence[RunData], parent_run_id: str, now_ms: i
     writes (``JSON {name, createdAt, updatedAt, state}``, ``state`` a JSON string); a view it cannot read is only
     skipped by it.
     """
-    from hlat.compare import differing_keys
+    from hlat.track.compare import differing_keys
 
     ids = [r.run_id for r in runs]
     where = (f"attributes.run_id IN ({', '.join(repr(i) for i in ids)})" if len(ids) <= 200
@@ -347,15 +347,15 @@ def summarize(client: Any, parent_run_id: str, runs: Sequence[RunData], name: st
     it has in ``comparison.png`` (run tag ``mlflow.runColor``), in the UI's tables and charts too.
 
     Returns:
-        The UI page of that view (``#/experiments/...``; :func:`hlat.trackers.ui_address` makes it an address).
+        The UI page of that view (``#/experiments/...``; :func:`hlat.track.trackers.ui_address` makes it an address).
     """
     from matplotlib.colors import to_hex
     from mlflow.entities import Metric
 
-    from hlat.trackers import ui_page
+    from hlat.track.trackers import ui_page
 
     experiment_id = client.get_run(parent_run_id).info.experiment_id
-    for i, run in enumerate(runs):  # hlat.compare.plot's colours, in the same order
+    for i, run in enumerate(runs):  # hlat.track.compare.plot's colours, in the same order
         client.set_tag(run.run_id, "mlflow.runColor", to_hex(f"C{i % 10}"))
     now = int(time.time() * 1000)
     metrics = [Metric(k, v, now, step) for k, v, step in summary_metrics(runs)]

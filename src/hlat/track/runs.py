@@ -12,7 +12,7 @@ from typing import Any
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 
-# The per-step metrics hlat logs (see hlat.metrics); train/param_norm only every log interval.
+# The per-step metrics hlat logs (see hlat.track.metrics); train/param_norm only every log interval.
 METRIC_KEYS = (
     "train/loss",
     "train/grad_norm",
@@ -245,7 +245,7 @@ def _select(
     root = Path(sweep_dir).expanduser().resolve()
     experiment_ids = [e.experiment_id for e in _all_experiments(client)]
     candidates = _search_all(client, experiment_ids, "") if experiment_ids else []
-    from hlat.sweep import recorded_run_ids
+    from hlat.track.sweep import recorded_run_ids
 
     recorded = set(recorded_run_ids(root))  # skipped jobs point at runs of an earlier sweep
     runs = [run for run in candidates if run.info.run_id in recorded
