@@ -5,7 +5,7 @@ from omegaconf import DictConfig
 
 from hlat.cli import job_started, run_hydra
 from hlat.config import register_configs
-from hlat.run import entry
+from hlat.train.run import entry
 
 register_configs()
 

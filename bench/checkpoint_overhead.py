@@ -25,12 +25,12 @@ import torch
 import yaml
 
 from hlat.backends.torch import TorchBackend
-from hlat.checkpoint import Checkpointer
 from hlat.config import ClusterConfig, ModelConfig, OptimizerConfig, PrecisionConfig
-from hlat.loop import TrainState
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
+from hlat.train.checkpoint import Checkpointer
+from hlat.train.loop import TrainState
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 

@@ -1,6 +1,6 @@
 """How long the trainer waits for data, per loader worker mode, in real training runs.
 
-Runs ``hlat.run.main`` (the same path as ``python train.py``) for each ``data.worker`` mode and reports
+Runs ``hlat.train.run.main`` (the same path as ``python train.py``) for each ``data.worker`` mode and reports
 the loader wait per step as a share of the step time (issue target: <= 1% for ``model=small`` on CPU).
 
     python bench/loader_wait.py                     # tiny and small, all worker modes
@@ -16,7 +16,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from hlat.config import register_configs
-from hlat.run import main
+from hlat.train.run import main
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SETTINGS = {  # (steps, log_every): small steps take ~10-20 s on 2 CPU cores

@@ -3,7 +3,7 @@
     python bench/telemetry_overhead.py                      # model=small, bf16, 8 x 256 tokens, 2 rounds x 8 steps
     python bench/telemetry_overhead.py --model tiny --steps 20
 
-Each measurement is a real ``hlat.run.main`` run (the path of ``python train.py``) with ``train.log_every=1``, so
+Each measurement is a real ``hlat.train.run.main`` run (the path of ``python train.py``) with ``train.log_every=1``, so
 every step is fetched, turned into metrics (loss, grad norm, LR, spike statistics, throughput, MFU, memory, loader
 statistics) and handed to the tracker; the MLflow store is a fresh sqlite file. Rounds alternate the two trackers.
 Reported per tracker: the median step time over the steps after the first (from ``perf/step_time_s``, which covers
@@ -24,8 +24,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from hlat.config import register_configs
-from hlat.run import main as run_main
 from hlat.track import trackers
+from hlat.train.run import main as run_main
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

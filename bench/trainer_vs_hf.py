@@ -16,7 +16,7 @@ Rows (what each one measures):
   train.micro_batch_size=<B> train.global_batch_size=<B>`` builds: the Hydra config composed from ``conf/``,
   ``TorchBackend(cfg)``, ``setup``, ``build_model`` (init in fp32, then cast to bf16 for ``precision=bf16``),
   ``build_optimizer`` over ``hlat.optim.param_groups`` (``torch.optim.AdamW(foreach=True)`` for fp32, hlat's
-  ``PrecisionAdamW`` for bf16), trained by ``hlat.loop.fit``: lr schedule, forward, loss (fp32 cross-entropy for
+  ``PrecisionAdamW`` for bf16), trained by ``hlat.train.loop.fit``: lr schedule, forward, loss (fp32 cross-entropy for
   fp32, bf16 for ``precision=bf16``, as the presets say), backward, clip, AdamW step, ``zero_grad``. No logging or
   checkpoint hook; one hook keeps the loss tensor.
 - ``hlat compiled``: the same with ``train.compile=true``: each transformer block's forward goes through
@@ -82,13 +82,13 @@ from omegaconf import OmegaConf
 from hlat.backends.torch import TorchBackend
 from hlat.config import RunConfig, register_configs
 from hlat.data import build_loader
-from hlat.loop import StepOutput, TrainState, fit
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan.peak import cached_peak, host_info, measure_and_cache
 from hlat.precision import DTYPE
 from hlat.track.metrics import flops_per_token, resolve_peak_flops
+from hlat.train.loop import StepOutput, TrainState, fit
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 DTYPES = ("fp32", "bf16")
@@ -161,7 +161,7 @@ def draw_batches(cfg: RunConfig, n: int) -> list[Batch]:
 
 
 def build_hlat(cfg: RunConfig) -> Contender:
-    """Backend, model and optimizer of hlat as ``train.py`` builds them, trained through ``hlat.loop.fit``."""
+    """Backend, model and optimizer of hlat as ``train.py`` builds them, trained through ``hlat.train.loop.fit``."""
     backend = TorchBackend(cfg)
     env = backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
     dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, cfg.train)

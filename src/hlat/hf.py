@@ -42,10 +42,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hlat import checkpoint
 from hlat.config import ConfigError, ModelConfig
 from hlat.hf_tokenizer import write_tokenizer
 from hlat.inference import Tensors, check_tensors, expected_shapes, find_tokenizer, load_checkpoint_weights
+from hlat.train import checkpoint
 
 log = logging.getLogger(__name__)
 

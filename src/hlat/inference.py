@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from hlat import checkpoint as ckpt
 from hlat import safe_load
 from hlat.backends.torch_dist import gate_up_in_model_order
 from hlat.bf16_matmul import apply_auto_policy
@@ -41,6 +40,7 @@ from hlat.data.loader import tokenizer_sample
 from hlat.data.sources import TextSource
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer, load_tokenizer
 from hlat.model import KVCache, Transformer
+from hlat.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 EXTRA = "extra.rank0.pt"

@@ -2,12 +2,12 @@
 
 ``hydra/launcher=slurm`` (``conf/hydra/launcher/slurm.yaml``) names :class:`SlurmLauncher`; the plugin's own presets
 (``hydra/launcher=submitit_local``, ``submitit_slurm``) are swapped for these by ``hlat.track.sweep_callback`` at the start
-of a sweep. What they do is :class:`hlat.sweep_launcher.CollectingLauncher`.
+of a sweep. What they do is :class:`hlat.train.sweep_launcher.CollectingLauncher`.
 """
 
 from __future__ import annotations
 
-from hlat.sweep_launcher import CollectingLauncher, require_accounting
+from hlat.train.sweep_launcher import CollectingLauncher, require_accounting
 
 
 class LocalLauncher(CollectingLauncher):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hlat.run import main
+from hlat.train.run import main
 from tests.conftest import compose_cfg
 
 # Small enough that the native bf16 kernels (~1 GFLOP/s on an AVX2-only CPU) finish in seconds.
@@ -35,7 +35,7 @@ def test_bf16_sr_trains_the_same_curve_with_either_policy(tmp_path: Path, cache_
     curves, runs = {}, {}
     for policy in ("native", "emulated"):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="hlat.run"):
+        with caplog.at_level(logging.INFO, logger="hlat.train.run"):
             result = main(compose_cfg(*MICRO, "precision=bf16_sr", f"precision.bf16_matmul={policy}",
                                       f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0"),
                           run_dir=tmp_path / policy)  # fmt: skip

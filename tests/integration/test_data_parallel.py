@@ -107,7 +107,7 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
     """``cluster=cpu_x2``: elastic starts the ranks; sharded checkpoint; the rerun resumes; DP=2 learns as DP=1."""
     from mlflow import MlflowClient
 
-    from hlat.run import main
+    from hlat.train.run import main
     from tests.conftest import compose_cfg
     from tests.integration.test_train import SMALL_RUN, cli
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hlat.cli import main as cli_main
-from hlat.run import main
+from hlat.train.run import main
 from tests.conftest import compose_cfg
 from tests.integration.test_train import SMALL_RUN
 

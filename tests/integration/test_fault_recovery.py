@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from hlat import checkpoint
-from hlat.checkpoint import CheckpointError
-from hlat.loop import HaltedError
-from hlat.run import main
+from hlat.train import checkpoint
+from hlat.train.checkpoint import CheckpointError
+from hlat.train.loop import HaltedError
+from hlat.train.run import main
 from tests.conftest import compose_cfg
 from tests.integration.test_train import SMALL_RUN, cli
 
@@ -95,7 +95,7 @@ def test_random_sigkills_under_supervision_end_bitwise_equal(tmp_path: Path, cac
 def test_restarts_that_die_in_start_up_are_counted(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
     """uptime/restarts counts every start after the first, also those that die before the job record used to be
     rewritten (in the pre-flight check, building the loader): here 3 restarts, 2 of which died in start-up."""
-    import hlat.run
+    import hlat.train.run
     from hlat.health.report import PreflightError
 
     cfg = [*common(cache_dir, tmp_path / "mlflow.db"), "tracker=console", "train.steps=4", "train.log_every=4"]
@@ -109,7 +109,7 @@ def test_restarts_that_die_in_start_up_are_counted(tmp_path: Path, cache_dir: Pa
             raise error
 
         with monkeypatch.context() as m:
-            m.setattr(hlat.run, where, fail)
+            m.setattr(hlat.train.run, where, fail)
             with pytest.raises(type(error), match="injected"):
                 main(compose_cfg(*more), run_dir=run_dir)
     resumed = main(compose_cfg(*more), run_dir=run_dir)

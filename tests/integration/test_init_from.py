@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hlat import checkpoint, hf
+from hlat import hf
 from hlat.config import ConfigError
-from hlat.run import main
+from hlat.train import checkpoint
+from hlat.train.run import main
 from tests.conftest import compose_cfg
 from tests.integration.test_train import SMALL_RUN
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from hlat.backends.torch import TorchBackend
-from hlat.loop import PHASES
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims
-from hlat.run import main, to_run_config
+from hlat.train.loop import PHASES
+from hlat.train.run import main, to_run_config
 from tests.conftest import compose_cfg
 from tests.integration.test_train import SMALL_RUN
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from hlat import checkpoint
-from hlat.preempt import MARKER, PREEMPTED_EXIT_CODE
-from hlat.run import main
+from hlat.train import checkpoint
+from hlat.train.preempt import MARKER, PREEMPTED_EXIT_CODE
+from hlat.train.run import main
 from tests.conftest import compose_cfg
 from tests.integration.test_fault_recovery import assert_same, state_of, strip_job
 from tests.integration.test_train import ROOT, SMALL_RUN, cli

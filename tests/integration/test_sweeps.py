@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 from hlat.config import RunConfig
 from hlat.parallel import ParallelDims
-from hlat.run import to_run_config
 from hlat.track import sweep
+from hlat.train.run import to_run_config
 from tests.integration.test_train import ROOT, cli
 
 SWEEPS = ROOT / "sweeps"
@@ -122,7 +122,7 @@ def _kill_when_hanging(sweep: subprocess.Popen, root: Path, job: str, timeout_s:
     while not (markers := list(root.glob(f"multirun/*/*/{job}/checkpoints/faults/hang-*"))):
         assert sweep.poll() is None and time.monotonic() < deadline, "the job never reached its hang"
         time.sleep(0.2)
-    lock = str((markers[0].parents[1] / ".lock").resolve())  # held by the job's trainer (hlat.job_dir.hold_lock)
+    lock = str((markers[0].parents[1] / ".lock").resolve())  # held by the job's trainer (hlat.train.job_dir.hold_lock)
     holders = [p for p in psutil.Process(sweep.pid).children(recursive=True)
                if any(f.path == lock for f in p.open_files())]  # fmt: skip
     assert len(holders) == 1, holders

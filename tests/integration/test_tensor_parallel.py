@@ -66,7 +66,7 @@ def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path:
     (up to fp32 reduction order), also across a checkpoint of DTensor shards and a resume."""
     from mlflow import MlflowClient
 
-    from hlat.run import main
+    from hlat.train.run import main
     from tests.conftest import compose_cfg
     from tests.integration.test_train import SMALL_RUN, cli
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hlat.config import ConfigError
-from hlat.run import main
+from hlat.train.run import main
 from tests.conftest import compose_cfg, lock_held_elsewhere
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The job-wide restart attempt (``hlat.attempt``): every rank agrees on one number through a real ``TCPStore``, however
+"""The job-wide restart attempt (``hlat.train.attempt``): every rank agrees on one number through a real ``TCPStore``, however
 earlier attempts died, and the per-agent ``TORCHELASTIC_RESTART_COUNT`` no longer decides it."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hlat import attempt
-from hlat.checkpoint import restart_resume
-from hlat.rendezvous import loopback_store
+from hlat.train import attempt
+from hlat.train.checkpoint import restart_resume
+from hlat.train.rendezvous import loopback_store
 
 WORLD = 3
 

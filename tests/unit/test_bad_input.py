@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hlat import checkpoint
 from hlat.config import ConfigError, TrackerConfig
+from hlat.train import checkpoint
 from tests.conftest import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_a_manifest_of_the_wrong_shape_is_skipped_like_a_damaged_checkpoint(tmp_
     good = fake_checkpoint(tmp_path, 1)
     damaged = fake_checkpoint(tmp_path, 2, BAD_MANIFESTS[bad])
     assert checkpoint.manifest(damaged) is None
-    with caplog.at_level("WARNING", logger="hlat.checkpoint"):
+    with caplog.at_level("WARNING", logger="hlat.train.checkpoint"):
         assert checkpoint.find_resume("auto", tmp_path) == good
     assert f"skipping checkpoint {damaged}: manifest.json" in caplog.text
     assert checkpoint.newest_complete(tmp_path) == good  # what a "how to continue" message may name
@@ -298,7 +298,7 @@ def test_composition_errors_name_the_key_and_the_fix(override: str, expected: st
 
 
 def test_the_schema_refuses_an_appended_key_with_a_suggestion() -> None:
-    from hlat.run import to_run_config
+    from hlat.train.run import to_run_config
 
     with pytest.raises(ConfigError, match=r"^modle is not a config key; did you mean model=tiny\?"):
         to_run_config(compose_cfg("+modle=tiny"))
@@ -316,7 +316,7 @@ def test_the_readme_documents_exit_2_for_configuration_errors() -> None:
 
 def test_eval_tasks_from_the_command_line_reach_the_evaluation_along_training() -> None:
     from hlat.cli import compose_run_config
-    from hlat.run import _eval_scheduler, to_run_config
+    from hlat.train.run import _eval_scheduler, to_run_config
 
     tasks = "eval.tasks=[{task:hlat_local_mc,num_fewshot:2}]"
     cfg = to_run_config(compose_cfg("eval=local", "eval.every_tokens=1024", tasks, "eval.limit=3", "tracker=console"))

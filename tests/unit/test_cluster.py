@@ -8,9 +8,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from hlat.config import ConfigError
-from hlat.launch import supervise
 from hlat.plan.memory import check_world, planned_budget
-from hlat.run import main, to_run_config
+from hlat.train.launch import supervise
+from hlat.train.run import main, to_run_config
 from tests.conftest import CONF, compose_cfg
 
 GiB = 1024**3
@@ -74,7 +74,7 @@ def test_python_train_py_does_not_start_one_node_of_a_multi_node_job(tmp_path: P
 
 def test_an_elastic_restart_continues_its_own_checkpoints(tmp_path: Path, monkeypatch) -> None:
     """torchrun / Slurm / a PyTorchJob restart the same command line; the job must not refuse or rewind itself."""
-    from hlat.checkpoint import restart_resume
+    from hlat.train.checkpoint import restart_resume
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     assert restart_resume("never", tmp_path) == "never"

@@ -27,7 +27,7 @@ from hlat.deploy import (
 )
 from hlat.deploy.commands import install
 from hlat.deploy.render import HOST_ONLY_KEYS, check_name, launch_env, override_key
-from hlat.run import to_run_config
+from hlat.train.run import to_run_config
 from tests.conftest import compose_cfg
 
 SCHEMA = Path(__file__).resolve().parents[1] / "data" / "pytorchjob.schema.json"

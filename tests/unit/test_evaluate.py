@@ -39,7 +39,7 @@ TEXT = "Return the number of items in the container. Raise ValueError if the arg
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-step run of a 120k-parameter model on a small JSONL corpus, through run.main (real checkpoint path)."""
-    from hlat.run import main
+    from hlat.train.run import main
 
     tmp = tmp_path_factory.mktemp("evalrun")
     docs = [d for m in (os, json, shutil, subprocess) for n in dir(m)
@@ -297,7 +297,7 @@ def test_bad_checkpoints_are_clear_errors(run_dir: Path, tmp_path: Path) -> None
 
 
 def test_the_tokenizer_must_be_the_runs(run_dir: Path, tmp_path: Path) -> None:
-    from hlat import checkpoint
+    from hlat.train import checkpoint
 
     step = tmp_path / "step_00000002"
     shutil.copytree(run_dir / "checkpoints" / "step_00000002", step)

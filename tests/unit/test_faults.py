@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hlat.config import ConfigError, FaultConfig
-from hlat.faults import FaultInjector, kill_steps
+from hlat.train.faults import FaultInjector, kill_steps
 
 
 def test_kill_steps_are_seeded_distinct_and_inside_the_run() -> None:

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from hlat.config import ConfigError, FaultConfig, HealthConfig
-from hlat.faults import FaultInjector
 from hlat.health import checks
 from hlat.health.neuron_tools import ToolResult, nccom_test, neuron_ls, parse_nccom_test, parse_neuron_ls
 from hlat.health.preflight import node_ranks, reference_peak
 from hlat.health.report import JOB, HealthReport, RankResult, evaluate, node_medians, observations
 from hlat.health.stragglers import straggler_metrics
 from hlat.health.watchdog import HANG_EXIT_CODE, HangWatchdog, py_spy_dump
-from hlat.run import to_run_config
+from hlat.train.faults import FaultInjector
+from hlat.train.run import to_run_config
 from tests.conftest import compose_cfg
 
 # nccom-test's documented output (Neuron SDK docs, tools/neuron-sys-tools/nccom-test.rst): bandwidths in GiB/s.
@@ -384,9 +384,9 @@ def test_auto_skips_a_device_it_cannot_time_and_on_refuses_it(caplog) -> None:
 
 
 def test_a_failed_preflight_is_final_and_a_hang_is_named_when_restarts_run_out(tmp_path: Path) -> None:
-    from hlat import launch
     from hlat.health.report import PreflightError
-    from hlat.run import error_message
+    from hlat.train import launch
+    from hlat.train.run import error_message
 
     assert issubclass(PreflightError, ConfigError)  # final like a configuration error (never retried) ...
     assert error_message(PreflightError("node vm: ...")) == "hlat: health check failed: node vm: ..."  # ... not one

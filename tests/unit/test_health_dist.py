@@ -17,11 +17,11 @@ import torch.distributed as dist
 from hlat.backends.base import Env
 from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group
 from hlat.config import ClusterConfig, FaultConfig, HealthConfig, OptimizerConfig, RunConfig
-from hlat.faults import FaultInjector
 from hlat.health.preflight import preflight
 from hlat.health.report import PreflightError
 from hlat.health.stragglers import StragglerMonitor
 from hlat.health.watchdog import HANG_EXIT_CODE, HangWatchdog
+from hlat.train.faults import FaultInjector
 
 pytestmark = pytest.mark.slow
 WORLD = 2

@@ -11,13 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hlat import checkpoint, hf
+from hlat import hf
 from hlat.backends.torch import TorchBackend
 from hlat.backends.torch_dist import _interleave_gate_up
 from hlat.config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, ParallelismConfig, RunConfig, TrainConfig
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer
-from hlat.loop import TrainState
 from hlat.model import Transformer
+from hlat.train import checkpoint
+from hlat.train.loop import TrainState
 
 VOCAB = 512
 # GQA with 2 query heads per kv head: the grouping of the fused qkv rows matters.

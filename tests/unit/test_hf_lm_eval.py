@@ -35,7 +35,7 @@ MC_DOCS = 8  # x 4 choices
 @pytest.fixture(scope="module")
 def run_and_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A 2-step run on a small corpus (the local tasks' texts are longer than its 64-token windows), and its export."""
-    from hlat.run import main
+    from hlat.train.run import main
 
     tmp = tmp_path_factory.mktemp("hflm")
     docs = [d for m in (json, Path, pytest) for n in dir(m)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hlat import checkpoint
-from hlat.resume import COUNTED, job_record, record_start
+from hlat.train import checkpoint
+from hlat.train.resume import COUNTED, job_record, record_start
 
 
 def start(root: Path, launched: float, saved: dict | None = None, resume: str = "auto", survive: bool = True) -> int:

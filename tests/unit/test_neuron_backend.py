@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 
-from hlat import checkpoint
 from hlat.backends import get_backend
 from hlat.backends.neuron import EXTRA, neuron_env
 from hlat.config import (
@@ -27,11 +26,12 @@ from hlat.config import (
     RunConfig,
     TrainConfig,
 )
-from hlat.loop import TrainState, fit
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from hlat.track.metrics import MetricsLogger
+from hlat.train import checkpoint
+from hlat.train.loop import TrainState, fit
 from tests.fakes.neuron_api import FakeNeuronApi
 
 MODEL = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)

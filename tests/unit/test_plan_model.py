@@ -21,8 +21,8 @@ from hlat.plan.step_model import (
     ring_all_gather_s,
     ring_all_reduce_s,
 )
-from hlat.run import to_run_config
 from hlat.track.metrics import Throughput, flops_per_token
+from hlat.train.run import to_run_config
 from tests.conftest import compose_cfg
 
 GB = 1e9

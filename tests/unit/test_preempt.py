@@ -1,5 +1,5 @@
-"""hlat.preempt and the agent's side of it: the signal flag, the stop hook and its rank agreement, the grace-path
-save, the marker, the hand-over to submitit, and how hlat.launch turns torch elastic's SignalException into a result."""
+"""hlat.train.preempt and the agent's side of it: the signal flag, the stop hook and its rank agreement, the grace-path
+save, the marker, the hand-over to submitit, and how hlat.train.launch turns torch elastic's SignalException into a result."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.launcher.api import LaunchConfig
 
-from hlat import launch, preempt
-from hlat.loop import TrainState
-from hlat.preempt import AbortedError, PreemptedError, SignalFlag, StopHook
+from hlat.train import launch, preempt
+from hlat.train.loop import TrainState
+from hlat.train.preempt import AbortedError, PreemptedError, SignalFlag, StopHook
 from tests.unit.test_health_dist import join, run_two
 
 
@@ -73,7 +73,7 @@ def test_the_stop_hook_raises_at_the_step_boundary_but_lets_the_last_step_finish
 
 
 class FakeSaver:
-    """The parts of hlat.checkpoint.Checkpointer that the grace path uses."""
+    """The parts of hlat.train.checkpoint.Checkpointer that the grace path uses."""
 
     def __init__(self, every: int, last_step: int = 100) -> None:
         self.every, self.last_step, self.async_save = every, last_step, True
@@ -201,7 +201,7 @@ def test_ranks_agree_on_a_signal_that_reached_only_one() -> None:
     ],
 )
 def test_a_stopped_run_exits_with_its_documented_code_and_one_line(capsys, error, code: int, says: str) -> None:
-    from hlat.run import _stopped
+    from hlat.train.run import _stopped
 
     with pytest.raises(SystemExit) as e:
         _stopped(None, error)

@@ -34,7 +34,7 @@ def test_the_console_filter_drops_library_info_and_keeps_their_warnings_and_ours
     assert not quiet.filter(_record("alembic.runtime.migration", logging.INFO))  # "Context impl SQLiteImpl"
     assert not quiet.filter(_record("mlflow.system_metrics.system_metrics_monitor", logging.INFO))
     assert quiet.filter(_record("mlflow.tracking", logging.WARNING))
-    assert quiet.filter(_record("hlat.run", logging.INFO))
+    assert quiet.filter(_record("hlat.train.run", logging.INFO))
     assert quiet.filter(_record("mlflowish", logging.INFO))  # a prefix of a name is not the library
 
 
@@ -49,7 +49,7 @@ logging.config.dictConfig(cfg)
 import mlflow
 logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
 logging.getLogger("mlflow.tracking").warning("a warning of mlflow")
-logging.getLogger("hlat.run").info("a line of ours")
+logging.getLogger("hlat.train.run").info("a line of ours")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

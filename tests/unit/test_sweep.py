@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hlat import checkpoint, launch
 from hlat.config import ConfigError
-from hlat.run import to_run_config
 from hlat.track import sweep
+from hlat.train import checkpoint, launch
+from hlat.train.run import to_run_config
 from tests.conftest import compose_cfg, lock_held_elsewhere
 
 

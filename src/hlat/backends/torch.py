@@ -38,11 +38,11 @@ from hlat.backends.torch_dist import (
 )
 from hlat.bf16_matmul import apply_policy, resolve_policy
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
-from hlat.loop import NULL_TIMER
 from hlat.parallel import ParallelDims
 from hlat.plan.peak import DEFAULT_CACHE_DIR
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
 from hlat.recompute import apply_activation_checkpointing
+from hlat.train.loop import NULL_TIMER
 
 
 class TorchBackend:
@@ -216,7 +216,7 @@ class TorchBackend:
         if self.fp32_accum:  # a fresh fp32 sum per step (ZeRO-1's zero_grad clears only .grad, not every main_grad)
             for q in model.parameters():
                 q.main_grad = None
-        timer = getattr(batches, "timer", NULL_TIMER)  # hlat.loop.MicroBatches carries the step's phase timer
+        timer = getattr(batches, "timer", NULL_TIMER)  # hlat.train.loop.MicroBatches carries the step's phase timer
         total: torch.Tensor | None = None
         for inputs, targets in batches:  # (inputs, targets) pairs, drawn one micro-batch at a time
             with timer.phase("forward"):

@@ -84,19 +84,19 @@ def _console_level(level: str = "INFO") -> str:
     """
     import os
 
-    # hlat.launch.global_rank, read here: `hlat summary`'s Hydra logging must not import the launcher (nor torch)
+    # hlat.train.launch.global_rank, read here: `hlat summary`'s Hydra logging must not import the launcher (nor torch)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     return level if rank == 0 else "WARNING"
 
 
 def _launch_resolver(name: str) -> Callable[..., Any]:
-    """``hlat.launch.<name>``, imported when a config first resolves it.
+    """``hlat.train.launch.<name>``, imported when a config first resolves it.
 
     ``hlat summary`` and ``hlat plan`` then compose without importing the launcher (and torch, through it).
     """
 
     def resolve(*args: Any) -> Any:
-        from hlat import launch
+        from hlat.train import launch
 
         return getattr(launch, name)(*args)
 

@@ -10,5 +10,5 @@
 - :mod:`hlat.health.stragglers`: every N steps, each rank's step time and local (forward + data wait) time gathered,
   the slowest rank and its lag logged.
 
-This package imports nothing at import time: :mod:`hlat.launch` reads the exit code and error type from it.
+This package imports nothing at import time: :mod:`hlat.train.launch` reads the exit code and error type from it.
 """

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status: 0 (healthy), 1 (a node failed) or 2 (configuration error, a bad flag).
     """
-    from hlat.launch import LOG_FORMAT, JobFailedError, global_rank
     from hlat.logs import console_logging
+    from hlat.train.launch import LOG_FORMAT, JobFailedError, global_rank
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -134,7 +134,7 @@ def check(cfg: RunConfig, overrides: list[str]) -> HealthReport:
         ConfigError: Several nodes without an external launcher; a bad ``health`` value for this job.
         JobFailedError: A checking process died.
     """
-    from hlat.launch import under_elastic
+    from hlat.train.launch import under_elastic
 
     c = cfg.cluster
     if under_elastic() or (c.nproc_per_node == 1 and c.nodes == 1):
@@ -154,8 +154,8 @@ def _launch(cfg: RunConfig, overrides: list[str]) -> HealthReport:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hlat.launch import JobFailedError
-    from hlat.rendezvous import one_node_launch
+    from hlat.train.launch import JobFailedError
+    from hlat.train.rendezvous import one_node_launch
 
     logs = tempfile.mkdtemp(prefix="hlat-doctor-")
     config = LaunchConfig(
@@ -187,7 +187,7 @@ def _worker(overrides: list[str], configure_logging: bool = True) -> HealthRepor
     from hlat.backends.torch_dist import Ranks
     from hlat.cli import compose_run_config
     from hlat.health.preflight import run_checks
-    from hlat.launch import LOG_FORMAT
+    from hlat.train.launch import LOG_FORMAT
 
     if configure_logging:  # a spawned process: log like the agent
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)

@@ -62,7 +62,7 @@ recorded) fails the sweep."""
 
 def config_hash(config: dict[str, Any]) -> str:
     """Hash of the resolved run config (``dataclasses.asdict`` of a RunConfig), :data:`UNHASHED` keys left out."""
-    from hlat.checkpoint import flatten
+    from hlat.train.checkpoint import flatten
 
     kept = {k: v for k, v in flatten(config).items() if k not in UNHASHED and not k.startswith(UNHASHED_GROUPS)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -82,7 +82,7 @@ class Decision:
 
 def rank() -> int:
     """This process's global rank as a launcher set it (0 for a plain ``python train.py``)."""
-    from hlat.launch import global_rank
+    from hlat.train.launch import global_rank
 
     return global_rank()
 
@@ -141,8 +141,8 @@ def _look_up(cfg: Any, h: str, job_dir: Path) -> Decision:
     """Search the experiment for runs of config hash ``h``: a FINISHED one is reused, a dead one continued."""
     from mlflow import MlflowClient
 
-    from hlat.checkpoint import is_locked, latest
     from hlat.track.trackers import default_uri
+    from hlat.train.checkpoint import is_locked, latest
 
     client = MlflowClient(tracking_uri=cfg.tracker.uri or default_uri())
     exp = client.get_experiment_by_name(cfg.tracker.experiment)
@@ -207,7 +207,7 @@ def parent_tags(run_dir: Path, experiment: str) -> dict[str, str]:
 
 
 def record_dead_job(job_dir: Path, status: str, reason: str, *, logs: list[str], mlflow_run_id: str | None) -> str:
-    """Record a job that ended without reporting back (the launcher's side, ``hlat.sweep_launcher``).
+    """Record a job that ended without reporting back (the launcher's side, ``hlat.train.sweep_launcher``).
 
     A status the job recorded itself (``preempted`` or ``interrupted`` by a signal, or ``finished`` before its result
     was lost) is kept; otherwise the job is recorded ``status`` (``killed``: cancelled or killed from outside;
@@ -279,16 +279,16 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
     """One job of a multirun: decide (:func:`decide`), then skip, continue or train; record how it ended.
 
     A failing job is reported and recorded, never raised: the sweep goes on with its other jobs, and
-    :class:`SweepCallback` fails the sweep at its end if any job failed. A job stopped by a signal (``hlat.preempt``:
+    :class:`SweepCallback` fails the sweep at its end if any job failed. A job stopped by a signal (``hlat.train.preempt``:
     SIGTERM, Ctrl-C, Slurm's warning) is recorded ``preempted`` (or ``interrupted``) and ends the sweep: the process
     exits 85 (or 128 + the signal), and running the same sweep again continues it. (Under Hydra's submitit launchers
-    only that job's process ends; ``hlat.sweep_launcher`` collects the other jobs and the sweep fails at its end.)
+    only that job's process ends; ``hlat.train.sweep_launcher`` collects the other jobs and the sweep fails at its end.)
     A run with no ``tracker.run_name`` is named after the job's swept overrides (:func:`default_run_name`).
 
     Args:
         hydra_cfg: The job's composed config.
         job_dir: The job's output directory.
-        train: ``hlat.run._train``: trains ``(hydra_cfg, cfg)`` and returns ``(MLflow run id, loss points)``.
+        train: ``hlat.train.run._train``: trains ``(hydra_cfg, cfg)`` and returns ``(MLflow run id, loss points)``.
 
     Returns:
         The job's objective (:func:`objective`); +inf, the worst value for a minimizing sweeper, when the job
@@ -296,10 +296,10 @@ def run_job(hydra_cfg: Any, job_dir: Path, train: Any) -> float:
     """
     from omegaconf import OmegaConf
 
-    from hlat.checkpoint import read_job
-    from hlat.preempt import AbortedError, PreemptedError
-    from hlat.run import checkpoint_root, error_message, to_run_config
     from hlat.track.trackers import default_uri
+    from hlat.train.checkpoint import read_job
+    from hlat.train.preempt import AbortedError, PreemptedError
+    from hlat.train.run import checkpoint_root, error_message, to_run_config
 
     cfg, stopped = None, None
     run_id, losses, status = None, [], "failed"
@@ -350,7 +350,7 @@ def _named(hydra_cfg: Any, cfg: Any, job_dir: Path) -> tuple[Any, Any]:
     """
     from omegaconf import OmegaConf
 
-    from hlat.run import to_run_config
+    from hlat.train.run import to_run_config
 
     if cfg.tracker.run_name is not None or not (name := default_run_name(job_dir)):
         return hydra_cfg, cfg
@@ -362,7 +362,7 @@ def _stop(job_dir: Path, e: BaseException, run_id: str | None, status: str) -> N
     """A job stopped by a signal: record it (rank 0), say how to continue, end the sweep (85, or 128 + the signal)."""
     import signal
 
-    from hlat.preempt import PREEMPTED_EXIT_CODE, AbortedError, PreemptedError, hand_over
+    from hlat.train.preempt import PREEMPTED_EXIT_CODE, AbortedError, PreemptedError, hand_over
 
     if rank() == 0:
         finish_job(job_dir, mlflow_run_id=run_id, status=status, objective=None)

@@ -1,14 +1,14 @@
 """The Hydra callback of every multirun (``hydra.callbacks.sweep`` in ``conf/config.yaml``).
 
 At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.track.sweep``), and puts
-hlat's subclass of Hydra's submitit launcher in place of the plugin's (``hlat.sweep_launcher``: a job that is killed
+hlat's subclass of Hydra's submitit launcher in place of the plugin's (``hlat.train.sweep_launcher``: a job that is killed
 or cancelled does not crash the sweep; on Slurm, a cluster without accounting is refused first). At the end it
 compares the sweep's runs as ``hlat compare --sweep <dir>`` does (``comparison.md``, ``comparison.png`` in the sweep
 directory and on the parent run), gives the parent run the summary of its arms (:func:`summarize`: their losses as
 metrics, a linked table as its description, a saved view of the MLflow UI) and fails the sweep (exit 1) if a job
 failed, was killed or was stopped, naming the jobs and their logs, closing their MLflow runs and marking the parent
 run FAILED (a job failed) or KILLED.
-A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.preempt``) marks its parent run
+A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.train.preempt``) marks its parent run
 KILLED on the way out, never leaving it RUNNING. Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
 """
 
@@ -50,7 +50,7 @@ def _uri(config: DictConfig) -> str | None:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Signals that end a sweep between jobs through ``SystemExit`` (so the parent run is closed on the way out);
-during a job the trainer takes them over and stops with a checkpoint (``hlat.preempt``)."""
+during a job the trainer takes them over and stops with a checkpoint (``hlat.train.preempt``)."""
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -89,7 +89,7 @@ class SweepCallback(Callback):
         self._handlers: dict[int, Any] = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hlat import sweep_launcher
+        from hlat.train import sweep_launcher
 
         sweep_launcher.adopt(config)  # the plugin's submitit launchers -> hlat's: a dead job does not crash the sweep
         if config.hydra.launcher.get("_target_") == f"{sweep_launcher.OURS}SlurmLauncher":
@@ -133,7 +133,7 @@ class SweepCallback(Callback):
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         records = sweep.job_records(sweep_dir)
-        # Not done: failed here, killed or cancelled outside (hlat.sweep_launcher records those), stopped by a signal.
+        # Not done: failed here, killed or cancelled outside (hlat.train.sweep_launcher records those), stopped by a signal.
         undone = {d: r for d, r in records.items() if r.get("status") not in sweep.DONE}
         counts = {s: sum(r.get("status") == s for r in records.values()) for s in (*sweep.DONE, "failed")}
         counts["killed or stopped"] = len(undone) - counts["failed"]

@@ -17,26 +17,26 @@ import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hlat import attempt, checkpoint, preempt
 from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.data import build_loader
 from hlat.eval_run import EvalScheduler
-from hlat.faults import FaultInjector
 from hlat.health.monitors import Monitors
 from hlat.health.preflight import log_preflight, preflight
-from hlat.loop import NULL_TIMER, HaltedError, NonFiniteError, StepTimer, TrainState, fit, timed_hook
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan.memory import check_fits, check_world, estimate_memory, summary, summary_text
-from hlat.resume import job_record, record_start, restore, rollback
 from hlat.sizing import bytes_per_param, flops_per_token
 from hlat.track import sweep
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
 from hlat.track.trackers import History, SeriesRecorder, build_tracker, check_reachable
+from hlat.train import attempt, checkpoint, preempt
+from hlat.train.faults import FaultInjector
+from hlat.train.loop import NULL_TIMER, HaltedError, NonFiniteError, StepTimer, TrainState, fit, timed_hook
+from hlat.train.resume import job_record, record_start, restore, rollback
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[floa
     Returns:
         The MLflow run id (None without MLflow) and the loss points this process logged (none when supervised).
     """
-    from hlat.launch import supervise, wants_launcher
+    from hlat.train.launch import supervise, wants_launcher
 
     if wants_launcher(cfg):
         run_dir = hydra_output_dir()
@@ -373,7 +373,7 @@ def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[floa
 def error_message(e: BaseException) -> str | None:
     """The one-line report of a failure the user can act on (config, halt, checkpoint, restarts); None otherwise."""
     from hlat.health.report import PreflightError
-    from hlat.launch import JobFailedError
+    from hlat.train.launch import JobFailedError
 
     if isinstance(e, PreflightError):
         return f"hlat: health check failed: {e}"
@@ -390,7 +390,7 @@ def entry(hydra_cfg: DictConfig) -> float | None:
     A configuration error prints one clean message and exits 2 (a failed pre-flight health check: 3, its own
     ``exit_code``); a failure a rerun can continue from (a halt, a full disk, restarts exhausted) prints what
     happened and how to continue, and exits 1. A run stopped by a signal with a checkpoint of the step in flight
-    (``hlat.preempt``) prints the command that continues it and exits 85; one stopped without it (a second Ctrl-C)
+    (``hlat.train.preempt``) prints the command that continues it and exits 85; one stopped without it (a second Ctrl-C)
     exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.track.sweep.run_job` instead, which
     returns the job's objective (and exits only when the job was stopped by a signal).
     """

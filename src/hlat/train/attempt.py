@@ -54,7 +54,7 @@ class AttemptError(RuntimeError):
 def current(store: Any | None = None, timeout_s: float | None = None) -> int:
     """This job's attempt: 0 for its first start, n after its n-th restart; the same number on every rank.
 
-    The first call agrees on it with the other ranks (every rank calls it first thing in ``hlat.run.main``; the
+    The first call agrees on it with the other ranks (every rank calls it first thing in ``hlat.train.run.main``; the
     process group's set-up and the resume decision then read the same number back).
 
     Args:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hlat.config import ConfigError, FaultConfig
-from hlat.loop import StepOutput, TrainState
+from hlat.train.loop import StepOutput, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class FaultInjector:
                 p.grad.fill_(float("nan"))
 
     def on_save(self, stage: str, step: int, path: Path) -> None:
-        """Checkpoint callback (``hlat.checkpoint.SaveFault``)."""
+        """Checkpoint callback (``hlat.train.checkpoint.SaveFault``)."""
         if self.rank != 0:
             return
         cfg = self.cfg

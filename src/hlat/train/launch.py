@@ -8,7 +8,7 @@ continues from the newest valid checkpoint and the same MLflow run. Errors that 
 configuration error, a halt on a non-finite step, a full disk) end the job at once instead. Under an external
 ``torchrun`` (or Slurm / Kubeflow launching one) the trainer simply runs: that launcher already supervises it.
 A signal to the agent (SIGTERM, Ctrl-C, Slurm's SIGUSR1/SIGUSR2) is forwarded to the trainers, which stop at the next
-step boundary with a checkpoint of it (``hlat.preempt``); the job then ends preempted and resumable, not restarted.
+step boundary with a checkpoint of it (``hlat.train.preempt``); the job then ends preempted and resumable, not restarted.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hlat import preempt
-from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError, RunConfig
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
-from hlat.loop import HaltedError
+from hlat.train import preempt
+from hlat.train.checkpoint import CheckpointError
+from hlat.train.loop import HaltedError
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
     """Run ``cluster.nproc_per_node`` trainer processes under torch elastic, restarted up to ``max_restarts`` times.
 
     A signal to this process (the agent) is forwarded to the trainers, which stop at the next step boundary with a
-    checkpoint (``hlat.preempt``); the agent waits ``train.preempt_grace_s`` + 10 s for them before it kills them.
+    checkpoint (``hlat.train.preempt``); the agent waits ``train.preempt_grace_s`` + 10 s for them before it kills them.
 
     Raises:
         ConfigError, CheckpointError, HaltedError: As raised by the trainer (never retried).
@@ -142,10 +142,10 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
             "hydra.launcher.nodes at ${cluster.nodes} (conf/hydra/launcher/slurm.yaml)"
         )
     from hlat.parallel import ParallelDims
-    from hlat.rendezvous import one_node_launch
+    from hlat.train.rendezvous import one_node_launch
 
     ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)  # before starting anything
-    # One node: its stores and sockets on 127.0.0.1 only (hlat.rendezvous); several: c10d on the first host.
+    # One node: its stores and sockets on 127.0.0.1 only (hlat.train.rendezvous); several: c10d on the first host.
     rdzv = one_node_launch() if nodes == 1 else {"rdzv_backend": "c10d", "rdzv_endpoint": endpoint}
     config = LaunchConfig(
         min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id, **rdzv,
@@ -178,7 +178,7 @@ def _stop_settings(launch_config: type, grace_s: float) -> dict[str, Any]:
     """``LaunchConfig`` fields that let a signalled agent stop its trainers gracefully, where this torch has them.
 
     ``signals_to_handle`` adds Slurm's warning signals (USR1, USR2) to the ones the agent forwards to its workers,
-    and ``shutdown_timeout`` waits ``grace_s`` + :data:`hlat.preempt.MARGIN_S` for them instead of 30 s (older
+    and ``shutdown_timeout`` waits ``grace_s`` + :data:`hlat.train.preempt.MARGIN_S` for them instead of 30 s (older
     torch versions have neither field and forward SIGTERM, SIGINT, SIGHUP and SIGQUIT with 30 s).
     """
     wanted = {"signals_to_handle": preempt.AGENT_SIGNALS, "shutdown_timeout": preempt.launcher_grace_s(grace_s)}
@@ -191,7 +191,7 @@ def _run_agent(launch: Any, container: dict[str, Any], run_dir: Path) -> dict[in
 
     torch elastic turns the signal into ``SignalException`` after forwarding it to the workers and waiting for them
     (or killing them after its shutdown timeout); it does not report how they ended, so rank 0's
-    :data:`hlat.preempt.MARKER` says whether the checkpoint was completed. The agent's signal handlers are put back
+    :data:`hlat.train.preempt.MARKER` says whether the checkpoint was completed. The agent's signal handlers are put back
     afterwards: torch elastic leaves its own installed.
     """
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -233,7 +233,7 @@ def _log_file(run_dir: Path) -> str:
 def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str, str] | None:
     """One (re)started trainer: rebuild the config, log like Hydra does, train. Returns a final error, or None."""
     from hlat.logs import LibraryFilter
-    from hlat.run import main
+    from hlat.train.run import main
 
     console = logging.StreamHandler(sys.stdout)
     console.addFilter(LibraryFilter())  # mlflow's INFO lines to the file only, as under Hydra's job logging
@@ -241,7 +241,7 @@ def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str
                         handlers=[console, logging.FileHandler(log_file)])  # fmt: skip
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates; the others speak up on problems
-    # A restart is logged by hlat.attempt once the ranks agree on it (this agent's own count can be 0 on a node
+    # A restart is logged by hlat.train.attempt once the ranks agree on it (this agent's own count can be 0 on a node
     # restarted because another node's worker died).
     hydra_cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
     try:  # a restart resumes this job's own progress (run.restart_resume)

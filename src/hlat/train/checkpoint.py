@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat.backends.base import Backend
 from hlat.config import ConfigError
-from hlat.job_dir import (  # noqa: F401  the job files beside the checkpoints, re-exported for checkpoint.* callers
+from hlat.train.job_dir import (  # noqa: F401  the job files beside the checkpoints, re-exported for checkpoint.* callers
     JOB,
     LOCK,
     check_disk_space,
@@ -38,7 +38,7 @@ from hlat.job_dir import (  # noqa: F401  the job files beside the checkpoints, 
     read_job,
     write_job,
 )
-from hlat.loop import StepOutput, TrainState
+from hlat.train.loop import StepOutput, TrainState
 
 MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
@@ -224,11 +224,11 @@ def restart_resume(resume: str, root: Path) -> str:
     A restarted worker (under hlat's supervision or an external torchrun, Slurm or a PyTorchJob) reruns the same
     command line: with ``never`` it would refuse its own checkpoints, and with a path it would go back to the
     checkpoint the job started from. Once the job has written checkpoints, ``auto``. Whether this is a restart is
-    decided by the attempt every rank agrees on (:func:`hlat.attempt.current`), never by one agent's
+    decided by the attempt every rank agrees on (:func:`hlat.train.attempt.current`), never by one agent's
     ``TORCHELASTIC_RESTART_COUNT``: a node restarted only because another node's worker died counts 0 there, and
     would have started over while the other nodes resumed.
     """
-    from hlat import attempt
+    from hlat.train import attempt
 
     restarted = attempt.current() > 0
     if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):
