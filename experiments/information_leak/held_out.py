@@ -3,7 +3,7 @@
     python experiments/information_leak/held_out.py multirun/information_leak/<date>/<time>
 
 Loads the newest checkpoint of each job of the ``information_leak`` sweep and scores hlat's 20 held-out passages
-(``src/hlat/eval_tasks/hlat_local_ppl.jsonl``: none occurs in the builtin corpus) twice: with the attention the
+(``src/hlat/eval/tasks/hlat_local_ppl.jsonl``: none occurs in the builtin corpus) twice: with the attention the
 model trained with (``model.mask_leak`` as in its run) and with causal attention (what generation, and any real
 use, can offer: the next token is not there yet). Then each model continues a few prompts greedily (KV-cache
 decoding is causal). Prints a markdown report; ``--out`` writes it to a file too.
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hlat.eval_tasks import TASKS_DIR
-from hlat.inference import greedy, load
+from hlat.eval.inference import greedy, load
+from hlat.eval.tasks import TASKS_DIR
 
 PROMPTS = ("Return a new", "If the argument is", "This module provides")
 

@@ -330,7 +330,7 @@ def _eval(argv: list[str]) -> int:
 
     console_logging("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
-        from hlat.eval_run import main as eval_main
+        from hlat.eval.run import main as eval_main
 
         eval_main(compose_run_config(overrides))
     except ConfigError as e:
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(deploy_main(argv))
     if argv and argv[0] in ("export", "import"):
-        from hlat.hf import main as hf_main
+        from hlat.eval.hf import main as hf_main
 
         raise SystemExit(hf_main(argv))
     if argv and argv[0] == "eval":

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hlat import hf
 from hlat.config import ConfigError
+from hlat.eval import hf
 from hlat.train import checkpoint
 from hlat.train.run import main
 from tests.conftest import compose_cfg

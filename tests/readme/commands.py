@@ -100,7 +100,7 @@ EXCEPTIONS: dict[str, Policy] = {
         extra=("train.steps=6", "train.checkpoint_every=2"),
     ),
     "lm_eval --model hf --model_args pretrained=export/myrun,dtype=float32 --tasks hlat_local_ppl --include_path "
-    "src/hlat/eval_tasks --device cpu": Policy("run", "lm-eval's own CLI and `hf` model on the export"),
+    "src/hlat/eval/tasks --device cpu": Policy("run", "lm-eval's own CLI and `hf` model on the export"),
     "hlat data prepare corpus/*.jsonl --output data/arrow": Policy(
         "run", "the user's corpus: the lane writes corpus/*.jsonl first", setup="corpus"
     ),
@@ -115,7 +115,7 @@ def _default(text: str) -> Policy | None:
         return Policy("tiny")
     if words[:2] == [".venv-neuron/bin/python", "train.py"]:
         return Policy("run", "the NxD lane's environment, built by `make test-neuron` before this lane")
-    if trains or words[0] == "hlat" or words[:3] == ["python", "-m", "hlat.evaluate"]:
+    if trains or words[0] == "hlat" or words[:3] == ["python", "-m", "hlat.eval.harness"]:
         return Policy("run")
     return None
 

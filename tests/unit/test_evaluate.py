@@ -23,9 +23,9 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from hlat.eval_tasks import TASKS, task_manager  # noqa: E402
-from hlat.evaluate import HlatLM, evaluate  # noqa: E402
-from hlat.inference import greedy, greedy_batch, load  # noqa: E402
+from hlat.eval.harness import HlatLM, evaluate  # noqa: E402
+from hlat.eval.inference import greedy, greedy_batch, load  # noqa: E402
+from hlat.eval.tasks import TASKS, task_manager  # noqa: E402
 from tests.conftest import compose_cfg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,7 +250,7 @@ def test_shots_per_task(run_dir: Path) -> None:
 def test_command_line(run_dir: Path, tmp_path: Path) -> None:
     # lm-eval's CLI indexes its ~15k built-in task YAMLs first: ~10-20 s.
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-m", "hlat.evaluate", "--model", "hlat", "--model_args",
+    proc = subprocess.run([sys.executable, "-m", "hlat.eval.harness", "--model", "hlat", "--model_args",
                            f"checkpoint={run_dir}", "--tasks", "hlat_local", "--device", "cpu", "--limit", "2",
                            "--output_path", str(tmp_path / "out")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -373,7 +373,7 @@ def test_bf16_inference_runs_the_hosts_bf16_matmul_policy(run_dir: Path, monkeyp
     both policies score a text alike (within bf16 rounding of the fp32 model's logits)."""
     from hlat import bf16_matmul
     from hlat.bf16_matmul import EmulatedBf16Linear
-    from hlat.inference import find_checkpoint, load_weights, model_config
+    from hlat.eval.inference import find_checkpoint, load_weights, model_config
 
     monkeypatch.setattr(bf16_matmul, "resolve_policy", lambda requested, device, cache_dir: (policy, "test"))
     path = find_checkpoint(run_dir / "checkpoints")

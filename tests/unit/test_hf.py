@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hlat import hf
 from hlat.backends.torch import TorchBackend
 from hlat.backends.torch_dist import _interleave_gate_up
 from hlat.config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, ParallelismConfig, RunConfig, TrainConfig
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from hlat.eval import hf
 from hlat.model import Transformer
 from hlat.train import checkpoint
 from hlat.train.loop import TrainState
@@ -123,7 +123,7 @@ def test_export_then_import_gives_the_same_model(exported, tok) -> None:
         assert torch.equal(logits(cfg, sd), model(tokens()))
     meta = json.loads((out / "config.json").read_text())
     assert meta["num_key_value_heads"] == 2 and meta["head_dim"] == 16 and meta["torch_dtype"] == "float32"
-    # EOS starts a sequence: hlat packs documents as ids + [EOS] (hlat.hf_tokenizer's docstring)
+    # EOS starts a sequence: hlat packs documents as ids + [EOS] (hlat.eval.hf_tokenizer's docstring)
     assert (meta["bos_token_id"], meta["eos_token_id"]) == (tok.eos_id, tok.eos_id)
     gen = json.loads((out / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (tok.eos_id, tok.eos_id)

@@ -19,9 +19,9 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # lm-eval's hf model imports it (the eval extra)
 
-from hlat import hf
-from hlat.eval_tasks import task_manager
-from hlat.evaluate import evaluate
+from hlat.eval import hf
+from hlat.eval.harness import evaluate
+from hlat.eval.tasks import task_manager
 from tests.conftest import compose_cfg
 from tests.unit.test_evaluate import TINY
 

@@ -181,7 +181,7 @@ def plant(checkpoint: Path, payload: object) -> None:
 
 @pytest.mark.slow
 def test_resuming_a_planted_checkpoint_fails_cleanly(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
-    from hlat.inference import load_checkpoint_weights
+    from hlat.eval.inference import load_checkpoint_weights
     from hlat.train.run import main
     from tests.conftest import compose_cfg
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from hlat.backends import get_backend
 from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.data import build_loader
-from hlat.eval_run import EvalScheduler
+from hlat.eval.run import EvalScheduler
 from hlat.health.monitors import Monitors
 from hlat.health.preflight import log_preflight, preflight
 from hlat.model import Transformer
@@ -262,7 +262,7 @@ def main(hydra_cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
 
 def _init_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
     """The weights of ``train.init_from``, checked against the model config and the run's tokenizer."""
-    from hlat.hf import load_init_weights
+    from hlat.eval.hf import load_init_weights
 
     state, tokenizer = load_init_weights(Path(cfg.train.init_from), cfg.model)
     mine = cfg.data.tokenizer
@@ -281,7 +281,7 @@ def _eval_scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> E
     e = cfg.eval
     if not e.every_tokens:
         return None
-    from hlat.eval_run import eval_overrides
+    from hlat.eval.run import eval_overrides
     from hlat.track.trackers import default_uri
 
     if e.every_tokens < tokens_per_step * cfg.train.checkpoint_every:

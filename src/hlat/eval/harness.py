@@ -1,7 +1,7 @@
 """lm-evaluation-harness on hlat checkpoints: the ``hlat`` model class, the local tasks and ``evaluate``.
 
 ``HlatLM`` is an ``lm_eval`` model registered as ``hlat``; it loads a torch-backend checkpoint with
-``hlat.inference.load`` (a ``step_N`` directory, or the newest intact one under a run's ``checkpoints/``) and
+``hlat.eval.inference.load`` (a ``step_N`` directory, or the newest intact one under a run's ``checkpoints/``) and
 answers the three request types of lm-eval: ``loglikelihood`` (batched, longest first, contexts cut from the left to
 ``max_length``), ``loglikelihood_rolling`` (disjoint windows of ``max_length`` tokens) and ``generate_until`` (greedy,
 batched: left-padded prompts with the pads masked, through the model's KV cache). Documents were separated by EOS in
@@ -10,10 +10,10 @@ lm-eval).
 
 lm-eval 0.4.13 has no plugin discovery: a model is known once the module registering it is imported. So::
 
-    python -m hlat.evaluate --model hlat --model_args checkpoint=runs/x/checkpoints --tasks hlat_local
+    python -m hlat.eval.harness --model hlat --model_args checkpoint=runs/x/checkpoints --tasks hlat_local
 
 is lm-eval's own command line with ``hlat`` registered and ``--include_path`` set to the local tasks (add your own
-``--include_path`` to replace it); in Python, ``import hlat.evaluate`` before ``lm_eval.simple_evaluate(model="hlat",
+``--include_path`` to replace it); in Python, ``import hlat.eval.harness`` before ``lm_eval.simple_evaluate(model="hlat",
 ...)``, or call ``evaluate`` here.
 """
 
@@ -36,8 +36,8 @@ from lm_eval.api.registry import model_registry
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from hlat.eval_tasks import TASKS_DIR, task_manager
-from hlat.inference import decode_continuation, describe, greedy_batch, load
+from hlat.eval.inference import decode_continuation, describe, greedy_batch, load
+from hlat.eval.tasks import TASKS_DIR, task_manager
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 16
@@ -215,7 +215,7 @@ class HlatLM(TemplateLM):
         return texts
 
 
-if "hlat" not in model_registry:  # the decorator's job, but `python -m hlat.evaluate` may import this module twice
+if "hlat" not in model_registry:  # the decorator's job, but `python -m hlat.eval.harness` may import this module twice
     model_registry.register("hlat")(HlatLM)
 
 

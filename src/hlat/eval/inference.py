@@ -8,7 +8,7 @@ model, and the fused gate_up rows a tensor-parallel run interleaved are put back
 the run trained with: ``data.tokenizer`` if the run named one, else the run's trained tokenizer from
 ``data.cache_dir`` (retrained from the same data, deterministically, if the cache is gone), checked against the
 fingerprint the data loader saved in the checkpoint. A weights-only checkpoint (``hlat import``) brings its own
-tokenizer file. ``hlat.hf`` (export, ``train.init_from``) reads checkpoints through the same functions
+tokenizer file. ``hlat.eval.hf`` (export, ``train.init_from``) reads checkpoints through the same functions
 (``load_checkpoint_weights``, ``find_tokenizer``). Example::
 
     loaded = load("outputs/2025-01-01/12-00-00/checkpoints", device="cuda")
@@ -329,7 +329,7 @@ def load(checkpoint: str | Path, device: str = "cpu", dtype: str = "float32", to
     path = find_checkpoint(checkpoint)
     check_torch_backend(path)
     meta = ckpt.manifest(path) or {}
-    if meta.get("weights_only"):  # hlat.hf imports: a model config and a tokenizer file, no training run
+    if meta.get("weights_only"):  # hlat.eval.hf imports: a model config and a tokenizer file, no training run
         cfg, model_cfg = None, model_config(path)
         context = model_cfg.max_seq_len
     else:

@@ -1,7 +1,7 @@
 """``hlat eval``: run lm-evaluation-harness over checkpoints and put the scores where the training run is.
 
 One checkpoint, or every valid checkpoint of a run (``eval.all_checkpoints``), is evaluated on the tasks of an
-``eval`` preset, each with its number of shots (``hlat.evaluate.evaluate``). Each task's metrics and their standard
+``eval`` preset, each with its number of shots (``hlat.eval.harness.evaluate``). Each task's metrics and their standard
 errors go into MLflow as ``eval/<task>/<metric>`` (and ``..._stderr``) at the checkpoint's training step, in the
 training run itself when the store holds it (the run id is in the checkpoint root's job record), else in a new run
 tagged with the checkpoint. A markdown table per checkpoint lands next to the checkpoints (``eval/``), and a plot of
@@ -29,7 +29,7 @@ from hlat.train import checkpoint
 log = logging.getLogger(__name__)
 
 LOCAL_PREFIX = "hlat_local"
-"""hlat's own offline tasks (``src/hlat/eval_tasks/``): with only these, lm-eval's built-in task index is skipped."""
+"""hlat's own offline tasks (``src/hlat/eval/tasks/``): with only these, lm-eval's built-in task index is skipped."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def scores(results: dict[str, Any], task: EvalTask) -> list[Score]:
 
 def run_scores(ckpt: Path, cfg: EvalConfig, device: str) -> list[Score]:
     """Evaluate one checkpoint on every task of ``cfg`` (one lm-eval call per distinct shot count)."""
-    from hlat.evaluate import evaluate
+    from hlat.eval.harness import evaluate
 
     by_shots: dict[int, list[EvalTask]] = {}
     for t in cfg.tasks:

@@ -3,7 +3,7 @@
 An exported directory is what ``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` read:
 ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer: hlat's sentencepiece model
 (``tokenizer.model``) and ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, with which
-transformers gives sentencepiece's ids for every text (``hlat.hf_tokenizer``).
+transformers gives sentencepiece's ids for every text (``hlat.eval.hf_tokenizer``).
 
 Start of sequence: hlat trains on documents packed as ``ids + [EOS]``, so the token before a document is EOS (id 2),
 never sentencepiece's ``<s>`` (id 1). The export says so: ``bos_token_id`` is EOS's id in ``config.json`` and
@@ -19,7 +19,7 @@ interleaved-pair layout, which hlat never used). The fused qkv weight holds per 
 ``[q_{g*r} .. q_{g*r+r-1}, k_g, v_g]`` (r = n_heads / n_kv_heads, head_dim rows each): query head h uses kv
 head h // r in both models. The fused gate_up weight is ``[gate; up]``; a torch-backend checkpoint saved with
 ``parallelism.tp`` = t > 1 holds it reordered for the split, ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]``, which
-``hlat.inference.load_checkpoint_weights`` puts back in order. The LM head is never tied in hlat.
+``hlat.eval.inference.load_checkpoint_weights`` puts back in order. The LM head is never tied in hlat.
 
 An import writes a *weights-only* hlat checkpoint (``manifest.json`` with ``"weights_only": true``): model
 weights through torch.distributed.checkpoint and the tokenizer, but no optimizer state, data position or step.
@@ -43,8 +43,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hlat.config import ConfigError, ModelConfig
-from hlat.hf_tokenizer import write_tokenizer
-from hlat.inference import Tensors, check_tensors, expected_shapes, find_tokenizer, load_checkpoint_weights
+from hlat.eval.hf_tokenizer import write_tokenizer
+from hlat.eval.inference import Tensors, check_tensors, expected_shapes, find_tokenizer, load_checkpoint_weights
 from hlat.train import checkpoint
 
 log = logging.getLogger(__name__)
@@ -149,10 +149,10 @@ def _spm_prefix(spm_path: Path) -> bool:
 
 
 def _write_tokenizer(spm_path: Path, out: Path, max_len: int) -> int:
-    """Copy the sentencepiece model and write HF's tokenizer files (``hlat.hf_tokenizer``); returns the EOS id.
+    """Copy the sentencepiece model and write HF's tokenizer files (``hlat.eval.hf_tokenizer``); returns the EOS id.
 
     EOS is also the export's start-of-sequence token (``bos_token``/``bos_token_id``): hlat packs documents as
-    ``ids + [EOS]``, so EOS is what precedes every document in training (see ``hlat.hf_tokenizer``).
+    ``ids + [EOS]``, so EOS is what precedes every document in training (see ``hlat.eval.hf_tokenizer``).
     """
     from hlat.data.tokenizer import Tokenizer
 
@@ -395,7 +395,7 @@ def load_init_weights(path: Path, cfg: ModelConfig) -> tuple[Tensors, Path | Non
 
 
 def checkpoint_tokenizer(ckpt: Path, explicit: Path | None = None) -> Path:
-    """The sentencepiece model file a checkpoint was trained with (``hlat.inference.find_tokenizer``, no retraining).
+    """The sentencepiece model file a checkpoint was trained with (``hlat.eval.inference.find_tokenizer``, no retraining).
 
     Raises:
         ConfigError: None is found that matches the tokenizer fingerprint the checkpoint's data state records.
