@@ -23,8 +23,8 @@ import torch
 
 import hlat.precision as precision
 from hlat.config import ModelConfig
+from hlat.host import host_info
 from hlat.model import Transformer
-from hlat.plan.peak import host_info
 from hlat.precision import PrecisionAdamW
 
 KW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

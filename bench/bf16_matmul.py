@@ -29,10 +29,10 @@ from omegaconf import OmegaConf
 from hlat.backends.torch import TorchBackend
 from hlat.bf16_matmul import probe, resolve_policy
 from hlat.config import register_configs
+from hlat.host import DEFAULT_CACHE_DIR
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
-from hlat.plan.peak import DEFAULT_CACHE_DIR
 
 CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
 EMULATED = (("fp32", "native"), ("bf16", "emulated"), ("bf16_sr", "emulated"), ("master_weights", "emulated"))

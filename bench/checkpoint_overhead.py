@@ -29,8 +29,8 @@ from hlat.config import ClusterConfig, ModelConfig, OptimizerConfig, PrecisionCo
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
+from hlat.state import TrainState
 from hlat.train.checkpoint import Checkpointer
-from hlat.train.loop import TrainState
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 

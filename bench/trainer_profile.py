@@ -105,7 +105,7 @@ def report(configs: list[str], results: dict[str, list[dict[str, float]]], args:
     """The markdown report."""
     import torch
 
-    from hlat.plan.peak import host_info
+    from hlat.host import host_info
 
     med = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in results.items()}
     head = ("| overrides | wall s | start-up s | first step s | tokens/s | MFU | step s | "

@@ -43,9 +43,9 @@ reported as "first step"; torch.compile starts from fresh on-disk caches unless 
 ``--rounds`` rounds: in each, every contender trains ``--steps`` steps in one timed block (the device is
 synchronized at both ends on CUDA; CPU work is synchronous), and the order of the contenders rotates from round to
 round, so a slow patch of a shared machine hits all of them alike. Reported per contender: median seconds/step over
-rounds with min-max, tokens/s = batch x seq_len / median, MFU = tokens/s x ``hlat.track.metrics.flops_per_token`` (PaLM's
-6N + 12·L·H·Q·T, non-causal: ``perf/mfu`` of a training run; the same shape, so the same number for both) / the peak
-(on CPU this host's matmul peak from ``hlat.plan.peak.cached_peak``, measured and cached with
+rounds with min-max, tokens/s = batch x seq_len / median, MFU = tokens/s x ``hlat.track.metrics.flops_per_token``
+(PaLM's 6N + 12·L·H·Q·T, non-causal: ``perf/mfu`` of a training run; the same shape, so the same number for both) / the
+peak (on CPU this host's matmul peak from ``hlat.plan.peak.cached_peak``, measured and cached with
 ``measure_and_cache`` first if missing or with ``--measure-peak``; on CUDA ``resolve_peak_flops``'s published
 figure), and the ratio hlat/HF of
 tokens/s: eager vs eager, compiled vs compiled, hlat's best vs HF's best. torch uses as many threads as the process
@@ -82,13 +82,15 @@ from omegaconf import OmegaConf
 from hlat.backends.torch import TorchBackend
 from hlat.config import RunConfig, register_configs
 from hlat.data import build_loader
+from hlat.host import host_info
 from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
-from hlat.plan.peak import cached_peak, host_info, measure_and_cache
+from hlat.plan.peak import cached_peak, measure_and_cache
 from hlat.precision import DTYPE
+from hlat.state import StepOutput, TrainState
 from hlat.track.metrics import flops_per_token, resolve_peak_flops
-from hlat.train.loop import StepOutput, TrainState, fit
+from hlat.train.loop import fit
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 DTYPES = ("fp32", "bf16")

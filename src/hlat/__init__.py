@@ -1,3 +1,17 @@
-"""hlat: Hydra-configured pretraining of LLaMA-style models the way the HLAT paper did, tracked in MLflow."""
+"""hlat: Hydra-configured pretraining of LLaMA-style models the way the HLAT paper did, tracked in MLflow.
+
+The packages are the layers, bottom to top (each may import only from the layers below it or its own):
+
+- ``config``: the typed schemas, composing ``conf/``, the job's rank and stamp.
+- the core, directly in ``hlat/``: ``model``, ``parallel``, ``precision``, ``optim``, ``sizing``, ``layouts``,
+  ``recompute``, ``bf16_matmul``, ``host``, ``state``, ``attempt``, ``safe_load``, ``hf_layout``, ``logs``.
+- ``plan``: memory, step time, MFU and cost, without a device.
+- ``data``, ``backends``, ``track``: batches, devices, and what a run reports.
+- ``health``: the checks and monitors a run carries.
+- ``train``: the trainer (``train.run.main`` is the build graph) and its launcher.
+- ``eval``, ``deploy``, ``cli`` (and ``hlat doctor``, ``hlat plan``): the commands.
+
+tests/unit/test_import_boundaries.py holds the graph to this.
+"""
 
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ information-leak experiment) falls back to autograd through fp32 copies.
 
 The policy (``precision.bf16_matmul``): ``native``, ``emulated``, or ``auto``, decided by measurement rather than by
 a list of CPU names: ``probe`` times a native bf16 GEMM against the emulated one on the run's device and ``auto``
-takes the faster (``resolve_policy``), cached per host fingerprint (``hlat.plan.peak.host_fingerprint``) like the matmul
+takes the faster (``resolve_policy``), cached per host fingerprint (``hlat.host.host_fingerprint``) like the matmul
 peak. The Neuron backend never uses this module: its bf16 is the hardware's (``XLA_USE_BF16``/``XLA_DOWNCAST_BF16``).
 """
 
@@ -201,7 +201,7 @@ def probe(device: str | torch.device = "cpu", n: int = PROBE_SIZE, budget_s: flo
 
 def _cache_file(cache_dir: str | Path, device: torch.device) -> Path:
     """``<cache_dir>/bf16-matmul-<host fingerprint>[-<gpu name>].json``."""
-    from hlat.plan.peak import host_fingerprint
+    from hlat.host import host_fingerprint
 
     suffix = ""
     if device.type == "cuda":
@@ -247,7 +247,7 @@ def resolve_policy(requested: str, device: torch.device, cache_dir: str | Path) 
 
 def apply_auto_policy(model: nn.Module, device: torch.device) -> str:
     """``apply_policy`` with this host's ``auto`` choice (cache in hlat's default cache directory); returns it."""
-    from hlat.plan.peak import DEFAULT_CACHE_DIR
+    from hlat.host import DEFAULT_CACHE_DIR
 
     policy = resolve_policy("auto", device, DEFAULT_CACHE_DIR)[0]
     apply_policy(model, policy)

@@ -28,6 +28,7 @@ hands each rank whole groups, and ``forward`` infers the local head count with `
 
 from __future__ import annotations
 
+import logging
 import math
 import zlib
 from collections.abc import Sequence
@@ -390,3 +391,11 @@ def count_params(cfg: ModelConfig) -> int:
     with torch.device("meta"):
         model = Transformer(cfg)
     return sum(p.numel() for p in model.parameters())
+
+
+def warn_mask_leak(cfg: ModelConfig) -> None:
+    """Say so when ``model.mask_leak`` lets attention see the future: such a run's loss means nothing."""
+    if cfg.mask_leak:
+        logging.getLogger(__name__).warning(
+            "model.mask_leak=%d: attention sees %d future token(s); this run demonstrates the information leak and "
+            "its loss means nothing", cfg.mask_leak, cfg.mask_leak)  # fmt: skip

@@ -1,4 +1,9 @@
-"""Backends: the one place where the platform is chosen."""
+"""Backends: the one place where the platform is chosen.
+
+Owns ``base`` (the ``Backend`` protocol and its ``Env``), ``torch`` / ``torch_dist`` (plain PyTorch: CPU, CUDA,
+DDP / ZeRO-1, tensor parallelism) and ``neuron*`` (torch-neuronx + NeuronX Distributed; the only modules that
+import them, and only inside functions). May import: ``hlat.config``, the core modules and ``hlat.plan``.
+"""
 
 from __future__ import annotations
 

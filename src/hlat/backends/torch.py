@@ -38,11 +38,11 @@ from hlat.backends.torch_dist import (
 )
 from hlat.bf16_matmul import apply_policy, resolve_policy
 from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
+from hlat.host import DEFAULT_CACHE_DIR
 from hlat.parallel import ParallelDims
-from hlat.plan.peak import DEFAULT_CACHE_DIR
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
 from hlat.recompute import apply_activation_checkpointing
-from hlat.train.loop import NULL_TIMER
+from hlat.state import NULL_TIMER
 
 
 class TorchBackend:

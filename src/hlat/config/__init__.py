@@ -4,17 +4,21 @@ Hydra composes ``conf/`` against these schemas, so an unknown key or a wrong typ
 ``run.main`` converts the composed config once with ``OmegaConf.to_object``; that call runs every
 ``__post_init__`` (the cross-field checks) and returns instances that are frozen from then on.
 Nothing below ``run.py`` ever sees a ``DictConfig``.
+
+Owns the schemas (here and in ``base``, ``train``, ``ops``, ``health``), ``compose`` (composing ``conf/`` outside
+``@hydra.main`` and wording Hydra's errors), ``resolvers`` (the job's rank and time stamp, for ``hydra.run.dir``)
+and ``suggest`` (the "did you mean" of a mistyped key). The bottom layer: may import nothing of hlat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hlat.config.base import DTYPES, ConfigError, _check, _Frozen
+from hlat.config.base import DTYPES, ConfigError, UnknownKeyError, _check, _Frozen, flatten
 from hlat.config.health import HealthConfig
 from hlat.config.ops import ClusterConfig, EvalConfig, EvalTask, FaultConfig, TrackerConfig
+from hlat.config.resolvers import register_resolvers
 from hlat.config.train import (
     DataConfig,
     ModelConfig,
@@ -27,7 +31,7 @@ from hlat.config.train import (
 __all__ = [
     "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalTask", "FaultConfig", "HealthConfig",
     "ModelConfig", "OptimizerConfig", "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig",
-    "TrainConfig", "register_configs", "to_run_config",
+    "TrainConfig", "flatten", "register_configs", "to_run_config",
 ]  # fmt: skip
 
 
@@ -73,52 +77,18 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
-    _register_resolvers()
-
-
-def _console_level(level: str = "INFO") -> str:
-    """``level`` on global rank 0, ``WARNING`` on the others (resolver of ``conf/hydra/job_logging/hlat.yaml``).
-
-    Under any launcher (torchrun, srun, Slurm tasks, hlat's own) one rank narrates on the console; the others speak up
-    on problems only, and keep their INFO lines in their own ``train_rank<N>.log``.
-    """
-    import os
-
-    # hlat.train.launch.global_rank, read here: `hlat summary`'s Hydra logging must not import the launcher (nor torch)
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    return level if rank == 0 else "WARNING"
-
-
-def _launch_resolver(name: str) -> Callable[..., Any]:
-    """``hlat.train.launch.<name>``, imported when a config first resolves it.
-
-    ``hlat summary`` and ``hlat plan`` then compose without importing the launcher (and torch, through it).
-    """
-
-    def resolve(*args: Any) -> Any:
-        from hlat.train import launch
-
-        return getattr(launch, name)(*args)
-
-    return resolve
-
-
-def _register_resolvers() -> None:
-    """Resolvers that keep ranks of one job in one directory (``hydra.run.dir``, ``hydra.sweep.dir``, logs)."""
-    from omegaconf import OmegaConf
-
-    for name, fn in (("hlat.job_stamp", _launch_resolver("job_stamp")),
-                     ("hlat.rank_zero_only", _launch_resolver("rank_zero_only")),
-                     ("hlat.rank_suffix", _launch_resolver("rank_suffix")),
-                     ("hlat.console_level", _console_level)):  # fmt: skip
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn, use_cache=name == "hlat.job_stamp")
+    register_resolvers()
 
 
 def to_run_config(hydra_cfg: Any) -> RunConfig:
     """Validate the composed config once (every ``__post_init__`` runs) and return frozen dataclasses."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.to_object(hydra_cfg)
+    try:
+        cfg = OmegaConf.to_object(hydra_cfg)
+    except UnknownKeyError as e:  # a key appended with '+': name the closest existing one
+        from hlat.config.suggest import unknown_key
+
+        raise ConfigError(unknown_key(RunConfig, e.cls, e.name, e.value)) from None
     assert isinstance(cfg, RunConfig), f"conf/config.yaml must start from base_config, got {type(cfg)}"
     return cfg

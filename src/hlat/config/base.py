@@ -12,6 +12,14 @@ class ConfigError(ValueError):
     """A user-facing configuration error; the message names the key(s) and the fix."""
 
 
+class UnknownKeyError(ConfigError):
+    """A key the schema ``cls`` lacks; :func:`hlat.config.to_run_config` words it with the closest existing key."""
+
+    def __init__(self, cls: type, name: str, value: object) -> None:
+        super().__init__(f"{cls.__name__} has no key {name!r}")
+        self.cls, self.name, self.value = cls, name, value
+
+
 class _Frozen:
     """Mixin: instances become immutable once ``__post_init__`` has validated them.
 
@@ -23,9 +31,7 @@ class _Frozen:
         if getattr(self, "_frozen", False):
             if name not in {f.name for f in dataclasses.fields(self)}:  # type: ignore[arg-type]
                 # OmegaConf.to_object sets keys the schema lacks (``+modle=tiny`` appends one) after __init__
-                from hlat.config.suggest import unknown_key
-
-                raise ConfigError(unknown_key(type(self), name, value))
+                raise UnknownKeyError(type(self), name, value)
             raise dataclasses.FrozenInstanceError(
                 f"cannot assign {type(self).__name__}.{name}: configs are frozen after validation; "
                 "use dataclasses.replace() to derive a new one"
@@ -34,6 +40,14 @@ class _Frozen:
 
     def _freeze(self) -> None:
         object.__setattr__(self, "_frozen", True)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: config keys as dotted names (MLflow params, config hashes, diffs)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def _check(cond: bool, msg: str) -> None:

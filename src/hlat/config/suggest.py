@@ -49,11 +49,9 @@ def closest(word: str, candidates: Iterable[str]) -> str | None:
     return hits[0] if hits else None
 
 
-def key_path(cls: type) -> str | None:
-    """The dotted key of the config section whose schema is ``cls`` (``TrainConfig`` -> ``train``; root: ``""``)."""
-    from hlat.config import RunConfig
-
-    todo: list[tuple[type, str]] = [(RunConfig, "")]
+def key_path(cls: type, root: type) -> str | None:
+    """The dotted key of the config section whose schema is ``cls`` (``TrainConfig`` -> ``train``; ``root``: ``""``)."""
+    todo: list[tuple[type, str]] = [(root, "")]
     while todo:
         here, prefix = todo.pop()
         if here is cls:
@@ -62,15 +60,15 @@ def key_path(cls: type) -> str | None:
     return None
 
 
-def correct_key(key: str, conf_dir: Path | None = None) -> str | None:
+def correct_key(key: str, root: type, conf_dir: Path | None = None) -> str | None:
     """The existing dotted key closest to ``key`` (``train.max_steps`` -> ``train.steps``, ``modle`` -> ``model``).
+
+    ``root`` is the schema the keys start from (``hlat.config.RunConfig``: this module imports no schema).
 
     Returns:
         The corrected key, or None when ``key`` exists or no key is close enough.
     """
-    from hlat.config import RunConfig
-
-    cls: type | None = RunConfig
+    cls: type | None = root
     out, changed = [], False
     for i, part in enumerate(key.lstrip("+~").split(".")):
         if cls is None:  # below a plain value (a list, a dict): nothing to check
@@ -93,9 +91,9 @@ def correct_option(group: str, option: str, conf_dir: Path | None = None) -> str
     return closest(option, groups(conf_dir).get(group, []))
 
 
-def did_you_mean(key: str, value: str | None = None, conf_dir: Path | None = None) -> str:
+def did_you_mean(key: str, root: type, value: str | None = None, conf_dir: Path | None = None) -> str:
     """``"; did you mean model=tiny?"`` for a mistyped key (and value, if a group's option); "" if none is close."""
-    fixed = correct_key(key, conf_dir)
+    fixed = correct_key(key, root, conf_dir)
     if fixed is None:
         return ""
     if value is None:
@@ -106,11 +104,14 @@ def did_you_mean(key: str, value: str | None = None, conf_dir: Path | None = Non
     return f"; did you mean {fixed}={value}?"
 
 
-def unknown_key(cls: type, name: str, value: object = None) -> str:
-    """The message for a key ``name`` that the schema ``cls`` does not have (e.g. appended with ``+modle=tiny``)."""
-    prefix = key_path(cls)
+def unknown_key(root: type, cls: type, name: str, value: object = None) -> str:
+    """The message for a key ``name`` that the schema ``cls`` (a section of ``root``) does not have.
+
+    Such a key comes from appending one, e.g. ``+modle=tiny``.
+    """
+    prefix = key_path(cls, root)
     key = f"{prefix}.{name}" if prefix else name
     shown = value if isinstance(value, (str, int, float, bool)) else None
-    hint = did_you_mean(key, None if shown is None else str(shown))
+    hint = did_you_mean(key, root, None if shown is None else str(shown))
     return (f"{key} is not a config key{hint or ''} (`python train.py --cfg job` prints every key; a '+' before "
             "a key adds a new one, which the schema refuses)")  # fmt: skip

@@ -1,7 +1,14 @@
-"""Training data: corpus sources, the builtin corpus, tokenizer, packing and the resumable loaders."""
+"""Training data: corpus sources, the builtin corpus, tokenizer, packing and the resumable loaders.
 
+Owns ``sources`` (Arrow / JSONL / Parquet corpora), ``builtin`` (the offline default corpus), ``tokenizer``
+(sentencepiece), ``order`` and ``packing`` (the shuffled, packed stream), ``loader`` (one rank's resumable stream),
+``worker`` (the stream in a background process), ``offline`` (the pre-packed baseline), ``build`` (``build_loader``)
+and ``prepare`` (``hlat data``). May import: ``hlat.config`` and the core modules only.
+"""
+
+from hlat.data.build import build_loader
 from hlat.data.builtin import builtin_corpus_path
-from hlat.data.loader import PackedStream, StreamSpec, build_loader
+from hlat.data.loader import PackedStream, StreamSpec
 from hlat.data.packing import Packer
 from hlat.data.sources import Documents, TextSource, load_documents
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer, load_tokenizer

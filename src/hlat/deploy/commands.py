@@ -113,8 +113,8 @@ def parser(command: str) -> argparse.ArgumentParser:
 
 
 def compose(overrides: Sequence[str]) -> RunConfig:
-    """Compose ``conf/`` with the overrides and validate it (``hlat.cli.compose_run_config``)."""
-    from hlat.cli import compose_run_config
+    """Compose ``conf/`` with the overrides and validate it (``hlat.config.compose.compose_run_config``)."""
+    from hlat.config.compose import compose_run_config
 
     return compose_run_config(overrides)
 

@@ -6,8 +6,8 @@ rendezvous is on worker 0. That is the operator's default host ``<job>-worker-0`
 ``pytorchjob-port`` container port. Each pod requests all of its node's Neuron devices and EFA interfaces, mounts
 a memory-backed ``/dev/shm`` and mounts the shared FSx volume for data, checkpoints and the run directory.
 ``terminationGracePeriodSeconds`` is ``train.preempt_grace_s`` + 10 s: on an eviction or a deleted job, Kubernetes
-sends SIGTERM to torchrun, which forwards it, and the trainers checkpoint the step in flight (``hlat.train.preempt``) before
-the kubelet's SIGKILL; the recreated pods continue from that checkpoint.
+sends SIGTERM to torchrun, which forwards it, and the trainers checkpoint the step in flight (``hlat.train.preempt``)
+before the kubelet's SIGKILL; the recreated pods continue from that checkpoint.
 """
 
 from __future__ import annotations

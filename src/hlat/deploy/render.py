@@ -3,7 +3,8 @@
 Each node runs one torch elastic agent, ``torchrun``, with ``cluster.nproc_per_node`` trainer processes. Nodes meet
 in a c10d rendezvous hosted on the first node (``$MASTER_ADDR``), and ``--max-restarts`` is
 ``cluster.max_restarts``. This is the mechanism that ``hlat.train.launch`` uses for ``python train.py``, stretched over
-``cluster.nodes`` hosts. Under an external torchrun, ``train.py`` trains in place (``hlat.train.launch.under_elastic``).
+``cluster.nodes`` hosts. Under an external torchrun, ``train.py`` trains in place
+(``hlat.config.resolvers.under_elastic``).
 
 Every rank on every node, and every restart, has to write to one run directory: that is where ``train.resume=auto``
 looks for the newest checkpoint. Hydra's default ``outputs/<date>/<time>`` differs from process to process, so the

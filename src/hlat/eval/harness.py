@@ -13,8 +13,8 @@ lm-eval 0.4.13 has no plugin discovery: a model is known once the module registe
     python -m hlat.eval.harness --model hlat --model_args checkpoint=runs/x/checkpoints --tasks hlat_local
 
 is lm-eval's own command line with ``hlat`` registered and ``--include_path`` set to the local tasks (add your own
-``--include_path`` to replace it); in Python, ``import hlat.eval.harness`` before ``lm_eval.simple_evaluate(model="hlat",
-...)``, or call ``evaluate`` here.
+``--include_path`` to replace it); in Python, ``import hlat.eval.harness`` before
+``lm_eval.simple_evaluate(model="hlat", ...)``, or call ``evaluate`` here.
 """
 
 from __future__ import annotations

@@ -8,17 +8,14 @@ tagged with the checkpoint. A markdown table per checkpoint lands next to the ch
 every metric against tokens seen, the paper's Fig. 3, is drawn from the run's whole metric history, so evaluations
 made along training and afterwards end up in one curve.
 
-``EvalScheduler`` is the training side: a hook that, once a checkpoint past every ``eval.every_tokens`` training
-tokens is complete, starts ``hlat eval`` on it in a subprocess (evaluation needs no rank of the training job and
-runs on the torch backend whatever the job's layout).
+The training side, evaluations along training, is :mod:`hlat.train.evals`: it starts ``hlat eval`` in a child
+process, so training imports nothing of this module.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,62 +235,3 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def eval_overrides(e: EvalConfig) -> list[str]:
-    """The overrides that give a child ``hlat eval`` exactly this run's ``eval`` config.
-
-    The preset, then every field an evaluation reads: a command-line change to the preset (``eval.tasks=...``,
-    ``eval.limit=...``) reaches the child instead of the preset's value.
-    """
-    tasks = ",".join(f"{{task:'{_escape(t.task)}',num_fewshot:{t.num_fewshot}}}" for t in e.tasks)
-    limit = "null" if e.limit is None else e.limit
-    device = "null" if e.device is None else e.device
-    return [f"eval={e.name}", f"eval.tasks=[{tasks}]", f"eval.batch_size={e.batch_size}", f"eval.limit={limit}",
-            f"eval.device={device}"]  # fmt: skip
-
-
-def _escape(text: str) -> str:
-    """``text`` inside a single-quoted Hydra override string."""
-    return text.replace("\\", "\\\\").replace("'", "\\'")
-
-
-@dataclass
-class EvalScheduler:
-    """Training hook: start ``hlat eval`` on the first complete checkpoint past every ``every_tokens`` tokens.
-
-    Called by the Checkpointer on rank 0 once a checkpoint is complete (``on_saved``). The evaluation runs in its own
-    process, on the torch backend, logging into the training run at the checkpoint's step; ``close`` waits for the
-    ones still running. ``overrides`` carry the eval preset and the tracker into the child.
-    """
-
-    cfg: EvalConfig
-    tokens_per_step: int
-    overrides: list[str]
-    next_tokens: int = 0
-    procs: list[tuple[subprocess.Popen, Path]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.next_tokens = self.next_tokens or self.cfg.every_tokens
-
-    def __call__(self, ckpt: Path, step: int) -> None:
-        tokens = step * self.tokens_per_step
-        if not self.cfg.every_tokens or tokens < self.next_tokens:
-            return
-        while self.next_tokens <= tokens:
-            self.next_tokens += self.cfg.every_tokens
-        cmd = [sys.executable, "-m", "hlat.cli", "eval", f"checkpoint={ckpt}", *self.overrides]
-        out = ckpt.parent / "eval" / f"{self.cfg.name}_{ckpt.name}.log"  # a file, not a pipe nobody reads
-        out.parent.mkdir(exist_ok=True)
-        log.info("evaluating %s (%s tokens) on eval=%s in the background; log: %s", ckpt.name, f"{tokens:,}",
-                 self.cfg.name, out)  # fmt: skip
-        with open(out, "w") as f:
-            self.procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), out))
-
-    def close(self) -> None:
-        """Wait for the evaluations still running; report the ones that failed."""
-        for proc, out in self.procs:
-            if proc.wait():
-                tail = out.read_text(errors="replace")[-2000:] if out.is_file() else ""
-                log.warning("an evaluation along training failed (exit %d, log %s): %s", proc.returncode, out, tail)
-        self.procs.clear()

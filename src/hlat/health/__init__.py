@@ -11,4 +11,7 @@
   the slowest rank and its lag logged.
 
 This package imports nothing at import time: :mod:`hlat.train.launch` reads the exit code and error type from it.
+
+May import: ``hlat.config``, the core modules, ``hlat.plan``, ``hlat.backends`` and ``hlat.track`` (the trainer
+runs the checks and monitors). ``doctor``, a command, sits at the top and may also import ``hlat.train``.
 """

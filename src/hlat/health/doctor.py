@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status: 0 (healthy), 1 (a node failed) or 2 (configuration error, a bad flag).
     """
+    from hlat.config.resolvers import global_rank
     from hlat.logs import console_logging
-    from hlat.train.launch import LOG_FORMAT, JobFailedError, global_rank
+    from hlat.train.launch import LOG_FORMAT, JobFailedError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     console_logging(LOG_FORMAT)
     try:
-        from hlat.cli import compose_run_config
+        from hlat.config.compose import compose_run_config
 
         cfg = compose_run_config(argv)
         report = check(cfg, argv)
@@ -134,7 +135,7 @@ def check(cfg: RunConfig, overrides: list[str]) -> HealthReport:
         ConfigError: Several nodes without an external launcher; a bad ``health`` value for this job.
         JobFailedError: A checking process died.
     """
-    from hlat.train.launch import under_elastic
+    from hlat.config.resolvers import under_elastic
 
     c = cfg.cluster
     if under_elastic() or (c.nproc_per_node == 1 and c.nodes == 1):
@@ -185,7 +186,7 @@ def _worker(overrides: list[str], configure_logging: bool = True) -> HealthRepor
 
     from hlat.backends import get_backend
     from hlat.backends.torch_dist import Ranks
-    from hlat.cli import compose_run_config
+    from hlat.config.compose import compose_run_config
     from hlat.health.preflight import run_checks
     from hlat.train.launch import LOG_FORMAT
 

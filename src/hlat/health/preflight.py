@@ -129,7 +129,7 @@ def run_checks(cfg: RunConfig, env: Env, *, tools: Sequence[ToolResult] = (), sy
 
 
 def reference_peak(cluster: ClusterConfig) -> bool:
-    """Whether the peak :func:`hlat.track.metrics.resolve_peak_flops` finds for ``cluster`` is one to fail a rank against.
+    """Whether the peak :func:`~hlat.track.metrics.resolve_peak_flops` finds for ``cluster`` is one to fail a rank on.
 
     A reference: ``cluster.peak_tflops`` or a device's published figure (its first two sources); not the figure this
     CPU host measured earlier with ``hlat bench peak`` (under whatever load it had then).

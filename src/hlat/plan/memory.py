@@ -6,6 +6,7 @@ The step-time side of the planner is ``hlat.plan.step_model``; ``hlat plan`` (``
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 from hlat.config import ClusterConfig, ConfigError, ModelConfig, RunConfig
 from hlat.parallel import ParallelDims, valid_tp
 from hlat.sizing import BYTES, bytes_per_param, count_params  # torch-free: `hlat plan` / `hlat summary` start fast
+
+log = logging.getLogger(__name__)
 
 GiB = 1024**3
 
@@ -261,7 +264,7 @@ def cluster_presets() -> list[ClusterConfig]:
     """Every preset of ``conf/cluster/``, its ``defaults`` parents merged in (what ``cluster=<name>`` composes)."""
     import yaml
 
-    from hlat.cli import config_dir
+    from hlat.config.compose import config_dir
 
     root = config_dir() / "cluster"
 
@@ -364,6 +367,24 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
         f"memory per rank: ~{est.total / GiB:.2f} GiB (weights {est.params / GiB:.2f}, grads {est.grads / GiB:.2f}, "
         f"{opt} {est.optimizer / GiB:.2f}, activations {est.activations / GiB:.2f}) of {budget / GiB:.1f} GiB available"
     )
+
+
+def check_run(cfg: RunConfig, world_size: int, budget_bytes: int,
+              bf16_matmul: str | None = None) -> tuple[ParallelDims, int, MemoryEstimate]:  # fmt: skip
+    """The trainer's plan on the world it got: the layout, logged with its memory, refused if it cannot fit.
+
+    Runs before any allocation (``hlat.train.run``): a partial world of a multi-node preset, a layout the world
+    cannot hold, or an estimate over ``budget_bytes`` (the device's memory) raises ConfigError with the fix.
+
+    Returns:
+        The parallel layout, the parameter count and the per-rank memory estimate.
+    """
+    check_world(cfg.cluster, world_size)
+    dims = ParallelDims.build(cfg.parallelism, world_size, cfg.model, cfg.train)
+    n_params, est = estimate_memory(cfg, dims)
+    log.info("%s", summary(cfg, dims, n_params, est, budget_bytes, bf16_matmul))
+    check_fits(est, budget_bytes, cfg, dims=dims)
+    return dims, n_params, est
 
 
 def summary_text(cfg: RunConfig) -> str:

@@ -15,8 +15,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from hlat.cli import compose_run_config
 from hlat.config import RunConfig
+from hlat.config.compose import compose_run_config
 from hlat.plan.memory import GiB, with_changes
 from hlat.plan.report import Plan, make_plan
 from hlat.plan.step_model import Hardware, estimate_step
@@ -98,7 +98,7 @@ def config_of(ref: Reference) -> RunConfig:
 
 @functools.lru_cache(maxsize=64)
 def compose(*overrides: str) -> RunConfig:
-    """``hlat.cli.compose_run_config``, remembered (configs are frozen; Hydra takes ~0.1 s per composition)."""
+    """``compose_run_config``, remembered (configs are frozen; Hydra takes ~0.1 s per composition)."""
     return compose_run_config(list(overrides))
 
 

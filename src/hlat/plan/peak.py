@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Any
 
 import torch
 
-DEFAULT_CACHE_DIR = "~/.cache/hlat"
+from hlat.host import DEFAULT_CACHE_DIR, host_fingerprint, host_info
+
 DEFAULT_DTYPES = ("float32", "bfloat16")
 EMULATED = "_emulated"
 """Suffix of a dtype name measured the ``hlat.bf16_matmul`` emulated way: ``bfloat16_emulated`` times bf16
@@ -121,50 +121,6 @@ def measure_matmul_flops(
         elapsed = time.perf_counter() - t0
         best = max(best, per_window * flops_per_matmul / elapsed)
     return best
-
-
-def _cpu_model() -> str:
-    """The CPU model name from ``/proc/cpuinfo`` (Linux), else ``platform.processor()`` or the machine type."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "Hardware", "cpu model") and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _usable_cores() -> int:
-    """Cores this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def host_info() -> dict[str, str | int]:
-    """The inputs of :func:`host_fingerprint`: what decides this host's matmul peak.
-
-    Returns:
-        ``{"cpu": model name, "cores": usable cores, "torch": torch version, "threads": torch.get_num_threads()}``.
-    """
-    return {
-        "cpu": _cpu_model(),
-        "cores": _usable_cores(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-
-
-def host_fingerprint() -> str:
-    """A short stable id of this host's compute: 12 hex characters of a SHA-256 over :func:`host_info`.
-
-    Changing the CPU model, the usable cores (affinity, container limits), the torch version or
-    ``torch.set_num_threads`` changes the id, so a cached peak is only reused under the same conditions.
-    """
-    blob = json.dumps(host_info(), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def cache_path(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:

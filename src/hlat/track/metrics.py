@@ -20,7 +20,7 @@ from hlat.backends.base import Backend
 from hlat.config import ClusterConfig
 from hlat.precision import global_norm, grad_of
 from hlat.sizing import flops_per_token  # noqa: F401  (defined torch-free for the planner; re-exported)
-from hlat.train.loop import PHASES, NullTimer, StepOutput, StepTimer, TrainState
+from hlat.state import PHASES, NullTimer, StepOutput, StepTimer, TrainState
 
 Rows = list[tuple[int, dict[str, float]]]
 """Metric rows ``(step, {name: value})`` in step order."""

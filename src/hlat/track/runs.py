@@ -5,6 +5,7 @@ Used by ``hlat compare``; mlflow is imported inside the functions, so importing 
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +122,19 @@ def history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
 def tail_mean(values: list[float]) -> float:
     """Mean of the last 10% of ``values`` (at least one): the "final loss" of a run, and a sweep's objective."""
     return statistics.fmean(values[-max(1, len(values) // 10) :])
+
+
+def objective(uri: str | None, run_id: str | None, losses: list[float]) -> float:
+    """Mean training loss over the last 10% of the logged points (at least one); NaN without any.
+
+    Read from MLflow when the run is tracked there (the whole run, across restarts and skips alike), else from
+    ``losses``, the points this process logged.
+    """
+    if uri and run_id:
+        from mlflow import MlflowClient
+
+        losses = [v for _, v in history(MlflowClient(tracking_uri=uri), run_id, "train/loss")]
+    return tail_mean(losses) if losses else math.nan
 
 
 def _load(client: Any, run: Any) -> RunData:

@@ -1,15 +1,18 @@
 """Training: build a run from the composed config and fit it, and keep it alive through crashes and signals.
 
-Owns ``run`` (the build graph: config -> backend -> model/optimizer -> data -> trackers/monitors -> state -> fit),
-``loop`` (``fit``: the step, micro-batches, hooks), ``checkpoint`` and ``job_dir`` (atomic, verified checkpoints
-and the job files beside them), ``resume`` (restore, restart accounting, roll-back on a non-finite step),
-``launch`` (the command-line entry, torch elastic supervision, exit codes and "how to continue" hints),
-``preempt`` (signals -> a checkpoint of the step in flight), ``attempt`` (which restart this is), ``faults``
-(fault injection), ``rendezvous``, ``weights`` (reading an hlat checkpoint's or a Hugging Face directory's
-weights), ``evals`` (evaluations along training, as child processes), ``sweep_job`` (one job of a multirun) and
-``sweep_launcher`` (the submitit launcher that collects a sweep's results).
+Owns ``run`` (the build graph: config -> backend -> plan -> job -> data -> model/optimizer -> state -> tracking ->
+fit), ``trainer`` (``fit`` with its hooks, rollback, signals and clean-up), ``loop`` (``fit`` itself: the step,
+micro-batches, hooks), ``tracking`` (the run's tags, params, tracker and throughput model), ``checkpoint`` and
+``job_dir`` (atomic, verified checkpoints and the job files beside them), ``resume`` (which start this is, what it
+resumes from, restore, roll-back on a non-finite step), ``weights`` (reading an hlat checkpoint's or a Hugging Face
+directory's weights: ``train.init_from``, and evaluation), ``launch`` (the command-line entry, torch elastic
+supervision, exit codes and "how to continue" hints), ``preempt`` (signals -> a checkpoint of the step in flight),
+``faults`` (fault injection), ``rendezvous`` (one-node stores on loopback), ``evals`` (evaluations along training,
+as child processes), and the multirun: ``sweep_job`` (one job: skip, continue or train), ``sweep_callback``
+(Hydra's callback: the sweep's parent run and summary) and ``sweep_launcher`` (submitit launchers that collect
+every job's result).
 
 May import: everything below it (``hlat.config``, the core modules, ``hlat.plan``, ``hlat.data``,
-``hlat.backends``, ``hlat.track``, ``hlat.health``'s monitors and checks). Never ``hlat.eval``, ``hlat.cli``,
-``hlat.deploy`` or ``hlat.health.doctor``.
+``hlat.backends``, ``hlat.track``, ``hlat.health``'s checks and monitors). Never ``hlat.eval``, ``hlat.cli``,
+``hlat.deploy`` or ``hlat.health.doctor`` (tests/unit/test_import_boundaries.py draws the graph).
 """

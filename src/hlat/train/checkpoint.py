@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat.backends.base import Backend
-from hlat.config import ConfigError
+from hlat.config import ConfigError, RunConfig, flatten
+from hlat.state import StepOutput, TrainState
 from hlat.train.job_dir import (  # noqa: F401  the job files beside the checkpoints, re-exported for checkpoint.* callers
     JOB,
     LOCK,
@@ -38,7 +39,6 @@ from hlat.train.job_dir import (  # noqa: F401  the job files beside the checkpo
     read_job,
     write_job,
 )
-from hlat.train.loop import StepOutput, TrainState
 
 MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
@@ -210,12 +210,10 @@ LAYOUT_KEYS = {
 """Other keys whose change makes the saved state unloadable, and why (there is no resharding or conversion)."""
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: config keys as dotted names (MLflow params, config hashes, diffs)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+def checkpoint_root(cfg: RunConfig, run_dir: Path) -> Path:
+    """Where the run's checkpoints go: ``train.checkpoint_dir``, or ``<run dir>/checkpoints``."""
+    d = cfg.train.checkpoint_dir
+    return Path(d).expanduser() if d else run_dir / "checkpoints"
 
 
 def restart_resume(resume: str, root: Path) -> str:
@@ -224,11 +222,11 @@ def restart_resume(resume: str, root: Path) -> str:
     A restarted worker (under hlat's supervision or an external torchrun, Slurm or a PyTorchJob) reruns the same
     command line: with ``never`` it would refuse its own checkpoints, and with a path it would go back to the
     checkpoint the job started from. Once the job has written checkpoints, ``auto``. Whether this is a restart is
-    decided by the attempt every rank agrees on (:func:`hlat.train.attempt.current`), never by one agent's
+    decided by the attempt every rank agrees on (:func:`hlat.attempt.current`), never by one agent's
     ``TORCHELASTIC_RESTART_COUNT``: a node restarted only because another node's worker died counts 0 there, and
     would have started over while the other nodes resumed.
     """
-    from hlat.train import attempt
+    from hlat import attempt
 
     restarted = attempt.current() > 0
     if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hlat.config import ConfigError, FaultConfig
-from hlat.train.loop import StepOutput, TrainState
+from hlat.state import StepOutput, TrainState
 
 log = logging.getLogger(__name__)
 

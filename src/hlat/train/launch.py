@@ -8,7 +8,8 @@ continues from the newest valid checkpoint and the same MLflow run. Errors that 
 configuration error, a halt on a non-finite step, a full disk) end the job at once instead. Under an external
 ``torchrun`` (or Slurm / Kubeflow launching one) the trainer simply runs: that launcher already supervises it.
 A signal to the agent (SIGTERM, Ctrl-C, Slurm's SIGUSR1/SIGUSR2) is forwarded to the trainers, which stop at the next
-step boundary with a checkpoint of it (``hlat.train.preempt``); the job then ends preempted and resumable, not restarted.
+step boundary with a checkpoint of it (``hlat.train.preempt``); the job then ends preempted and resumable, not
+restarted.
 """
 
 from __future__ import annotations
@@ -16,20 +17,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from hlat.config import ConfigError, RunConfig
+from hlat.config import ConfigError, RunConfig, to_run_config
+from hlat.config.resolvers import global_rank, under_elastic
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
-from hlat.train import preempt
+from hlat.state import HaltedError
+from hlat.train import checkpoint, preempt, sweep_job
 from hlat.train.checkpoint import CheckpointError
-from hlat.train.loop import HaltedError
+from hlat.train.run import hydra_output_dir, main
 
 log = logging.getLogger(__name__)
 
@@ -41,48 +45,6 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's d
 
 class JobFailedError(RuntimeError):
     """The supervised job ended without finishing; the message says why and how to continue."""
-
-
-def under_elastic() -> bool:
-    """Whether this process is already a worker of torchrun / torch elastic."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def job_stamp() -> str:
-    """``DATE/TIME`` naming this launch's run or sweep directory: one value for every rank of the job.
-
-    Hydra's own ``${now:...}`` is read by each process, so under ``torchrun`` ranks that start a second apart would
-    write to different directories. Under torchrun the first rank to ask stores its time in the agent's rendezvous
-    store and every other rank (on every node, and after an in-place restart) reads that value back; elsewhere it is
-    simply now.
-    """
-    import datetime
-
-    now = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
-    env = os.environ
-    if not under_elastic() or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in env:
-        return now
-    import torch.distributed as dist
-
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=120))  # fmt: skip
-    return store.compare_set("hlat/job_stamp", "", now).decode()  # sets it if absent; returns what is stored
-
-
-def global_rank() -> int:
-    """This process's rank: ``RANK`` (torchrun), else ``SLURM_PROCID`` (a Slurm task per node), else 0."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
-def rank_zero_only(value: Any) -> Any:
-    """``value`` on global rank 0 (or without a launcher), None on the other ranks (Hydra resolver)."""
-    return value if global_rank() == 0 else None
-
-
-def rank_suffix() -> str:
-    """``""`` on rank 0, ``_rank<N>`` on the others: per-rank log file names in one job directory."""
-    r = global_rank()
-    return f"_rank{r}" if r else ""
 
 
 def slurm_rendezvous() -> tuple[str, str, int] | None:
@@ -191,8 +153,8 @@ def _run_agent(launch: Any, container: dict[str, Any], run_dir: Path) -> dict[in
 
     torch elastic turns the signal into ``SignalException`` after forwarding it to the workers and waiting for them
     (or killing them after its shutdown timeout); it does not report how they ended, so rank 0's
-    :data:`hlat.train.preempt.MARKER` says whether the checkpoint was completed. The agent's signal handlers are put back
-    afterwards: torch elastic leaves its own installed.
+    :data:`hlat.train.preempt.MARKER` says whether the checkpoint was completed. The agent's signal handlers are put
+    back afterwards: torch elastic leaves its own installed.
     """
     from torch.distributed.elastic.multiprocessing import SignalException
 
@@ -233,7 +195,6 @@ def _log_file(run_dir: Path) -> str:
 def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str, str] | None:
     """One (re)started trainer: rebuild the config, log like Hydra does, train. Returns a final error, or None."""
     from hlat.logs import LibraryFilter
-    from hlat.train.run import main
 
     console = logging.StreamHandler(sys.stdout)
     console.addFilter(LibraryFilter())  # mlflow's INFO lines to the file only, as under Hydra's job logging
@@ -241,7 +202,7 @@ def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str
                         handlers=[console, logging.FileHandler(log_file)])  # fmt: skip
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates; the others speak up on problems
-    # A restart is logged by hlat.train.attempt once the ranks agree on it (this agent's own count can be 0 on a node
+    # A restart is logged by hlat.attempt once the ranks agree on it (this agent's own count can be 0 on a node
     # restarted because another node's worker died).
     hydra_cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
     try:  # a restart resumes this job's own progress (run.restart_resume)
@@ -255,3 +216,104 @@ def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str
     except KeyboardInterrupt:  # a second Ctrl-C
         raise SystemExit(128 + signal.SIGINT) from None
     return None
+
+
+# ---------------------------------------------------------------- the command line's entry, its errors and hints
+
+
+def _print_continue_hint(cfg: RunConfig, lead: str = "the run stopped",
+                         note: str = " (or set cluster.max_restarts to recover automatically)") -> None:  # fmt: skip
+    """After a run stopped: the command that continues it from its newest checkpoint (if it has one)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc, run_dir = HydraConfig.get(), hydra_output_dir()
+    root = checkpoint.checkpoint_root(cfg, run_dir)
+    saved = checkpoint.newest_complete(root)  # never a damaged checkpoint: a rerun would skip it
+    if saved is not None:
+        # A single run continues in its own directory; a sweep job (its directory is Hydra's) by train.resume.
+        keep = f"hydra.run.dir={run_dir}" if hc.mode != RunMode.MULTIRUN else f"train.resume={root}"
+        overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.run.dir=", "train.resume="))]
+        command = shlex.join(["python", "train.py", *overrides, keep])
+        print(f"hlat: {lead}; to continue it from {saved.name}: {command}{note}", file=sys.stderr)
+
+
+def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[float]]:
+    """Train in this process, or under torch elastic when the cluster asks for it.
+
+    Returns:
+        The MLflow run id (None without MLflow) and the loss points this process logged (none when supervised).
+    """
+    if wants_launcher(cfg):
+        run_dir = hydra_output_dir()
+        supervise(hydra_cfg, cfg, run_dir)
+        return checkpoint.read_job(checkpoint.checkpoint_root(cfg, run_dir)).get("mlflow_run_id"), []
+    try:
+        result = main(hydra_cfg)
+    except (ConfigError, HaltedError, checkpoint.CheckpointError, preempt.PreemptedError, KeyboardInterrupt):
+        raise
+    except BaseException:  # a crash: say how to pick the run up again
+        _print_continue_hint(cfg)
+        raise
+    return result.mlflow_run_id, [v for _, v in result.history.series("train/loss")]
+
+
+def error_message(e: BaseException) -> str | None:
+    """The one-line report of a failure the user can act on (config, halt, checkpoint, restarts); None otherwise."""
+    if isinstance(e, PreflightError):
+        return f"hlat: health check failed: {e}"
+    if isinstance(e, ConfigError):
+        return f"hlat: configuration error: {e}"
+    if isinstance(e, (JobFailedError, HaltedError, checkpoint.CheckpointError)):
+        return f"hlat: {e}"
+    return None
+
+
+def entry(hydra_cfg: DictConfig) -> float | None:
+    """Command-line entry: train, under torch elastic when ``cluster.max_restarts > 0`` or several processes.
+
+    A configuration error prints one clean message and exits 2 (a failed pre-flight health check: 3, its own
+    ``exit_code``); a failure a rerun can continue from (a halt, a full disk, restarts exhausted) prints what
+    happened and how to continue, and exits 1. A run stopped by a signal with a checkpoint of the step in flight
+    (``hlat.train.preempt``) prints the command that continues it and exits 85; one stopped without it (a second Ctrl-C)
+    exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.train.sweep_job.run_job` instead,
+    which returns the job's objective (and exits only when the job was stopped by a signal).
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return sweep_job.run_job(hydra_cfg, hydra_output_dir(), _train, error_message)
+    cfg = None
+    try:
+        cfg = to_run_config(hydra_cfg)
+        _train(hydra_cfg, cfg)
+    except (preempt.PreemptedError, preempt.AbortedError, KeyboardInterrupt) as e:
+        _stopped(cfg, e)
+    except (ConfigError, HaltedError, checkpoint.CheckpointError) as e:
+        print(error_message(e), file=sys.stderr)
+        if cfg is not None and not isinstance(e, ConfigError):
+            _print_continue_hint(cfg)
+        raise SystemExit(getattr(e, "exit_code", 2 if isinstance(e, ConfigError) else 1)) from None
+    except Exception as e:
+        if (message := error_message(e)) is None:
+            raise
+        print(message, file=sys.stderr)
+        raise SystemExit(1) from None
+    return None
+
+
+def _stopped(cfg: RunConfig | None, e: BaseException) -> NoReturn:
+    """A run stopped by a signal: say what was saved and how to continue, then exit (85, or 128 + the signal)."""
+    if isinstance(e, preempt.PreemptedError):
+        print(f"hlat: {e}; the MLflow run is KILLED and tagged hlat.resumable=true", file=sys.stderr)
+        if cfg is not None:
+            _print_continue_hint(cfg, lead="the run was preempted", note="")
+        preempt.hand_over(e.signum)  # under submitit: it requeues the job
+        raise SystemExit(preempt.PREEMPTED_EXIT_CODE)
+    interrupted = isinstance(e, preempt.AbortedError)
+    why = str(e) if interrupted else "interrupted (Ctrl-C) before a checkpoint of the step in flight was written"
+    print(f"hlat: {why}", file=sys.stderr)
+    if cfg is not None:
+        _print_continue_hint(cfg, lead="the run was interrupted", note="")
+    raise SystemExit(128 + (e.signum if interrupted else signal.SIGINT))

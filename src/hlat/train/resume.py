@@ -1,19 +1,70 @@
-"""Continuing a run: a checkpoint back into the built objects, the job's record, and the rollback policy."""
+"""Continuing a run: which start of the job this is, what it resumes from, and putting the checkpoint back.
+
+Also the job's record (restarts, uptime, its MLflow run) and the rollback policy of a non-finite step.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hlat import attempt
+from hlat.config import RunConfig
+from hlat.state import HaltedError, NonFiniteError, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
 from hlat.train import checkpoint
-from hlat.train.loop import HaltedError, NonFiniteError, TrainState
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """This start of the trainer within its job: where its checkpoints go and what it continues from."""
+
+    root: Path
+    """The checkpoint directory (``train.checkpoint_dir``, or ``<run dir>/checkpoints``)."""
+    resume: str
+    """``train.resume`` for this attempt (a torch elastic restart continues the job's own progress)."""
+    resume_from: Path | None
+    """The checkpoint this start restores, or None (a new job, or ``train.resume=never``)."""
+
+
+def begin(cfg: RunConfig, run_dir: Path, launched: float) -> None:
+    """First thing of every start: the ranks agree which restart this is, and the start is counted.
+
+    Counted before anything can fail (:func:`record_start`), so a restart that dies in start-up still counts.
+    """
+    attempt.current(timeout_s=cfg.health.collective_timeout_s)
+    record_start(checkpoint.checkpoint_root(cfg, run_dir), cfg.train.resume, launched)
+
+
+def open_job(cfg: RunConfig, run_dir: Path, new_bytes: int, launched: float) -> JobStart:
+    """What this start continues from, checked read-only before anything is built; then a new job's record.
+
+    Args:
+        cfg: The run's config.
+        run_dir: The run directory.
+        new_bytes: The size of a checkpoint of this run when there is none to measure (weights + optimizer).
+        launched: When this process started.
+
+    Raises:
+        ConfigError: The checkpoint to resume from was written by an incompatible config.
+        CheckpointError: No usable checkpoint where one is required, or too little disk for the next one.
+    """
+    root = checkpoint.checkpoint_root(cfg, run_dir)
+    resume = checkpoint.restart_resume(cfg.train.resume, root)
+    resume_from = checkpoint.find_resume(resume, root)
+    if resume_from is not None:  # before anything is built, or any directory made
+        checkpoint.check_compatible(resume_from, dataclasses.asdict(cfg))
+    checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or new_bytes)
+    record_start(root, cfg.train.resume, launched, create=True)  # a new job: the read-only checks made no directory
+    return JobStart(root, resume, resume_from)
 
 
 def restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) -> tuple[TrainState, dict]:
@@ -40,11 +91,11 @@ def record_start(root: Path, resume: str, launched: float, *, create: bool = Fal
     """Count this start of the trainer in the job record (``<checkpoint dir>/job.json``) before anything can fail.
 
     Rank 0 (``RANK``, as torchrun sets it) calls it twice. First thing (``create=False``): a start that resumes the
-    job (its record exists and ``train.resume``, as :func:`hlat.train.checkpoint.restart_resume` makes it for this attempt,
-    is not ``never``) is one more restart. Counted here, a restart that dies in start-up (setting up the device, the
-    pre-flight check, building, restoring) still counts, as the next start reads it back. Then, once the read-only
-    resume checks have passed (``create=True``), a new job records that it started: a run refused before that makes
-    no directory.
+    job (its record exists and ``train.resume``, as :func:`hlat.train.checkpoint.restart_resume` makes it for this
+    attempt, is not ``never``) is one more restart. Counted here, a restart that dies in start-up (setting up the
+    device, the pre-flight check, building, restoring) still counts, as the next start reads it back. Then, once the
+    read-only resume checks have passed (``create=True``), a new job records that it started: a run refused before that
+    makes no directory.
     """
     if int(os.environ.get("RANK", "0")) != 0:
         return

@@ -6,8 +6,8 @@ top of :class:`CollectingLauncher` here.
 
 The plugin's launcher waits for its jobs with ``job.results()``, which raises for the first job that was cancelled
 (``scancel``), killed (SIGKILL, out of memory, a lost node), failed outside Python or returned a result that cannot be
-unpickled: the sweep then ends with a stack trace before :class:`hlat.track.sweep_callback.SweepCallback` can compare the
-jobs that finished, fail the sweep and close its MLflow parent run. These subclasses collect every job on its own:
+unpickled: the sweep then ends with a stack trace before :class:`hlat.train.sweep_callback.SweepCallback` can compare
+the jobs that finished, fail the sweep and close its MLflow parent run. These subclasses collect every job on its own:
 
 - **In the job**, the returned ``JobReturn`` is made picklable: an exception object that cannot cross the pickle
   boundary (torch elastic's ``SignalException`` needs a ``sigval`` its pickle does not carry) becomes a plain
@@ -144,7 +144,7 @@ class CollectingLauncher(plugin.BaseSubmititLauncher):
             ret = job.results()[0]
             if ret.status != JobStatus.FAILED:
                 return ret
-            # The task raised past hlat.track.sweep.run_job (which records its own failures): a sweeper would re-raise it.
+            # The task raised past sweep_job.run_job (which records its own failures): a sweeper would re-raise it.
             killed, what = False, f"raised {_last_line(ret._return_value)}"
         except Exception as e:
             # No result at all: the process died (cancelled, SIGKILL, out of memory, a lost node). Else the job

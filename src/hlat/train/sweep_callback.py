@@ -1,15 +1,15 @@
 """The Hydra callback of every multirun (``hydra.callbacks.sweep`` in ``conf/config.yaml``).
 
-At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.track.sweep``), and puts
-hlat's subclass of Hydra's submitit launcher in place of the plugin's (``hlat.train.sweep_launcher``: a job that is killed
-or cancelled does not crash the sweep; on Slurm, a cluster without accounting is refused first). At the end it
+At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.track.sweep``), and
+puts hlat's subclass of Hydra's submitit launcher in place of the plugin's (``hlat.train.sweep_launcher``: a job that is
+killed or cancelled does not crash the sweep; on Slurm, a cluster without accounting is refused first). At the end it
 compares the sweep's runs as ``hlat compare --sweep <dir>`` does (``comparison.md``, ``comparison.png`` in the sweep
 directory and on the parent run), gives the parent run the summary of its arms (:func:`summarize`: their losses as
 metrics, a linked table as its description, a saved view of the MLflow UI) and fails the sweep (exit 1) if a job
 failed, was killed or was stopped, naming the jobs and their logs, closing their MLflow runs and marking the parent
 run FAILED (a job failed) or KILLED.
-A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.train.preempt``) marks its parent run
-KILLED on the way out, never leaving it RUNNING. Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
+A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.train.preempt``) marks its parent
+run KILLED on the way out, never leaving it RUNNING. Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _logs(job_dir: Path, record: dict[str, Any]) -> list[str]:
 def _close_job_runs(uri: str, undone: dict[Path, dict[str, Any]]) -> None:
     """Mark the MLflow runs of jobs that died without closing them (SIGKILL, scancel) KILLED or FAILED.
 
-    Never RUNNING forever; running the sweep again continues them (``hlat.track.sweep.decide``), in the same run.
+    Never RUNNING forever; running the sweep again continues them (``hlat.train.sweep_job.decide``), in the same run.
     """
     from mlflow import MlflowClient
 
@@ -133,7 +133,7 @@ class SweepCallback(Callback):
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         records = sweep.job_records(sweep_dir)
-        # Not done: failed here, killed or cancelled outside (hlat.train.sweep_launcher records those), stopped by a signal.
+        # Not done: failed here, killed or cancelled outside (sweep_launcher records those), stopped by a signal.
         undone = {d: r for d, r in records.items() if r.get("status") not in sweep.DONE}
         counts = {s: sum(r.get("status") == s for r in records.values()) for s in (*sweep.DONE, "failed")}
         counts["killed or stopped"] = len(undone) - counts["failed"]

@@ -1,0 +1,60 @@
+"""``build_loader``: one data-parallel rank's loader from the ``data`` config, cheapest checks first.
+
+The online loader (``hlat.data.worker``, over ``hlat.data.loader``'s packed stream) or the offline baseline
+(``hlat.data.offline``), chosen by ``data.loader``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hlat.config import ConfigError, DataConfig
+from hlat.data.builtin import builtin_corpus_path
+from hlat.data.loader import PackedStream, StreamSpec, tokenizer_sample
+from hlat.data.sources import TextSource
+from hlat.data.tokenizer import load_or_train_tokenizer, load_tokenizer
+from hlat.data.worker import OnlineLoader
+
+log = logging.getLogger(__name__)
+
+
+def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, micro_batch_size: int, seed: int,
+                 dp_rank: int = 0, dp_size: int = 1):  # fmt: skip
+    """Build one data-parallel rank's loader from the ``data`` config.
+
+    Cheap checks come first: a given tokenizer is loaded and checked against ``vocab_size`` before any
+    data is read, and the data is validated before a tokenizer is trained.
+
+    Returns:
+        An ``OnlineLoader`` (or the offline baseline for ``data.loader=offline_packed``): an infinite
+        iterator of ``(inputs, targets)`` int64 tensors of shape ``(micro_batch_size, seq_len)`` with
+        ``state_dict``/``load_state_dict``/``stats``/``close``.
+
+    Raises:
+        ConfigError: Bad path/column/tokenizer, vocabulary mismatch, or no documents.
+    """
+    if seq_len <= 0 or micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"bad layout: seq_len={seq_len}, micro_batch_size={micro_batch_size}, "
+                         f"dp_rank={dp_rank}, dp_size={dp_size}")  # fmt: skip
+    cache_dir = Path(cfg.cache_dir).expanduser()
+    tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer is not None else None
+    path, column = (builtin_corpus_path(cache_dir), "text") if cfg.path is None else (Path(cfg.path), cfg.text_column)
+    source = TextSource(path, column)
+    if tokenizer is None:
+        sample = tokenizer_sample(source)
+        if not sample:
+            raise ConfigError(f"data.path={path} holds no documents: every value of data.text_column={column!r} "
+                              "is null, blank or not UTF-8; point data.path / data.text_column at text")  # fmt: skip
+        tokenizer = load_or_train_tokenizer(cfg, sample, vocab_size, cache_dir)
+    log.info("data: %d rows from %s (%d files), tokenizer %s (%d pieces), loader %s",
+             len(source), path, len(source.files), tokenizer.path.name, tokenizer.vocab_size, cfg.loader)  # fmt: skip
+    if cfg.loader == "offline_packed":
+        from hlat.data.offline import build_offline_loader
+
+        return build_offline_loader(cfg, source, tokenizer, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                    seed=seed, dp_rank=dp_rank, dp_size=dp_size)  # fmt: skip
+    spec = StreamSpec(str(path), column, str(tokenizer.path), vocab_size, seq_len, micro_batch_size, seed,
+                      cfg.shuffle, dp_rank, dp_size)  # fmt: skip
+    PackedStream(spec, source, tokenizer)  # validates the rank layout against the data now, not in the worker
+    return OnlineLoader(spec, source, tokenizer, worker=cfg.worker, prefetch=cfg.prefetch)

@@ -1,0 +1,202 @@
+"""The Hugging Face LLaMA layout: pure conversions between hlat's model and ``LlamaForCausalLM``.
+
+Owns the tensor mapping both ways (``to_hf``, ``from_hf``), ``config.json`` both ways (``hf_config``,
+``model_config_from_hf``), reading safetensors files (``read_safetensors``), the shape checks of a state dict
+against a model config (``expected_shapes``, ``check_tensors``) and the file names of the layout. Nothing here
+reads an hlat checkpoint or a tokenizer: ``hlat.train.weights`` (``train.init_from``, and every reader of
+checkpoints) and ``hlat.eval.hf`` (``hlat export`` / ``hlat import``) build on it.
+
+The weight mapping is a relabelling plus two splits, with no rotary permutation: hlat's RoPE already is HF's
+rotate-half convention (``model.rope_tables``/``apply_rope``), so HF's ``q_proj``/``k_proj`` rows are hlat's
+per-head rows as they are (the permutation in HF's ``convert_llama_weights_to_hf.py`` converts *Meta's*
+interleaved-pair layout, which hlat never used). The fused qkv weight holds per kv group g the rows
+``[q_{g*r} .. q_{g*r+r-1}, k_g, v_g]`` (r = n_heads / n_kv_heads, head_dim rows each): query head h uses kv
+head h // r in both models. The fused gate_up weight is ``[gate; up]``; a torch-backend checkpoint saved with
+``parallelism.tp`` = t > 1 holds it reordered for the split, ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]``, which
+``hlat.train.weights.load_checkpoint_weights`` puts back in order. The LM head is never tied in hlat.
+
+May import: ``hlat.config`` and ``hlat.model`` only (and torch, safetensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hlat.config import ConfigError, ModelConfig
+from hlat.model import Transformer
+
+Tensors = dict[str, torch.Tensor]
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SPM = "tokenizer.model"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Derived buffers some exporters saved; recomputed from the config, so dropped on import.
+IGNORED = (".rotary_emb.inv_freq",)
+REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+            "max_position_embeddings")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ weight mapping
+
+
+def to_hf(cfg: ModelConfig, sd: Tensors) -> Tensors:
+    """Map hlat's state dict (fused qkv and gate_up, in the tp=1 layout) -> HF ``LlamaForCausalLM`` tensor names."""
+    G, r, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
+    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"],
+           "lm_head.weight": sd["lm_head.weight"]}  # fmt: skip
+    for i in range(cfg.n_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        qkv = sd[p + "attn.qkv.weight"].view(G, r + 2, D, cfg.dim)  # per kv group: r query heads, k, v
+        gate, up = sd[p + "mlp.gate_up.weight"].chunk(2)
+        # The splits are copies: safetensors refuses tensors that share storage (views of one fused weight).
+        out |= {
+            h + "input_layernorm.weight": sd[p + "attn_norm.weight"],
+            h + "self_attn.q_proj.weight": qkv[:, :r].reshape(cfg.n_heads * D, cfg.dim).clone(),
+            h + "self_attn.k_proj.weight": qkv[:, r].reshape(G * D, cfg.dim).clone(),
+            h + "self_attn.v_proj.weight": qkv[:, r + 1].reshape(G * D, cfg.dim).clone(),
+            h + "self_attn.o_proj.weight": sd[p + "attn.o_proj.weight"],
+            h + "post_attention_layernorm.weight": sd[p + "mlp_norm.weight"],
+            h + "mlp.gate_proj.weight": gate.clone(),
+            h + "mlp.up_proj.weight": up.clone(),
+            h + "mlp.down_proj.weight": sd[p + "mlp.down.weight"],
+        }
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def from_hf(cfg: ModelConfig, hf: Tensors) -> Tensors:
+    """HF ``LlamaForCausalLM`` tensors -> hlat's state dict (the inverse of :func:`to_hf`)."""
+    G, r, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
+    sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"],
+          "lm_head.weight": hf["lm_head.weight"]}  # fmt: skip
+    for i in range(cfg.n_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        q = hf[h + "self_attn.q_proj.weight"].reshape(G, r, D, cfg.dim)
+        k = hf[h + "self_attn.k_proj.weight"].reshape(G, 1, D, cfg.dim)
+        v = hf[h + "self_attn.v_proj.weight"].reshape(G, 1, D, cfg.dim)
+        sd |= {
+            p + "attn_norm.weight": hf[h + "input_layernorm.weight"],
+            p + "attn.qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, cfg.dim),
+            p + "attn.o_proj.weight": hf[h + "self_attn.o_proj.weight"],
+            p + "mlp_norm.weight": hf[h + "post_attention_layernorm.weight"],
+            p + "mlp.gate_up.weight": torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]),
+            p + "mlp.down.weight": hf[h + "mlp.down_proj.weight"],
+        }
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+# ------------------------------------------------------------------------------------------------ config.json
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """``config.json`` of ``LlamaForCausalLM`` for ``cfg`` (readable by transformers 4.x and 5.x)."""
+    if cfg.mask_leak:
+        raise ConfigError(
+            f"this model was trained with model.mask_leak={cfg.mask_leak} (the information-leak demonstration): its "
+            "attention saw future tokens, and a causal LlamaForCausalLM would not compute what it learned"
+        )
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,  # transformers 4.x
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5.x
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "tie_word_embeddings": False, "pretraining_tp": 1, "initializer_range": cfg.init_std,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, "use_cache": True,
+        "torch_dtype": dtype_name, "dtype": dtype_name,
+        # What the HF fields cannot say, so that an import gives back the same ModelConfig.
+        "hlat": {"name": cfg.name, "n_kv_heads": cfg.n_kv_heads, "scaled_init": cfg.scaled_init},
+    }  # fmt: skip
+
+
+def model_config_from_hf(hf: dict[str, Any], name: str, *, untie_embeddings: bool = False) -> ModelConfig:
+    """The hlat ModelConfig of a HF LLaMA ``config.json``; ConfigError for what hlat's model cannot express."""
+    missing = [k for k in REQUIRED if k not in hf]
+    if missing:
+        raise ConfigError(f"config.json of {name} lacks {missing}: not a LLaMA config")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    n_heads = hf["num_attention_heads"]
+    refusals = {
+        f"model_type={hf.get('model_type')!r} (only 'llama')": hf.get("model_type") != "llama",
+        f"hidden_act={hf.get('hidden_act')!r} (hlat's MLP is SwiGLU: 'silu')": hf.get("hidden_act", "silu")
+        not in ("silu", "swish"),
+        "attention_bias=true (hlat's projections have no bias)": hf.get("attention_bias", False),
+        "mlp_bias=true (hlat's projections have no bias)": hf.get("mlp_bias", False),
+        f"rope scaling {rope_type!r} (hlat's rotary embedding is unscaled)": rope_type != "default",
+        "partial_rotary_factor < 1": rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0,
+        f"head_dim={hf.get('head_dim')} != hidden_size / num_attention_heads": hf.get("head_dim") not in (
+            None, hf["hidden_size"] // n_heads),
+        "tie_word_embeddings=true (hlat's LM head is untied; import with untie_embeddings=True / --untie-embeddings "
+        "to start from a copy of the embedding)": hf.get("tie_word_embeddings", False) and not untie_embeddings,
+    }  # fmt: skip
+    bad = [k for k, v in refusals.items() if v]
+    if bad:
+        raise ConfigError(f"cannot import this model into hlat: {'; '.join(bad)}")
+    extra = hf.get("hlat", {})  # written by export_hf: the ModelConfig fields HF has no key for
+    kv = hf.get("num_key_value_heads") or n_heads
+    saved_kv = extra.get("n_kv_heads", kv)  # None (plain multi-head) and n_heads are the same model
+    return ModelConfig(
+        name=extra.get("name", name), dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=saved_kv if (saved_kv or n_heads) == kv else kv,
+        ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        init_std=hf.get("initializer_range", 0.02), scaled_init=extra.get("scaled_init", True),
+    )  # fmt: skip
+
+
+def model_overrides(cfg: ModelConfig) -> list[str]:
+    """Hydra overrides that give a run this model config."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return [f"model.{k}={'null' if v is None else v}" for k, v in values.items()]
+
+
+# ------------------------------------------------------------------------------------------------ files and shapes
+
+
+def read_safetensors(hf_dir: Path) -> Tensors:
+    """The tensors of a HF directory's safetensors weights: one file, or the shards its index names.
+
+    Derived buffers (``IGNORED``) are dropped.
+
+    Raises:
+        ConfigError: The directory holds no safetensors weights.
+    """
+    from safetensors.torch import load_file
+
+    if (hf_dir / INDEX).is_file():  # sharded: the index maps each tensor to its file
+        files = sorted(set(json.loads((hf_dir / INDEX).read_text())["weight_map"].values()))
+    elif (hf_dir / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    else:
+        raise ConfigError(f"{hf_dir} has no {WEIGHTS} or {INDEX}; only safetensors weights are read (re-save the model "
+                          "with save_pretrained(..., safe_serialization=True))")  # fmt: skip
+    out: Tensors = {}
+    for f in files:
+        out |= load_file(str(hf_dir / f))
+    return {k: v for k, v in out.items() if not k.endswith(IGNORED)}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """Name -> shape of every saved tensor of hlat's model (built on the meta device: allocates nothing)."""
+    with torch.device("meta"):
+        return {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+
+
+def check_tensors(have: dict[str, torch.Size], want: dict[str, torch.Size], where: str) -> None:
+    """ConfigError naming the missing, unexpected and wrongly shaped tensors of ``where`` (up to 4 of each)."""
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    wrong = [f"{k} {tuple(have[k])} (expected {tuple(want[k])})" for k in sorted(set(want) & set(have))
+             if have[k] != want[k]]  # fmt: skip
+    if missing or extra or wrong:
+        parts = [f"missing {missing[:4]}" if missing else "", f"unexpected {extra[:4]}" if extra else "",
+                 f"wrong shapes {wrong[:4]}" if wrong else ""]  # fmt: skip
+        raise ConfigError(f"{where} does not match its config: {'; '.join(p for p in parts if p)}")

@@ -1,0 +1,148 @@
+"""A run's tracking, opened once the model is built: its tags, params and provenance, the tracker, the throughput model.
+
+Rank 0 alone writes the provenance files (every rank of a job shares the run directory) and alone tracks to MLflow;
+every rank gets a tracker (a no-op one elsewhere) so the training code never asks which rank it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hlat.backends.base import Env
+from hlat.config import RunConfig, flatten
+from hlat.health.preflight import log_preflight
+from hlat.sizing import bytes_per_param, flops_per_token
+from hlat.track import sweep
+from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
+from hlat.track.progress import ProgressBar
+from hlat.track.provenance import write_provenance
+from hlat.track.trackers import History, MLflowTracker, SeriesRecorder, build_tracker
+from hlat.train import checkpoint, preempt
+from hlat.train.resume import JobStart
+
+log = logging.getLogger(__name__)
+
+PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
+"""The series kept in memory for the end-of-run plots."""
+
+
+@dataclass
+class Tracking:
+    """Where a run's numbers go: the tracker every rank logs to and what rank 0 keeps for its report."""
+
+    tracker: Any
+    """The fan-out tracker (MLflow or the console, plus the in-memory sinks below)."""
+    mlflow: MLflowTracker | None
+    run_id: str | None
+    """The MLflow run (a restart continues it), or None without MLflow."""
+    history: History
+    recorder: SeriesRecorder
+    progress: ProgressBar | None
+    throughput: Throughput
+
+    def plot(self, spikes: SpikeDetector, out_dir: Path) -> None:
+        """End-of-run plots as artifacts; a plotting failure is logged, never fails a finished run."""
+        from hlat.track.plots import training_plots
+
+        try:
+            for f in training_plots({k: self.recorder.series(k) for k in PLOTTED}, spikes.histogram(), out_dir):
+                self.tracker.log_artifact(f)
+        except Exception:  # the run itself succeeded; losing a plot must not change that
+            log.exception("could not write the end-of-run plots to %s", out_dir)
+
+
+def start(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, job: JobStart, env: Env, backend: str,
+          n_params: int, first_step: int, saved_run_id: str | None, uptime_state: dict) -> Tracking:  # fmt: skip
+    """Open the run's tracker with its tags and params; record the MLflow run in the job record (rank 0).
+
+    Args:
+        cfg: The run's config.
+        hydra_cfg: The composed config (logged as params, resolved).
+        run_dir: The run directory (provenance, plots).
+        job: This start (checkpoint root, what it resumed from).
+        env: The backend's environment.
+        backend: The backend's name.
+        n_params: The model's parameter count (FLOPs per token).
+        first_step: The step training starts from (the progress bar's start).
+        saved_run_id: The MLflow run a restart continues (from the checkpoint or the job record).
+        uptime_state: The job's uptime accounting, recorded with the run id.
+    """
+    t = cfg.train
+    progress = ProgressBar(t.steps, first_step, every=t.progress_every or t.log_every) if env.rank == 0 else None
+    tags = _tags(cfg, run_dir, job, backend, env.bf16_matmul)
+    throughput, peak_source = _throughput(cfg, n_params, env.world_size, env.bf16_matmul)
+    tags["perf.peak_source"] = peak_source
+    derived = {"perf.flops_per_token": throughput.flops_per_token,
+               "perf.flops_per_token_causal": throughput.flops_per_token_causal,
+               "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None}  # fmt: skip
+    history, recorder = History(), SeriesRecorder(PLOTTED)
+    extra = [history, recorder] + ([progress] if progress else [])
+    tracker, mlflow_tracker = _open(cfg, hydra_cfg, run_dir, tags, env.rank, extra, derived, saved_run_id)
+    run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
+    if env.rank == 0:
+        checkpoint.write_job(job.root, {"mlflow_run_id": run_id, "uptime": uptime_state})
+        preempt.unmark(run_dir, mlflow_tracker)  # a preempted run that continues is no longer waiting to resume
+    if throughput.peak_flops is None and env.rank == 0 and first_peak_hint(peak_source, cfg.data.cache_dir):
+        log.info("no MFU metric: %s (said once per host; the run's tag perf.peak_source keeps it)", peak_source)
+    return Tracking(tracker, mlflow_tracker, run_id, history, recorder, progress, throughput)
+
+
+def log_health(tracking: Tracking, health: Any, env: Env, run_dir: Path) -> None:
+    """The pre-flight check's report into the run (rank 0; ``health`` None: the check did not run)."""
+    if health is not None and env.rank == 0:
+        log_preflight(health, tracking.tracker, run_dir / "health" / "preflight.md")
+
+
+def _tags(cfg: RunConfig, run_dir: Path, job: JobStart, backend: str, bf16_matmul: str | None) -> dict[str, str]:
+    """The run's tags: backend, bf16 policy, where it writes, its sweep identity and what it started from."""
+    tags = {
+        "backend": backend,
+        "precision.bf16_matmul": bf16_matmul or "n/a",  # the policy that ran; n/a: no bf16 matmuls
+        "run_dir": str(run_dir),
+        "checkpoint_dir": str(job.root),
+        sweep.HASH_TAG: sweep.config_hash(dataclasses.asdict(cfg)),
+        **sweep.parent_tags(run_dir, cfg.tracker.experiment),
+    }
+    if job.resume_from is not None:
+        tags["resumed_from"] = str(job.resume_from)
+    elif cfg.train.init_from:
+        tags["init_from"] = str(cfg.train.init_from)
+    return tags
+
+
+def _open(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: dict[str, str], rank: int, extra: list,
+          derived: dict[str, Any], run_id: str | None) -> tuple:  # fmt: skip
+    """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files."""
+    prov_tags, files = write_provenance(run_dir, OmegaConf.to_yaml(hydra_cfg, resolve=True)) if rank == 0 else ({}, [])
+    run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
+    tracker, mlflow_tracker = build_tracker(
+        cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra, run_id=run_id
+    )
+    params = flatten(OmegaConf.to_container(hydra_cfg, resolve=True))
+    tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
+    for f in files:
+        tracker.log_artifact(f)
+    return tracker, mlflow_tracker
+
+
+def _throughput(cfg: RunConfig, n_params: int, world_size: int, bf16_matmul: str | None) -> tuple[Throughput, str]:
+    """FLOPs per token of this model and sequence length, the run's peak FLOP/s and cost per hour."""
+    m = cfg.model
+    per_token = functools.partial(flops_per_token, n_params, m.vocab_size * m.dim, m.n_layers, m.n_heads,
+                                  m.head_dim, cfg.train.seq_len)  # fmt: skip
+    peak, source = resolve_peak_flops(cfg.cluster, cfg.precision.compute_dtype, cfg.data.cache_dir, bf16_matmul)
+    nodes = -(-world_size // cfg.cluster.devices_per_node)
+    price = cfg.cluster.price_per_hour
+    return Throughput(
+        flops_per_token=per_token(causal=False),
+        flops_per_token_causal=per_token(causal=True),
+        peak_flops=peak * world_size if peak else None,
+        cost_per_hour=price * nodes if price is not None else None,
+    ), source

@@ -1,0 +1,368 @@
+"""Reading an hlat checkpoint's weights and tokenizer, or a Hugging Face LLaMA directory's, outside training.
+
+Owns finding a checkpoint (``find_checkpoint``: a ``step_N`` directory, a run's ``checkpoints/`` directory or a
+run directory holding one, then the newest checkpoint whose files match their checksums), its recorded config
+(``run_config``, ``model_config``), its model weights (``read_weights``, ``load_checkpoint_weights``: from the
+torch backend's torch.distributed.checkpoint files, with no process group; tensor- or FSDP-sharded saves are
+resharded into one plain model, and the fused gate_up rows a tensor-parallel run interleaved are put back in
+order), and the tokenizer the run trained with (``find_tokenizer``): ``data.tokenizer`` if the run named one, else
+the run's trained tokenizer from ``data.cache_dir`` (retrained from the same data, deterministically, if the cache
+is gone), checked against the fingerprint the data loader saved in the checkpoint. A weights-only checkpoint
+(``hlat import``) brings its own tokenizer file. It also reads a HF LLaMA-layout directory (``import_hf``, with
+``hlat.hf_layout``) and picks the weights a new run starts from (``load_init_weights``: ``train.init_from``).
+
+Training (``train.init_from``) and evaluation, export and import (``hlat.eval``) all read checkpoints through
+this module.
+
+May import: ``hlat.config``, the core modules (``hlat.model``, ``hlat.safe_load``, ``hlat.hf_layout``),
+``hlat.data``, ``hlat.backends.torch_dist`` and ``hlat.train.checkpoint``. Never ``hlat.eval`` or ``hlat.cli``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import typing
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from hlat import safe_load
+from hlat.backends.torch_dist import gate_up_in_model_order
+from hlat.config import ConfigError, DataConfig, ModelConfig, RunConfig
+from hlat.data.builtin import builtin_corpus_path
+from hlat.data.loader import tokenizer_sample
+from hlat.data.sources import TextSource
+from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer, load_tokenizer
+from hlat.hf_layout import (
+    SPM,
+    Tensors,
+    check_tensors,
+    expected_shapes,
+    from_hf,
+    model_config_from_hf,
+    model_overrides,
+    read_safetensors,
+    to_hf,
+)
+from hlat.train import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+EXTRA = "extra.rank0.pt"
+"""The rank-0 train-state file the torch backend writes next to the weights (holds the tokenizer fingerprint)."""
+SHAPE = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "kv_heads": "n_kv_heads", "ffn_dim": "ffn_dim",
+         "vocab_size": "vocab_size"}  # fmt: skip
+"""ModelConfig attribute -> config key, for the fields that decide the shape of the weights."""
+
+
+# ------------------------------------------------------------------------------------------------ hlat checkpoints
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or the newest intact one under it.
+
+    Args:
+        path: A ``step_N`` checkpoint (or a weights-only one from ``hlat import``), a checkpoints root holding
+            ``step_*`` directories, or a run directory holding ``checkpoints/``.
+
+    Raises:
+        ConfigError: Nothing is there, the named checkpoint is damaged, or no complete checkpoint is found.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"checkpoint={path} does not exist; give a step_N checkpoint or a run's checkpoints/ dir")
+    if ckpt.manifest(p) is not None:
+        bad = ckpt.problems(p, checksums=True)
+        if bad:
+            raise ConfigError(f"checkpoint={path} is damaged ({'; '.join(bad)}); give its parent directory to use "
+                              "the newest intact checkpoint")  # fmt: skip
+        return p
+    for root in (p, p / "checkpoints"):
+        found = ckpt.latest(root)
+        if found is not None:
+            return found
+    raise ConfigError(f"checkpoint={path} is neither a checkpoint nor a directory of them: no complete checkpoint "
+                      f"there (a step_* directory with {ckpt.MANIFEST}); give a step_N checkpoint or a run's "
+                      "checkpoints/ dir")  # fmt: skip
+
+
+def run_config(path: Path) -> RunConfig:
+    """The resolved config recorded in a checkpoint's manifest (keys this version does not know are ignored).
+
+    Raises:
+        ConfigError: The manifest records no config, or one this version of hlat rejects.
+    """
+    saved = (ckpt.manifest(path) or {}).get("config")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"checkpoint {path}: its {ckpt.MANIFEST} records no config (written by an older hlat?)")
+    try:
+        return _build(RunConfig, saved)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint {path}: the config in its {ckpt.MANIFEST} is not valid now ({e})") from e
+
+
+def model_config(path: Path) -> ModelConfig:
+    """The model config alone from a checkpoint's manifest (all a weights-only checkpoint records)."""
+    meta = ckpt.manifest(path) or {}
+    saved = (meta.get("config") or {"model": meta.get("model")}).get("model")  # top-level: before the whole config
+    if not isinstance(saved, dict):
+        raise ConfigError(f"checkpoint {path}: its {ckpt.MANIFEST} records no model config (not written by hlat?)")
+    return _build(ModelConfig, saved)
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """The dataclass ``cls`` from ``dataclasses.asdict`` output, nested dataclasses (and lists of them) included."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{f.name: _value(hints[f.name], values[f.name]) for f in dataclasses.fields(cls)
+                  if f.init and f.name in values})  # fmt: skip
+
+
+def _value(tp: Any, v: Any) -> Any:
+    if dataclasses.is_dataclass(tp) and isinstance(v, dict):
+        return _build(tp, v)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (list, tuple) and args and isinstance(v, list):
+        return type(v)(_value(args[0], x) for x in v)
+    for arg in args:  # X | None
+        if dataclasses.is_dataclass(arg) and isinstance(v, dict):
+            return _build(arg, v)
+    return v
+
+
+def check_torch_backend(path: Path) -> None:
+    """ConfigError unless the checkpoint holds torch.distributed.checkpoint files (torch backend or ``hlat import``).
+
+    They are the only checkpoints read outside training: evaluation, ``hlat export`` and ``train.init_from``.
+    """
+    backend = ((ckpt.manifest(path) or {}).get("config") or {}).get("cluster", {}).get("backend", "torch")
+    if backend != "torch":
+        what = f"was written by the {backend} backend (NxD xser shards, not torch.distributed.checkpoint)"
+    elif not (path / ".metadata").is_file():
+        what = "has no .metadata: it is not a torch.distributed.checkpoint"
+    else:
+        return
+    raise ConfigError(f"checkpoint {path} {what}: evaluation runs on the torch backend, and NxD checkpoints "
+                      "cannot be exported or loaded by train.init_from yet; evaluate a torch-backend run")  # fmt: skip
+
+
+def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> Tensors:
+    """The model weights of the DCP checkpoint at ``path`` (no optimizer state), in the tp=1 layout.
+
+    One process reads the whole model without a process group: tensor- or FSDP-sharded saves are resharded into
+    whole tensors, and the fused gate_up rows that a run with ``parallelism.tp`` = t > 1 stored as
+    ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]`` (``backends/torch_dist.py``) are put back as ``[gate; up]``.
+
+    Args:
+        path: A checkpoint directory (see :func:`check_torch_backend`).
+        cfg: Its model config; the stored tensors must have its shapes.
+        into: Tensors to load into, cast to their dtype and device (a model's ``state_dict()``); default: new CPU
+            tensors in the stored dtype.
+
+    Raises:
+        ConfigError: The stored tensors do not match ``cfg``, or the checkpoint holds more than data (it is not
+            trusted: see :mod:`hlat.safe_load`).
+    """
+    md = safe_load.read_metadata(path).state_dict_metadata  # never unpickles code from the checkpoint
+    stored = {k.removeprefix("model."): m for k, m in md.items()
+              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # fmt: skip
+    check_tensors({k: m.size for k, m in stored.items()}, expected_shapes(cfg), f"checkpoint {path}")
+    sd = into if into is not None else {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()}
+    with warnings.catch_warnings():  # "torch.distributed is disabled": no process group, as intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        safe_load.load({"model": sd}, path, no_dist=True)  # in place; only the "model" keys
+    tp = ((ckpt.manifest(path) or {}).get("config") or {}).get("parallelism", {}).get("tp", 1)
+    if tp > 1:
+        with torch.no_grad():
+            for i in range(cfg.n_layers):
+                w = sd[f"layers.{i}.mlp.gate_up.weight"]
+                w.copy_(gate_up_in_model_order(w, tp))
+    return sd
+
+
+def load_checkpoint_weights(path: str | Path) -> tuple[ModelConfig, Tensors, Path]:
+    """The model of an hlat checkpoint (torch backend, or weights-only) in its stored dtype, in the tp=1 layout.
+
+    Args:
+        path: A checkpoint directory, a checkpoints root or a run directory (see :func:`find_checkpoint`).
+
+    Returns:
+        The model config from the manifest, the state dict (hlat names, CPU), and the checkpoint directory used.
+    """
+    path = find_checkpoint(path)
+    check_torch_backend(path)
+    cfg = model_config(path)
+    return cfg, read_weights(path, cfg), path
+
+
+def saved_tokenizer_fingerprint(path: Path) -> str | None:
+    """The tokenizer fingerprint the data loader recorded in the checkpoint (None if it is not there)."""
+    try:
+        extra = torch.load(path / EXTRA, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError):
+        return None
+    return (extra.get("data") or {}).get("tokenizer")
+
+
+def find_tokenizer(path: Path, explicit: str | Path | None = None, *, vocab: int | None = None,
+                   retrain: bool = False) -> Tokenizer:  # fmt: skip
+    """The sentencepiece tokenizer a checkpoint's model was trained with.
+
+    The first of: ``explicit``; the file a weights-only checkpoint carries; the run's ``data.tokenizer``; the
+    tokenizer the run trained and cached under ``data.cache_dir``, found by the fingerprint that the data loader
+    saved in the checkpoint; with ``retrain``, the one ``hlat.data.build_loader`` trains on the run's data
+    (deterministically: the same one, unless the data changed). All but ``explicit`` must have that fingerprint.
+
+    Args:
+        path: The checkpoint directory.
+        explicit: A sentencepiece ``.model`` to use instead (another fingerprint is only a warning).
+        vocab: The model's vocabulary size, to check the tokenizer against (None: unchecked).
+        retrain: Train the tokenizer again when it is not in the cache (needs ``vocab``).
+
+    Raises:
+        ConfigError: No tokenizer is found, or the one found is not the one the run trained with.
+    """
+    meta = ckpt.manifest(path) or {}
+    data = None if meta.get("weights_only") else _build(DataConfig, (meta.get("config") or {}).get("data") or {})
+    saved = saved_tokenizer_fingerprint(path)
+    hint = "pass tokenizer=<the .model it was trained with> (hlat export: --tokenizer)"
+    stored = path / meta["tokenizer"] if meta.get("tokenizer") else None
+    given = next((t for t in (explicit, stored, data.tokenizer if data else None) if t), None)
+    if given is not None:
+        tok = _open_tokenizer(given, vocab)
+    elif data is None:
+        raise ConfigError(f"checkpoint {path} holds weights only and no tokenizer; {hint}")
+    else:
+        cache_dir = Path(data.cache_dir).expanduser()
+        cached = sorted((cache_dir / "tokenizers").glob("spm-*.model"))
+        hit = next((c for c in cached if saved and Tokenizer(c, num_threads=1).fingerprint == saved), None)
+        if hit is not None:
+            tok = _open_tokenizer(hit, vocab)
+        elif retrain and vocab is not None:
+            corpus = builtin_corpus_path(cache_dir) if data.path is None else data.path
+            column = "text" if data.path is None else data.text_column
+            tok = load_or_train_tokenizer(data, tokenizer_sample(TextSource(corpus, column)), vocab, cache_dir)
+        else:
+            raise ConfigError(f"cannot find the tokenizer of {path} (fingerprint {saved}) among the {len(cached)} "
+                              f"cached in {cache_dir / 'tokenizers'}; {hint}")  # fmt: skip
+    if saved is not None and tok.fingerprint != saved and explicit is not None:
+        log.warning("tokenizer=%s is not the tokenizer the run trained with (fingerprint %s, the checkpoint says %s)",
+                    explicit, tok.fingerprint, saved)  # fmt: skip
+    elif saved is not None and tok.fingerprint != saved:
+        why = f"{given} changed after the run" if given else "the data or the builtin corpus's Python version changed"
+        raise ConfigError(f"the tokenizer found for checkpoint {path} ({tok.path}) is not the one the run trained "
+                          f"with (fingerprint {tok.fingerprint}, the checkpoint says {saved}): {why}; "
+                          f"{hint}")  # fmt: skip
+    return tok
+
+
+def _open_tokenizer(path: str | Path, vocab: int | None) -> Tokenizer:
+    """A sentencepiece model file, checked against the model's vocabulary size when that is given."""
+    if vocab is not None:
+        return load_tokenizer(path, vocab)
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"tokenizer {path} does not exist; pass tokenizer=<a sentencepiece .model>")
+    return Tokenizer(path)
+
+
+# ---------------------------------------------------------------------------------- HF directories, train.init_from
+
+
+def import_hf(hf_dir: Path, *, untie_embeddings: bool = False) -> tuple[ModelConfig, Tensors, Path | None]:
+    """Read a HF LLaMA-layout directory (``config.json``, safetensors, optional ``tokenizer.model``).
+
+    Args:
+        hf_dir: The directory (``save_pretrained`` output or a downloaded model snapshot).
+        untie_embeddings: Accept ``tie_word_embeddings=true``: the LM head starts as a copy of the embedding and
+            is trained separately from then on.
+
+    Returns:
+        hlat's model config, its state dict (HF's dtype), and the sentencepiece model (None if the directory has
+        none: hlat then needs ``data.tokenizer`` with ``vocab_size`` pieces).
+
+    Raises:
+        ConfigError: Missing files, an architecture hlat does not implement, or tensors that do not match.
+    """
+    hf_dir = Path(hf_dir).expanduser()
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
+    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = model_config_from_hf(hf_cfg, hf_dir.resolve().name, untie_embeddings=untie_embeddings)
+    tensors = read_safetensors(hf_dir)
+    if "lm_head.weight" not in tensors and hf_cfg.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    meta = {k: torch.empty(s, device="meta") for k, s in expected_shapes(cfg).items()}
+    check_tensors({k: v.shape for k, v in tensors.items()}, {k: v.shape for k, v in to_hf(cfg, meta).items()},
+                  str(hf_dir))  # fmt: skip
+    sd = from_hf(cfg, tensors)
+    spm_path = hf_dir / SPM if (hf_dir / SPM).is_file() else None
+    if spm_path is None:
+        log.warning("%s has no %s: hlat trains with sentencepiece; set data.tokenizer to one with %d pieces",
+                    hf_dir, SPM, cfg.vocab_size)  # fmt: skip
+    return cfg, sd, spm_path
+
+
+def load_init_weights(path: Path, cfg: ModelConfig) -> tuple[Tensors, Path | None]:
+    """The weights a new run starts from (step 0, fresh optimizer): an hlat checkpoint or a HF LLaMA directory.
+
+    Load them into the model built from ``cfg`` after ``init_weights`` and *before* any dtype cast or
+    tensor-parallel split (the torch backend reorders gate_up for TP after that point).
+
+    Args:
+        path: An hlat checkpoint (full or weights-only, e.g. from ``hlat import``), a checkpoints root (its newest
+            valid checkpoint), or a HF LLaMA-layout directory.
+        cfg: The run's model config; the weights must have its shape.
+
+    Returns:
+        The state dict (hlat names, tp=1 layout, stored dtype) and the tokenizer that goes with it (None: unknown).
+
+    Raises:
+        ConfigError: The weights' shape differs from ``cfg`` (naming each key), or see :func:`import_hf` and
+            :func:`load_checkpoint_weights`.
+    """
+    path = Path(path).expanduser()
+    if (path / "config.json").is_file() and ckpt.manifest(path) is None:
+        have, sd, spm = import_hf(path)
+    else:
+        have, sd, found = load_checkpoint_weights(path)
+        try:
+            spm = checkpoint_tokenizer(found)
+        except ConfigError:
+            spm = None
+    diff = [f"model.{key}={getattr(cfg, attr)} but {getattr(have, attr)} there" for attr, key in SHAPE.items()
+            if getattr(cfg, attr) != getattr(have, attr)]  # fmt: skip
+    if diff:
+        raise ConfigError(f"cannot start from the weights in {path}: {'; '.join(diff)}; set these model keys to the "
+                          f"weights' values ({' '.join(model_overrides(have))})")  # fmt: skip
+    for key in ("max_seq_len", "norm_eps", "rope_theta"):  # a different function, but a legitimate one (long context)
+        if getattr(cfg, key) != getattr(have, key):
+            log.warning("starting from %s with model.%s=%s; the weights were trained with %s", path, key,
+                        getattr(cfg, key), getattr(have, key))  # fmt: skip
+    return sd, spm
+
+
+def initial_weights(cfg: RunConfig) -> Tensors:
+    """The weights of ``train.init_from``, checked against the model config and the run's tokenizer."""
+    state, tokenizer = load_init_weights(Path(cfg.train.init_from), cfg.model)
+    mine = cfg.data.tokenizer
+    if tokenizer is not None and (mine is None or Path(mine).expanduser().read_bytes() != tokenizer.read_bytes()):
+        raise ConfigError(
+            f"train.init_from={cfg.train.init_from} was trained with the tokenizer {tokenizer}, but this run "
+            f"{'would train its own' if mine is None else f'uses data.tokenizer={mine}'}: set "
+            f"data.tokenizer={tokenizer} so the token ids mean what the weights learned"
+        )
+    log.info("starting from the weights of %s", cfg.train.init_from)
+    return state
+
+
+def checkpoint_tokenizer(ckpt: Path, explicit: Path | None = None) -> Path:
+    """The sentencepiece model file a checkpoint was trained with (:func:`find_tokenizer`, no retraining).
+
+    Raises:
+        ConfigError: None is found that matches the tokenizer fingerprint the checkpoint's data state records.
+    """
+    return find_tokenizer(ckpt, explicit).path
