@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+# One intra-op thread per test process, and for every process a test starts (they inherit the variable): with two
+# threads on a 2-core machine that has any other work, torch's OpenMP threads wait for each other at every op, and a
+# tiny model's step takes ~100x longer (a 64-wide linear layer: 0.4 ms with one thread, 40 ms with two beside one busy
+# process). The suite's models are tiny: one thread is as fast on a quiet machine and immune to a busy one. Set
+# OMP_NUM_THREADS to override. The NxD lane (torch-xla installed: make test-neuron) is left as it was.
+if importlib.util.find_spec("torch_xla") is None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,9 +25,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from hlat.config import register_configs
+from tests.timeouts import hang_guard
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
+if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where torch was imported before this file
 
 
 def compose_cfg(*overrides: str) -> DictConfig:
@@ -46,7 +60,7 @@ def lock_held_elsewhere(root: Path) -> Iterator[None]:
     """Another live process holds ``root``'s trainer lock (``hlat.train.checkpoint.hold_lock``) inside the block."""
     holder = subprocess.Popen([sys.executable, "-c", (
         "import time; from pathlib import Path; from hlat.train.checkpoint import hold_lock; "
-        f"f = hold_lock(Path({str(root)!r})); print('held', flush=True); time.sleep(60)")],
+        f"f = hold_lock(Path({str(root)!r})); print('held', flush=True); time.sleep({hang_guard(3600)})")],
         stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"

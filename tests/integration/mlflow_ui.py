@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.timeouts import hang_guard
+
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("HLAT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -69,7 +71,7 @@ def init_store(uri: str) -> None:
     MlflowClient(tracking_uri=uri).search_experiments()
 
 
-def run_sweep(workdir: Path, cache_dir: Path, *overrides: str, timeout_s: float = 600) -> Sweep:
+def run_sweep(workdir: Path, cache_dir: Path, *overrides: str, timeout_s: float | None = None) -> Sweep:
     """``train.py -m`` with :data:`TINY` and ``overrides`` (they win) in ``workdir`` (store ``workdir/mlflow.db``).
 
     Raises:
@@ -79,6 +81,7 @@ def run_sweep(workdir: Path, cache_dir: Path, *overrides: str, timeout_s: float 
     keys = {o.split("=", 1)[0] for o in overrides}
     tiny = [o for o in TINY if o.split("=", 1)[0] not in keys]  # Hydra refuses a key given twice
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *tiny, f"data.cache_dir={cache_dir}", *overrides]
+    timeout_s = hang_guard(1200) if timeout_s is None else timeout_s  # a hang guard
     done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     (record,) = workdir.glob("multirun/*/*/sweep.json")
@@ -120,13 +123,14 @@ class MlflowServer:
                                          start_new_session=True)  # fmt: skip
         return self
 
-    def wait(self, timeout_s: float = 240) -> str:
+    def wait(self, timeout_s: float | None = None) -> str:
         """The server's address once ``/health`` answers.
 
         Raises:
             AssertionError: It exited or did not answer in ``timeout_s`` (its log's tail says why).
         """
         assert self.proc is not None
+        timeout_s = hang_guard(600) if timeout_s is None else timeout_s  # a hang guard
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -148,7 +152,7 @@ class MlflowServer:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(15)
+            self.proc.wait(hang_guard(60))
 
 
 @contextmanager
@@ -160,7 +164,7 @@ def browser_page(width: int = 1400, height: int = 900) -> Iterator[Any]:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
-            page.set_default_timeout(60_000)
+            page.set_default_timeout(hang_guard(120) * 1000)  # ms; a hang guard
             yield page
         finally:
             browser.close()

@@ -18,6 +18,7 @@ MICRO = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow  # fast cover: test_a_bf16_run_says_which_policy_it_used below, tests/unit/test_bf16_matmul.py
 def test_bf16_sr_trains_the_same_curve_with_either_policy(tmp_path: Path, cache_dir: Path, monkeypatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     """precision=bf16_sr (HLAT-7B's mode) for 30 steps under each policy, from the same weights and batches.
@@ -35,7 +36,7 @@ def test_bf16_sr_trains_the_same_curve_with_either_policy(tmp_path: Path, cache_
     curves, runs = {}, {}
     for policy in ("native", "emulated"):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="hlat.train.run"):
+        with caplog.at_level(logging.INFO, logger="hlat.plan.memory"):  # the summary line before a run
             result = main(compose_cfg(*MICRO, "precision=bf16_sr", f"precision.bf16_matmul={policy}",
                                       f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0"),
                           run_dir=tmp_path / policy)  # fmt: skip
@@ -51,6 +52,24 @@ def test_bf16_sr_trains_the_same_curve_with_either_policy(tmp_path: Path, cache_
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     for policy, run_id in runs.items():
         assert client.get_run(run_id).data.tags["precision.bf16_matmul"] == policy
+
+
+def test_a_bf16_run_says_which_policy_it_used(tmp_path: Path, cache_dir: Path, monkeypatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """Two steps of precision=bf16_sr: the summary line and the MLflow tag name the policy (the kernels' numerics
+    are tests/unit/test_bf16_matmul.py's; the 30-step curves under both policies are the slow test above)."""
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):  # the summary line, whichever hlat module logs it
+        result = main(compose_cfg(*MICRO, "train.steps=2", "optimizer.warmup_steps=1", "precision=bf16_sr",
+                                  "precision.bf16_matmul=emulated",
+                                  f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0"),
+                      run_dir=tmp_path / "bf16")  # fmt: skip
+    assert "bf16 matmuls emulated (precision.bf16_matmul=emulated)" in caplog.text
+    assert len(result.history.series("train/loss")) == 2
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_run(result.mlflow_run_id).data.tags["precision.bf16_matmul"] == "emulated"
 
 
 def test_fp32_runs_are_tagged_without_a_bf16_policy(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:

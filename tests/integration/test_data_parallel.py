@@ -16,8 +16,8 @@ from hlat.config import ClusterConfig, ModelConfig, OptimizerConfig, Parallelism
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
+from tests.timeouts import hang_guard
 
-pytestmark = pytest.mark.slow
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=128, max_seq_len=64)
 OPT = OptimizerConfig(lr=1e-2, warmup_steps=0)
 STEPS = 3
@@ -74,7 +74,8 @@ def two_ranks(tmp_path: Path, zero1: bool, precision: PrecisionConfig) -> dict[s
 
 
 def test_two_ranks_get_the_gradient_of_the_whole_batch(tmp_path: Path) -> None:
-    """DDP averages the two halves' gradients: the gradient one process gets on the whole batch (fp32).
+    """DDP averages the two halves' gradients: the gradient one process gets on the whole batch (fp32). Not slow (a
+    few seconds): the fast suite's cover of the multi-process tests here and in test_tensor_parallel.py.
 
     (Weights after a few AdamW steps are not compared: Adam's first steps are ~lr * sign(g), so a last-bit
     difference in a near-zero gradient moves a weight by 2 lr.)
@@ -87,6 +88,7 @@ def test_two_ranks_get_the_gradient_of_the_whole_batch(tmp_path: Path) -> None:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-7, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_zero1_matches_plain_data_parallelism(tmp_path: Path, precision: str) -> None:
     """ZeRO-1 only moves where the AdamW state lives: the weights after 3 steps are bitwise those of plain DP.
@@ -103,6 +105,7 @@ def test_zero1_matches_plain_data_parallelism(tmp_path: Path, precision: str) ->
         assert torch.equal(plain[k], sharded[k]), k
 
 
+@pytest.mark.slow
 def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: Path, cache_dir: Path) -> None:
     """``cluster=cpu_x2``: elastic starts the ranks; sharded checkpoint; the rerun resumes; DP=2 learns as DP=1."""
     from mlflow import MlflowClient
@@ -116,11 +119,11 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
               "train.log_every=2", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}", "tracker.plots=false",
               "tracker.system_metrics=false", "tracker.flush_every_s=0", "health=off"]  # fmt: skip
     dp2 = [*common, "cluster=cpu_x2", f"tracker.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]
-    r = cli(*dp2, "train.steps=8", cwd=tmp_path, timeout=300)
+    r = cli(*dp2, "train.steps=8", cwd=tmp_path, timeout=hang_guard(900))
     assert r.returncode == 0, r.stderr[-3000:]
     meta = (run_dir / "checkpoints" / "step_00000008" / "manifest.json").read_text()
     assert all(f in meta for f in ("__0_0.distcp", "extra.rank0.pt", "extra.rank1.pt"))  # one loader state per rank
-    r = cli(*dp2, "train.steps=12", cwd=tmp_path, timeout=300)  # the same run directory: resume=auto
+    r = cli(*dp2, "train.steps=12", cwd=tmp_path, timeout=hang_guard(900))  # the same run directory: resume=auto
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in (run_dir / "train.log").read_text()
 
@@ -136,6 +139,7 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
     assert dp2_loss[12] < dp2_loss[1] - 0.3 and gap < 0.15, (dp1_loss, dp2_loss)
 
 
+@pytest.mark.slow
 def test_a_killed_zero1_group_restarts_and_ends_bitwise_equal(tmp_path: Path, cache_dir: Path) -> None:
     """Two ZeRO-1 ranks, SIGKILLed after step 5 under supervision: torch elastic restarts the group, each rank
     reloads its share of the AdamW state from step 4, and step 8 equals an uninterrupted run bit for bit."""
@@ -152,7 +156,7 @@ def test_a_killed_zero1_group_restarts_and_ends_bitwise_equal(tmp_path: Path, ca
               "model.ffn_dim=176", f"data.cache_dir={cache_dir}", "health=off"]  # fmt: skip
     states = []
     for name, extra in (("whole", []), ("killed", ["fault.kill_at=[5]", "cluster.max_restarts=1"])):
-        r = cli(*common, *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, timeout=300)
+        r = cli(*common, *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, timeout=hang_guard(900))
         assert r.returncode == 0, r.stderr[-3000:]
         dcp_to_torch_save(tmp_path / name / "checkpoints" / "step_00000008", tmp_path / f"{name}.pt")
         states.append(torch.load(tmp_path / f"{name}.pt", weights_only=True))
@@ -190,6 +194,7 @@ def _accumulating_worker(rank: int, port: int, zero1: bool, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero1", [False, True], ids=["dp", "zero1"])
 def test_master_weights_with_fp32_accumulation_over_ranks_is_one_process(tmp_path: Path, zero1: bool) -> None:
     """precision=master_weights under DP: each rank sums its micro-batches' bf16 gradients in fp32 and the ranks

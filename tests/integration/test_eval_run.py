@@ -22,7 +22,7 @@ def test_checkpoints_are_evaluated_along_training_and_afterwards(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run = [*SMALL_RUN, "train.steps=8", "train.checkpoint_every=4", f"data.cache_dir={cache_dir}", f"tracker.uri={uri}",
-           "tracker.plots=false", "tracker.system_metrics=false", "tracker.flush_every_s=0"]  # fmt: skip
+           "tracker.plots=false", "tracker.system_metrics=false", "tracker.flush_every_s=0", "health=off"]  # fmt: skip
     # 16 x 64 = 1,024 tokens per step: every 4,096 tokens is every checkpoint (steps 4 and 8)
     result = main(compose_cfg(*run, "eval=local", "eval.every_tokens=4096", "eval.limit=4"), run_dir=tmp_path / "r")
     client = MlflowClient(tracking_uri=uri)

@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from hlat.state import HaltedError
 from hlat.train import checkpoint
 from hlat.train.checkpoint import CheckpointError
-from hlat.train.loop import HaltedError
 from hlat.train.run import main
 from tests.conftest import compose_cfg
 from tests.integration.test_train import SMALL_RUN, cli
+from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
 STEPS = 24
@@ -76,7 +77,7 @@ def test_random_sigkills_under_supervision_end_bitwise_equal(tmp_path: Path, cac
     seed = int.from_bytes(os.urandom(2), "little")
     db, run_dir = tmp_path / "mlflow.db", tmp_path / "run"
     r = cli(*common(cache_dir, db), "fault=kill", "fault.kill_random=3", f"fault.seed={seed}",
-            "cluster.max_restarts=3", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=400)  # fmt: skip
+            "cluster.max_restarts=3", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=hang_guard(1500))  # fmt: skip
     assert r.returncode == 0, f"fault.seed={seed}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert r.stdout.count("SIGKILL after step") == 3 or r.stderr.count("SIGKILL after step") == 3
     final = state_of(run_dir / "checkpoints" / f"step_{STEPS:08d}", tmp_path)
@@ -121,7 +122,7 @@ def test_a_crash_in_a_save_and_a_corrupt_checkpoint_are_survived(tmp_path: Path,
                                                                    reference) -> None:  # fmt: skip
     db, run_dir = tmp_path / "mlflow.db", tmp_path / "run"
     r = cli(*common(cache_dir, db), "fault.crash_in_save_at=8", "fault.corrupt_at=16", "cluster.max_restarts=2",
-            f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=400)  # fmt: skip
+            f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=hang_guard(1500))  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     log = (run_dir / "train.log").read_text()
@@ -177,7 +178,7 @@ def test_non_finite_step_policies(tmp_path: Path, cache_dir: Path, policy: str) 
 def test_errors_a_restart_cannot_fix_are_not_retried(tmp_path: Path, cache_dir: Path) -> None:
     """A worker's configuration error ends the supervised job at once (exit 2), without burning the restarts."""
     r = cli(*common(cache_dir, tmp_path / "mlflow.db"), f"train.resume={tmp_path / 'nowhere'}",
-            "cluster.max_restarts=3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=200)  # fmt: skip
+            "cluster.max_restarts=3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"hlat: configuration error: train.resume={tmp_path / 'nowhere'}: no complete checkpoint" in r.stderr
     assert "restart 1 of this job" not in r.stdout + r.stderr
@@ -186,7 +187,7 @@ def test_errors_a_restart_cannot_fix_are_not_retried(tmp_path: Path, cache_dir: 
 def test_an_unsupervised_halt_says_how_to_continue(tmp_path: Path, cache_dir: Path) -> None:
     run_dir = tmp_path / "run"
     r = cli(*common(cache_dir, tmp_path / "mlflow.db"), "fault=nonfinite", "fault.nonfinite_at=[6]", "train.steps=12",
-            f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=200)  # fmt: skip
+            f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 1, r.stderr[-3000:]
     assert "hlat: step 6: the loss or the gradient norm is not finite (train.on_nonfinite=halt)" in r.stderr
     hint = next(line for line in r.stderr.splitlines() if line.startswith("hlat: the run stopped"))

@@ -17,19 +17,21 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_train import ROOT, SMALL_RUN, cli
+from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
 FAST_CHECKS = ["health.matmul_size=256", "health.matmul_seconds=0.1", "health.collective_mib=1"]
 
 
-def doctor(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+def doctor(*args: str, cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
     """``hlat doctor`` as a separate process (``python -m hlat.health.doctor``: the same ``main``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     return subprocess.run([sys.executable, "-m", "hlat.health.doctor", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          capture_output=True, text=True,
+                          timeout=hang_guard(600) if timeout is None else timeout)  # fmt: skip
 
 
-def train_in_own_group(*args: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+def train_in_own_group(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """``python train.py`` in a process group of its own, killed whole on timeout: the ranks of a job that hangs
     (without the watchdog) would otherwise outlive the killed agent."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -40,7 +42,7 @@ def train_in_own_group(*args: str, cwd: Path, timeout: int) -> subprocess.Comple
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"the hung job was not ended within {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(f"the hung job was not ended within {timeout:.0f}s\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -81,8 +83,9 @@ def test_doctor_on_two_processes_measures_every_rank_and_notes_the_slow_one(tmp_
 
 
 def common(cache_dir: Path, tmp_path: Path) -> list[str]:
-    return [*SMALL_RUN, "cluster=cpu_x2", "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every=2",
-            "train.checkpoint_every=4", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}",
+    # SMALL_RUN turns health off (as every test whose subject it is not); here it is the subject: back on.
+    return [*SMALL_RUN, "health=default", "cluster=cpu_x2", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "train.log_every=2", "train.checkpoint_every=4", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}",
             f"tracker.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracker.flush_every_s=0", "tracker.plots=false",
             "tracker.system_metrics=false", f"hydra.run.dir={tmp_path / 'run'}", *FAST_CHECKS]  # fmt: skip
 
@@ -95,7 +98,7 @@ def test_a_slow_rank_on_one_node_is_reported_and_the_killed_run_restarts(tmp_pat
 
     run_dir = tmp_path / "run"
     r = cli(*common(cache_dir, tmp_path), "train.steps=6", "cluster.max_restarts=1", "fault.kill_at=[5]",
-            "health.inject_slow_rank=1", cwd=tmp_path, timeout=300)  # fmt: skip
+            "health.inject_slow_rank=1", cwd=tmp_path, timeout=hang_guard(1200))  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     log = (run_dir / "train.log").read_text()
@@ -117,7 +120,7 @@ def test_a_configured_peak_far_above_the_cpu_stops_training_with_a_health_error(
     """Held to cluster.peak_tflops, the CPU fails on every rank before the model is built: a health failure (exit 3),
     not a configuration error, not retried, with advice a one-node job can follow."""
     r = cli(*common(cache_dir, tmp_path), "train.steps=4", "cluster.max_restarts=2", "cluster.peak_tflops=1000",
-            cwd=tmp_path, timeout=200)  # fmt: skip
+            cwd=tmp_path, timeout=hang_guard(900))  # fmt: skip
     assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
     message = next(line for line in r.stderr.splitlines() if line.startswith("hlat: "))
     want = (r"hlat: health check failed: pre-flight check failed on 1 of 1 node\(s\): node \S+: rank 0: "
@@ -138,11 +141,14 @@ def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path
     from mlflow import MlflowClient
 
     run_dir = tmp_path / "run"
+    # The watchdog's limits are hang guards too: a busy machine must not look like a hang before step 7.
+    first_step_s = hang_guard(300)
     r = train_in_own_group(
         *common(cache_dir, tmp_path), "train.steps=10", "cluster.max_restarts=1", "fault=hang", "fault.hang_at=6",
-        "health.watchdog_factor=5", "health.watchdog_floor_s=3", "health.watchdog_first_step_s=120",
+        "health.watchdog_factor=5", f"health.watchdog_floor_s={hang_guard(10):g}",
+        f"health.watchdog_first_step_s={first_step_s:g}",
         "health.watchdog_grace_s=1", "health.straggler_every=2", "health.min_relative_fraction=0.05",
-        cwd=tmp_path, timeout=180,
+        cwd=tmp_path, timeout=hang_guard(1200),
     )  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
@@ -151,7 +157,7 @@ def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path
     found = re.search(r"hang detected on rank \d: step 7 has run ([\d.]+)s, more than the watchdog's ([\d.]+)s", log)
     assert found, log[-5000:]
     elapsed, limit = map(float, found.groups())
-    assert elapsed >= limit and limit < 120  # the steady-state threshold, not the first-step allowance
+    assert elapsed >= limit and limit < first_step_s  # the steady-state threshold, not the first-step allowance
     dumps = {p.name: p.read_text() for p in (run_dir / "hang").glob("rank*.txt")}
     assert set(dumps) == {"rank0.txt", "rank1.txt"}  # every rank's stacks, not only the first to notice
     assert "_hang" in dumps["rank1.txt"] and "faults.py" in dumps["rank1.txt"]  # where rank 1 hung

@@ -9,7 +9,7 @@ import torch
 
 from hlat.config import ConfigError
 from hlat.eval import hf
-from hlat.train import checkpoint
+from hlat.train import checkpoint, weights
 from hlat.train.run import main
 from tests.conftest import compose_cfg
 from tests.integration.test_train import SMALL_RUN
@@ -19,13 +19,13 @@ pytestmark = pytest.mark.slow
 
 def test_a_run_starts_from_exported_and_imported_weights(tmp_path: Path, cache_dir: Path) -> None:
     common = [*SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", f"data.cache_dir={cache_dir}",
-              "tracker=console", "tracker.plots=false", "optimizer.warmup_steps=1"]  # fmt: skip
+              "tracker=console", "tracker.plots=false", "optimizer.warmup_steps=1", "health=off"]  # fmt: skip
     main(compose_cfg(*common), run_dir=tmp_path / "a")
     source = tmp_path / "a" / "checkpoints"
-    _, trained, ckpt = hf.load_checkpoint_weights(source)
+    _, trained, ckpt = weights.load_checkpoint_weights(source)
     hf.export_hf(ckpt, tmp_path / "hf")
     hf.import_hf_checkpoint(tmp_path / "hf", tmp_path / "imported")
-    tokenizer = hf.checkpoint_tokenizer(tmp_path / "imported")
+    tokenizer = weights.checkpoint_tokenizer(tmp_path / "imported")
 
     with pytest.raises(ConfigError, match=r"holds weights only .* train.init_from="):
         checkpoint.resolve(str(tmp_path / "imported"))
@@ -35,7 +35,7 @@ def test_a_run_starts_from_exported_and_imported_weights(tmp_path: Path, cache_d
     # lr 1e-12: AdamW moves each weight by ~1e-12, far below an fp32 ulp of these weights
     main(compose_cfg(*common, f"train.init_from={tmp_path / 'imported'}", f"data.tokenizer={tokenizer}",
                      "optimizer.lr=1e-12", "optimizer.min_lr=1e-13"), run_dir=tmp_path / "c")  # fmt: skip
-    _, started, _ = hf.load_checkpoint_weights(tmp_path / "c" / "checkpoints")
+    _, started, _ = weights.load_checkpoint_weights(tmp_path / "c" / "checkpoints")
     assert trained.keys() == started.keys()
     for k in trained:
         torch.testing.assert_close(started[k], trained[k], rtol=0, atol=1e-9, msg=k)

@@ -28,6 +28,7 @@ from tests.integration.mlflow_ui import (
     open_page,
     run_sweep,
 )
+from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
 ARMS = ("optimizer.lr=0.001", "optimizer.lr=0.003")
@@ -80,7 +81,8 @@ def test_the_parent_run_links_its_arms_and_carries_their_losses(ui, page) -> Non
     text = open_page(page, f"{base}/{ui_page(sweep.experiment_id, sweep.parent_run_id)}", "Child runs", *ARMS)
     for name, run_id in sweep.arms.items():
         links = page.locator(f'a[href*="/runs/{run_id}"]')
-        links.nth(1).wait_for(state="attached", timeout=120_000)  # under "Child runs" and in the description's table
+        # under "Child runs" and in the description's table
+        links.nth(1).wait_for(state="attached", timeout=hang_guard(240) * 1000)
         assert links.count() >= 2, name
         assert f"final_loss/{name.replace('=', '_')}" in text
     assert "sweep/best_final_loss" in text and "final loss (last 10%)" in text

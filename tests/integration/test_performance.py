@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from hlat.backends.torch import TorchBackend
+from hlat.config import to_run_config
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims
-from hlat.train.loop import PHASES
-from hlat.train.run import main, to_run_config
+from hlat.state import PHASES
+from hlat.train.run import main
 from tests.conftest import compose_cfg
 from tests.integration.test_train import SMALL_RUN
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 def run(tmp_path: Path, cache_dir: Path, *overrides: str):
     cfg = compose_cfg(*SMALL_RUN, "train.steps=6", "train.log_every=2", "train.checkpoint_every=2",
                       "train.async_checkpoint=false", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}",
-                      "tracker=console", *overrides)  # fmt: skip
+                      "tracker=console", "health=off", *overrides)  # fmt: skip
     return main(cfg, run_dir=tmp_path / "run")
 
 

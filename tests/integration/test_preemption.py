@@ -24,6 +24,7 @@ from hlat.train.run import main
 from tests.conftest import compose_cfg
 from tests.integration.test_fault_recovery import assert_same, state_of, strip_job
 from tests.integration.test_train import ROOT, SMALL_RUN, cli
+from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
 STEPS = 40
@@ -58,8 +59,9 @@ def logged_steps(db: Path, run_id: str) -> list[int]:
     return sorted(m.step for m in MlflowClient(f"sqlite:///{db}").get_metric_history(run_id, "train/loss"))
 
 
-def wait_for_steps(proc: subprocess.Popen, db: Path, root: Path, n: int, timeout: float = 180) -> str:
+def wait_for_steps(proc: subprocess.Popen, db: Path, root: Path, n: int) -> str:
     """Wait until the trainer writing into checkpoint root ``root`` has logged ``n`` steps; its MLflow run id."""
+    timeout = hang_guard(900)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the trainer ended (exit {proc.returncode}) before it was signalled"
@@ -67,14 +69,14 @@ def wait_for_steps(proc: subprocess.Popen, db: Path, root: Path, n: int, timeout
         if run_id and len(logged_steps(db, run_id)) >= n:
             return run_id
         time.sleep(0.1)
-    raise AssertionError(f"no {n} steps logged in {timeout} s")
+    raise AssertionError(f"no {n} steps logged in {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen, sig: int, cwd: Path) -> tuple[int, str, float]:
     """Send ``sig``; the exit code, stdout + stderr, and seconds from the signal to the exit."""
     t0 = time.monotonic()
     proc.send_signal(sig)
-    code = proc.wait(timeout=120)
+    code = proc.wait(timeout=hang_guard(600))
     took = time.monotonic() - t0
     return code, (cwd / "stdout.txt").read_text() + (cwd / "stderr.txt").read_text(), took
 
@@ -122,7 +124,7 @@ def test_a_signal_checkpoints_the_step_in_flight_and_the_printed_command_ends_bi
     print(f"\n{sig.name}: exit {took:.2f} s after the signal; checkpoint {ckpt.name} {size / 1e6:.1f} MB; "
           + next((x for x in output.splitlines() if "the save took" in x), "").split(" - ")[-1])  # fmt: skip
 
-    again = cli(*continue_command(output), cwd=tmp_path, timeout=300)
+    again = cli(*continue_command(output), cwd=tmp_path, timeout=hang_guard(900))
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resumed from {ckpt}" in (run_dir / "train.log").read_text()
     final = state_of(root / f"step_{STEPS:08d}", tmp_path)
@@ -149,7 +151,7 @@ def test_an_interrupted_sweep_never_leaves_its_parent_run_running(tmp_path: Path
 
     db = tmp_path / "mlflow.db"
     proc = start(["-m", *common(cache_dir, db), "tracker.experiment=pre", "optimizer.beta2=0.95,0.99"], tmp_path)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + hang_guard(600)
     while not (roots := list(tmp_path.glob("multirun/*/*/0/checkpoints"))) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert roots, "job 0 never started"

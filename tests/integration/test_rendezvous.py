@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.integration.test_train import ROOT, SMALL_RUN
+from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
 LOOPBACK = {"127.0.0.1", "::1"}
@@ -50,7 +51,7 @@ def test_a_supervised_one_node_run_listens_on_loopback_only(tmp_path: Path, cach
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     agent, seen = psutil.Process(proc.pid), set()
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + hang_guard(1500)
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             seen |= listening_sockets(agent)

@@ -16,11 +16,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from hlat.config import RunConfig
+from hlat.config import RunConfig, to_run_config
 from hlat.parallel import ParallelDims
 from hlat.track import sweep
-from hlat.train.run import to_run_config
 from tests.integration.test_train import ROOT, cli
+from tests.timeouts import hang_guard
 
 SWEEPS = ROOT / "sweeps"
 FAST = [
@@ -82,13 +82,13 @@ def test_a_killed_sweep_run_again_continues_its_dead_job_then_skips_everything(t
     from mlflow import MlflowClient
 
     args = ["-m", *FAST, f"data.cache_dir={cache_dir}", "train.steps=6", "optimizer.beta2=0.95,0.99"]
-    killed = cli(*args, "fault=kill", "fault.kill_random=0", "fault.kill_at=[3]", cwd=tmp_path, timeout=240)
+    killed = cli(*args, "fault=kill", "fault.kill_random=0", "fault.kill_at=[3]", cwd=tmp_path, timeout=hang_guard(900))
     assert killed.returncode != 0  # SIGKILL took the whole sweep down in job 0, before job 1 started
     seen: set[Path] = set()
     first = new_sweep(tmp_path, seen)
     assert set(records(first)) == {"0"} and "status" not in records(first)["0"]
 
-    again = cli(*args, cwd=tmp_path, timeout=240)
+    again = cli(*args, cwd=tmp_path, timeout=hang_guard(900))
     assert again.returncode == 0, again.stderr[-3000:]
     second = new_sweep(tmp_path, seen)
     rec = records(second)
@@ -105,7 +105,7 @@ def test_a_killed_sweep_run_again_continues_its_dead_job_then_skips_everything(t
     assert steps == [1, 2, 3, 4, 5, 6]  # one run holds the whole history, across the kill
     assert "| 0.95 |" in (second / "comparison.md").read_text() and (second / "comparison.png").exists()
 
-    third = cli(*args, cwd=tmp_path, timeout=240)
+    third = cli(*args, cwd=tmp_path, timeout=hang_guard(900))
     assert third.returncode == 0, third.stderr[-3000:]
     assert third.stdout.count("hlat: skipped") == 2
     rec3 = records(new_sweep(tmp_path, seen))
@@ -114,11 +114,11 @@ def test_a_killed_sweep_run_again_continues_its_dead_job_then_skips_everything(t
     assert len(client.search_runs([exp.experiment_id], f"tags.`{sweep.HASH_TAG}` != ''")) == 2
 
 
-def _kill_when_hanging(sweep: subprocess.Popen, root: Path, job: str, timeout_s: float = 240) -> None:
+def _kill_when_hanging(sweep: subprocess.Popen, root: Path, job: str, timeout_s: float | None = None) -> None:
     """SIGKILL, from outside, the process of sweep job ``job`` once it hangs (``fault.hang_at``, after a checkpoint)."""
     import psutil
 
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (hang_guard(900) if timeout_s is None else timeout_s)
     while not (markers := list(root.glob(f"multirun/*/*/{job}/checkpoints/faults/hang-*"))):
         assert sweep.poll() is None and time.monotonic() < deadline, "the job never reached its hang"
         time.sleep(0.2)
@@ -140,7 +140,7 @@ def test_a_job_killed_under_submitit_fails_the_sweep_after_the_others_and_contin
     cmd = [sys.executable, str(ROOT / "train.py"), *args, "fault.hang_at=5", "fault.hang_rank=0"]
     with subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
         _kill_when_hanging(p, tmp_path, "1")  # job 1 (6 steps) hangs after step 5; its checkpoint is step 4
-        out, err = p.communicate(timeout=240)
+        out, err = p.communicate(timeout=hang_guard(900))
     assert p.returncode == 1, err[-3000:]  # the sweep survived the kill, compared, then failed
     seen: set[Path] = set()
     first = new_sweep(tmp_path, seen)
@@ -155,7 +155,7 @@ def test_a_job_killed_under_submitit_fails_the_sweep_after_the_others_and_contin
     assert {killed.info.run_name, client.get_run(rec["0"]["mlflow_run_id"]).info.run_name} == {
         "train.steps=6", "train.steps=4"}  # fmt: skip
 
-    again = cli(*args, cwd=tmp_path, timeout=240)  # the fault is not part of the job's identity
+    again = cli(*args, cwd=tmp_path, timeout=hang_guard(900))  # the fault is not part of the job's identity
     assert again.returncode == 0, again.stderr[-3000:]
     rec2 = records(new_sweep(tmp_path, seen))
     assert rec2["0"]["status"] == "skipped" and rec2["1"]["decision"]["action"] == "resume"
@@ -169,7 +169,7 @@ def test_optuna_sweep_minimizes_the_recorded_objective_and_replays_from_mlflow(t
     args = ["-m", "--config-dir", str(SWEEPS), "--config-name", "lr_warmup_optuna", *FAST,
             f"data.cache_dir={cache_dir}", "train.steps=4", "hydra.sweeper.n_trials=2",
             "hydra.sweeper.sampler.n_startup_trials=1", "optimizer.warmup_steps=range(1, 3)"]  # fmt: skip
-    first = cli(*args, cwd=tmp_path, timeout=240)
+    first = cli(*args, cwd=tmp_path, timeout=hang_guard(900))
     assert first.returncode == 0, first.stderr[-3000:]
     seen: set[Path] = set()
     sweep_dir = new_sweep(tmp_path, seen)
@@ -177,7 +177,7 @@ def test_optuna_sweep_minimizes_the_recorded_objective_and_replays_from_mlflow(t
     result = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
     assert result["best_value"] == pytest.approx(min(objectives))
 
-    again = cli(*args, cwd=tmp_path, timeout=240)  # seeded TPE asks the same trials; MLflow answers them
+    again = cli(*args, cwd=tmp_path, timeout=hang_guard(900))  # seeded TPE asks the same trials; MLflow answers them
     assert again.returncode == 0, again.stderr[-3000:]
     replay = new_sweep(tmp_path, seen)
     assert {r["status"] for r in records(replay).values()} == {"skipped"}
@@ -192,7 +192,7 @@ def test_multirun_under_torchrun_shares_one_directory_per_job(tmp_path: Path, ca
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
            "-m", *FAST, f"data.cache_dir={cache_dir}", "cluster=cpu_x2", "train.steps=2", "train.global_batch_size=8",
            "optimizer.beta2=0.95,0.99"]  # fmt: skip
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=hang_guard(900))
     assert r.returncode == 0, r.stderr[-3000:]
     sweep_dir = new_sweep(tmp_path, set())  # both ranks: one sweep directory (hlat.job_stamp through the agent store)
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]

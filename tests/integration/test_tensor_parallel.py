@@ -16,6 +16,7 @@ from hlat.config import ClusterConfig, ParallelismConfig, PrecisionConfig
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims
 from tests.integration.test_data_parallel import TINY, batches, free_port
+from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +79,7 @@ def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path:
     tp2 = [*common, "cluster=cpu_x2", "parallelism=tp2", "parallelism.sequence_parallel=true",
            f"tracker.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     for steps in (4, 8):  # the second leg resumes from the first one's checkpoint
-        r = cli(*tp2, f"train.steps={steps}", cwd=tmp_path, timeout=300)
+        r = cli(*tp2, f"train.steps={steps}", cwd=tmp_path, timeout=hang_guard(900))
         assert r.returncode == 0, r.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])

@@ -16,8 +16,8 @@ import sys
 import torch
 
 from hlat.backends.neuron import NeuronBackend
-from hlat.cli import compose_run_config
 from hlat.config import ModelConfig
+from hlat.config.compose import compose_run_config
 from hlat.model import Transformer
 
 

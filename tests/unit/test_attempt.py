@@ -1,4 +1,4 @@
-"""The job-wide restart attempt (``hlat.train.attempt``): every rank agrees on one number through a real ``TCPStore``, however
+"""The job-wide restart attempt (``hlat.attempt``): every rank agrees on one number through a real ``TCPStore``, however
 earlier attempts died, and the per-agent ``TORCHELASTIC_RESTART_COUNT`` no longer decides it."""
 
 from __future__ import annotations
@@ -13,21 +13,26 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hlat.train import attempt
+from hlat import attempt
 from hlat.train.checkpoint import restart_resume
 from hlat.train.rendezvous import loopback_store
+from tests.timeouts import hang_guard
 
 WORLD = 3
 
 
-def run_attempt(store: dist.Store, world: int, ranks: list[int], timeout_s: float = 30.0,
+def run_attempt(store: dist.Store, world: int, ranks: list[int], timeout_s: float | None = None,
                 lead_s: float = 0.0) -> dict[int, int | str]:  # fmt: skip
     """Run the handshake of ``ranks`` concurrently: rank -> number, or the error's text.
+
+    ``timeout_s`` is the handshake's own timeout: the subject where a test expects it to fire, else (None) a hang
+    guard, ``hang_guard(60)``.
 
     Each rank starts after a small random delay, the non-zero ranks ``lead_s`` later still (rank 0 then reads what
     earlier attempts left in the store before the live ranks overwrite it).
     """
     out: dict[int, int | str] = {}
+    timeout_s = hang_guard(60) if timeout_s is None else timeout_s
 
     def one(rank: int) -> None:
         time.sleep(random.uniform(0, 0.05) + (lead_s if rank else 0.0))
@@ -72,7 +77,7 @@ def test_every_rank_agrees_whatever_earlier_attempts_left_behind(dead: list[list
     for how in dead:
         leave_debris(store, WORLD, how)
     for _ in range(2):  # two live attempts in a row
-        got = run_attempt(store, WORLD, list(range(WORLD)), timeout_s=60.0, lead_s=lead_s)  # a hang guard
+        got = run_attempt(store, WORLD, list(range(WORLD)), lead_s=lead_s)  # a hang guard
         assert len(set(got.values())) == 1, got
         number = got[0]
         assert isinstance(number, int)

@@ -10,9 +10,9 @@ import torch
 
 from hlat.backends.torch import TorchBackend
 from hlat.config import ConfigError
+from hlat.state import TrainState
 from hlat.train import checkpoint
 from hlat.train.checkpoint import CheckpointError
-from hlat.train.loop import TrainState
 
 WEIGHTS = "__0_0.distcp"  # torch.distributed.checkpoint's data file of rank 0
 

@@ -12,9 +12,9 @@ import yaml
 
 from hlat.backends import neuron
 from hlat.cli import main
+from hlat.config import to_run_config
 from hlat.deploy import job_name, pytorchjob, sbatch_script, to_yaml, train_overrides
 from hlat.deploy.commands import install
-from hlat.train.run import to_run_config
 from tests.conftest import compose_cfg
 
 ENV = {"NEURON_FUSE_SOFTMAX": "1", "XLA_USE_BF16": "1"}

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from hlat.config import ConfigError
+from hlat.config import ConfigError, to_run_config
 from hlat.plan.memory import check_world, planned_budget
 from hlat.train.launch import supervise
-from hlat.train.run import main, to_run_config
+from hlat.train.run import main
 from tests.conftest import CONF, compose_cfg
 
 GiB = 1024**3

@@ -1,4 +1,4 @@
-"""hlat.track.compare: run selection from a real sqlite MLflow store, the comparison table, the report files, the CLI."""
+"""hlat.track.compare: run selection from a real sqlite MLflow store, the comparison table, the report files, CLI."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from hlat.config import ConfigError, ModelConfig, RunConfig
-from hlat.train.run import to_run_config
+from hlat.config import ConfigError, ModelConfig, RunConfig, to_run_config
 from tests.conftest import CONF, compose_cfg
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hlat.config import ConfigError, RunConfig
+from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.deploy import (
     Install,
     compile_overrides,
@@ -27,7 +27,6 @@ from hlat.deploy import (
 )
 from hlat.deploy.commands import install
 from hlat.deploy.render import HOST_ONLY_KEYS, check_name, launch_env, override_key
-from hlat.train.run import to_run_config
 from tests.conftest import compose_cfg
 
 SCHEMA = Path(__file__).resolve().parents[1] / "data" / "pytorchjob.schema.json"

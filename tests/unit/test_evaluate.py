@@ -27,12 +27,13 @@ from hlat.eval.harness import HlatLM, evaluate  # noqa: E402
 from hlat.eval.inference import greedy, greedy_batch, load  # noqa: E402
 from hlat.eval.tasks import TASKS, task_manager  # noqa: E402
 from tests.conftest import compose_cfg  # noqa: E402
+from tests.timeouts import hang_guard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
         "model.vocab_size=384", "model.max_seq_len=256", "train.seq_len=64", "train.global_batch_size=4",
         "train.micro_batch_size=4", "train.steps=2", "optimizer.warmup_steps=1", "tracker=console",
-        "tracker.plots=false", "data.worker=none", "train.async_checkpoint=false"]  # fmt: skip
+        "tracker.plots=false", "data.worker=none", "train.async_checkpoint=false", "health=off"]  # fmt: skip
 TEXT = "Return the number of items in the container. Raise ValueError if the argument is negative."
 
 
@@ -253,7 +254,7 @@ def test_command_line(run_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "hlat.eval.harness", "--model", "hlat", "--model_args",
                            f"checkpoint={run_dir}", "--tasks", "hlat_local", "--device", "cpu", "--limit", "2",
                            "--output_path", str(tmp_path / "out")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=hang_guard(900))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hlat_local_mc" in proc.stdout and "bits_per_byte" in proc.stdout
     (result,) = (tmp_path / "out").rglob("results_*.json")
@@ -373,7 +374,8 @@ def test_bf16_inference_runs_the_hosts_bf16_matmul_policy(run_dir: Path, monkeyp
     both policies score a text alike (within bf16 rounding of the fp32 model's logits)."""
     from hlat import bf16_matmul
     from hlat.bf16_matmul import EmulatedBf16Linear
-    from hlat.eval.inference import find_checkpoint, load_weights, model_config
+    from hlat.eval.inference import load_weights
+    from hlat.train.weights import find_checkpoint, model_config
 
     monkeypatch.setattr(bf16_matmul, "resolve_policy", lambda requested, device, cache_dir: (policy, "test"))
     path = find_checkpoint(run_dir / "checkpoints")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hlat.config import ConfigError, FaultConfig, HealthConfig
+from hlat.config import ConfigError, FaultConfig, HealthConfig, to_run_config
 from hlat.health import checks
 from hlat.health.neuron_tools import ToolResult, nccom_test, neuron_ls, parse_nccom_test, parse_neuron_ls
 from hlat.health.preflight import node_ranks, reference_peak
@@ -20,8 +20,8 @@ from hlat.health.report import JOB, HealthReport, RankResult, evaluate, node_med
 from hlat.health.stragglers import straggler_metrics
 from hlat.health.watchdog import HANG_EXIT_CODE, HangWatchdog, py_spy_dump
 from hlat.train.faults import FaultInjector
-from hlat.train.run import to_run_config
 from tests.conftest import compose_cfg
+from tests.timeouts import hang_guard
 
 # nccom-test's documented output (Neuron SDK docs, tools/neuron-sys-tools/nccom-test.rst): bandwidths in GiB/s.
 NCCOM_OK = """     size(B)    count(elems)     type    time(us)    algbw(GB/s)    busbw(GB/s)
@@ -318,7 +318,7 @@ def test_the_thread_fires_on_its_own_when_no_step_ends(tmp_path: Path) -> None:
     cfg = HealthConfig(watchdog_first_step_s=0.3, watchdog_grace_s=0)
     wd = HangWatchdog(cfg, tmp_path, 0, last_step=10, exit_fn=lambda c: (codes.append(c), fired.set())).start()
     try:
-        assert fired.wait(30), "the watchdog thread never fired"
+        assert fired.wait(hang_guard(120)), "the watchdog thread never fired"
     finally:
         wd.close()
     assert codes == [HANG_EXIT_CODE]
@@ -386,7 +386,7 @@ def test_auto_skips_a_device_it_cannot_time_and_on_refuses_it(caplog) -> None:
 def test_a_failed_preflight_is_final_and_a_hang_is_named_when_restarts_run_out(tmp_path: Path) -> None:
     from hlat.health.report import PreflightError
     from hlat.train import launch
-    from hlat.train.run import error_message
+    from hlat.train.launch import error_message
 
     assert issubclass(PreflightError, ConfigError)  # final like a configuration error (never retried) ...
     assert error_message(PreflightError("node vm: ...")) == "hlat: health check failed: node vm: ..."  # ... not one

@@ -11,14 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hlat import hf_layout
 from hlat.backends.torch import TorchBackend
 from hlat.backends.torch_dist import _interleave_gate_up
 from hlat.config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, ParallelismConfig, RunConfig, TrainConfig
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from hlat.eval import hf
 from hlat.model import Transformer
-from hlat.train import checkpoint
-from hlat.train.loop import TrainState
+from hlat.state import TrainState
+from hlat.train import checkpoint, weights
 
 VOCAB = 512
 # GQA with 2 query heads per kv head: the grouping of the fused qkv rows matters.
@@ -114,7 +115,7 @@ def test_export_then_import_gives_the_same_model(exported, tok) -> None:
         "tokenizer_config.json",
         "special_tokens_map.json",
     }
-    cfg, sd, spm = hf.import_hf(out)
+    cfg, sd, spm = weights.import_hf(out)
     assert cfg == CFG
     assert spm == out / "tokenizer.model" and spm.read_bytes() == tok.path.read_bytes()  # found by fingerprint
     want = model.state_dict()
@@ -201,7 +202,7 @@ def test_weights_only_checkpoint_round_trip(exported, tmp_path) -> None:
     meta = checkpoint.manifest(ckpt)
     assert meta["weights_only"] and meta["step"] == 0 and meta["tokenizer"] == "tokenizer.model"
     assert checkpoint.problems(ckpt, checksums=True) == [] and checkpoint.latest(tmp_path) is None  # no step_*
-    cfg, sd, _ = hf.load_checkpoint_weights(ckpt)
+    cfg, sd, _ = weights.load_checkpoint_weights(ckpt)
     assert cfg == CFG and all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
     again = hf.export_hf(ckpt, tmp_path / "again")  # its tokenizer travels with it
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
@@ -217,16 +218,16 @@ def test_tensor_parallel_checkpoint_gets_gate_up_back_in_order(tok, tmp_path) ->
     for block in model.layers:
         _interleave_gate_up(block.mlp.gate_up.weight, 2)
     ckpt = save_checkpoint(tmp_path / "ckpt", model, tok, tp=2)
-    _, sd, _ = hf.load_checkpoint_weights(ckpt)
+    _, sd, _ = weights.load_checkpoint_weights(ckpt)
     assert all(torch.equal(sd[k], v) and sd[k].dtype == torch.bfloat16 for k, v in want.items())
     out = hf.export_hf(ckpt, tmp_path / "out", tokenizer=tok.path)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    _, back, _ = hf.import_hf(out)
+    _, back, _ = weights.import_hf(out)
     assert torch.equal(back["layers.1.mlp.gate_up.weight"], want["layers.1.mlp.gate_up.weight"])
 
 
 def _hf(**kw) -> dict:
-    base = hf.hf_config(CFG, torch.float32, 1, 2)
+    base = hf_layout.hf_config(CFG, torch.float32, 1, 2)
     base.pop("hlat")
     return base | kw
 
@@ -243,7 +244,7 @@ def _hf(**kw) -> dict:
 ])  # fmt: skip
 def test_unsupported_hf_configs_are_refused(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        hf.model_config_from_hf(_hf(**change), "x")
+        hf_layout.model_config_from_hf(_hf(**change), "x")
 
 
 def test_hf_config_without_hlat_keys(exported, tmp_path) -> None:
@@ -257,13 +258,13 @@ def test_hf_config_without_hlat_keys(exported, tmp_path) -> None:
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # older exports saved it: ignored
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(_hf(tie_word_embeddings=True, rope_theta=500.0)))
-    cfg, sd, spm = hf.import_hf(tmp_path, untie_embeddings=True)
+    cfg, sd, spm = weights.import_hf(tmp_path, untie_embeddings=True)
     assert cfg == dataclasses.replace(CFG, name=tmp_path.name, scaled_init=True) and spm is None
     assert torch.equal(sd["lm_head.weight"], sd["embed.weight"]) and sd["lm_head.weight"] is not sd["embed.weight"]
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"wrong shapes.*up_proj.*\(95, 64\)"):
-        hf.import_hf(tmp_path, untie_embeddings=True)
+        weights.import_hf(tmp_path, untie_embeddings=True)
 
 
 def test_user_errors_name_the_fix(exported, tok, tmp_path) -> None:
@@ -273,10 +274,10 @@ def test_user_errors_name_the_fix(exported, tok, tmp_path) -> None:
     with pytest.raises(ConfigError, match="neither a checkpoint"):
         hf.export_hf(tmp_path, tmp_path / "x")
     with pytest.raises(ConfigError, match=r"no config\.json"):
-        hf.import_hf(tmp_path)
+        weights.import_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(_hf()))
     with pytest.raises(ConfigError, match="safetensors"):
-        hf.import_hf(tmp_path)
+        weights.import_hf(tmp_path)
     other = save_checkpoint(tmp_path / "other", random_model(), tok, fingerprint="0123456789abcdef")
     with pytest.raises(ConfigError, match=r"tokenizer of .*0123456789abcdef.*--tokenizer"):
         hf.export_hf(other, tmp_path / "y")
@@ -287,12 +288,12 @@ def test_init_weights_for_a_new_run(exported, tmp_path, caplog) -> None:
     model, ckpt, out = exported
     want = model.state_dict()
     for source, tokenizer in ((out, out / "tokenizer.model"), (ckpt, None)):
-        sd, spm = hf.load_init_weights(source, dataclasses.replace(CFG, max_seq_len=128))  # longer context: allowed
+        sd, spm = weights.load_init_weights(source, dataclasses.replace(CFG, max_seq_len=128))  # longer context: ok
         assert all(torch.equal(sd[k], v) for k, v in want.items())
         assert spm is not None and (tokenizer is None or spm == tokenizer)
     assert "model.max_seq_len=128; the weights were trained with 64" in caplog.text
     with pytest.raises(ConfigError, match=r"model\.n_kv_heads=4 but 2 there.*model\.n_kv_heads=2"):
-        hf.load_init_weights(out, dataclasses.replace(CFG, n_kv_heads=None))
+        weights.load_init_weights(out, dataclasses.replace(CFG, n_kv_heads=None))
 
 
 def test_cli(exported, tmp_path, capsys) -> None:

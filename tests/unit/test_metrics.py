@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hlat.backends.torch import TorchBackend
+from hlat.state import StepOutput, TrainState
 from hlat.track.metrics import MetricsLogger
-from hlat.train.loop import StepOutput, TrainState
 
 
 class CountingBackend(TorchBackend):

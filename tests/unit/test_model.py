@@ -173,7 +173,7 @@ def test_meta_build_then_init_is_deterministic() -> None:
 
 @pytest.mark.parametrize(("name", "expected"), [("7b", 6_738_415_616), ("70b", 68_976_648_192)])
 def test_paper_model_param_counts_on_meta(name: str, expected: int) -> None:
-    from hlat.train.run import to_run_config
+    from hlat.config import to_run_config
 
     assert count_params(to_run_config(compose_cfg(f"model={name}")).model) == expected
 

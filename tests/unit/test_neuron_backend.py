@@ -29,9 +29,10 @@ from hlat.config import (
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
+from hlat.state import TrainState
 from hlat.track.metrics import MetricsLogger
 from hlat.train import checkpoint
-from hlat.train.loop import TrainState, fit
+from hlat.train.loop import fit
 from tests.fakes.neuron_api import FakeNeuronApi
 
 MODEL = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)

@@ -91,7 +91,7 @@ def test_cpu_7b_advice_names_no_pipeline_and_no_nodes_but_a_cluster() -> None:
 
 
 def test_hlat_plan_reports_the_cluster_instead_of_would_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    from hlat.plan.report import main
+    from hlat.plan.command import main
 
     assert main([*CPU_7B]) == 0
     out = capsys.readouterr().out

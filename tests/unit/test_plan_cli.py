@@ -10,9 +10,10 @@ import pytest
 from hlat.cli import main as hlat_main
 from hlat.config import ConfigError
 from hlat.parallel import ParallelDims
+from hlat.plan.command import main
 from hlat.plan.memory import GiB, check_fits, estimate_memory, planned_budget, suggest_fixes, with_changes
 from hlat.plan.paper import compose
-from hlat.plan.report import main, make_plan
+from hlat.plan.report import make_plan
 
 # HLAT-7B on one trn1 node without sequence parallelism or checkpointing: ~23 GiB per NeuronCore of 14.4.
 TOO_BIG = ("experiment=hlat_7b", "cluster=trn1_1node", "parallelism.sequence_parallel=false",

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from hlat.config import ConfigError, RunConfig
+from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.parallel import ParallelDims
 from hlat.plan.memory import param_count
 from hlat.plan.step_model import (
@@ -22,7 +22,6 @@ from hlat.plan.step_model import (
     ring_all_reduce_s,
 )
 from hlat.track.metrics import Throughput, flops_per_token
-from hlat.train.run import to_run_config
 from tests.conftest import compose_cfg
 
 GB = 1e9

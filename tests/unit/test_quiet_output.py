@@ -20,6 +20,7 @@ from hlat.model import count_params as count_on_meta
 from hlat.plan import peak
 from hlat.track.progress import ProgressBar
 from tests.conftest import CONF, compose_cfg
+from tests.timeouts import hang_guard
 
 HEAVY = ("torch", "mlflow", "matplotlib", "pandas", "transformers")
 
@@ -51,7 +52,7 @@ logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow databas
 logging.getLogger("mlflow.tracking").warning("a warning of mlflow")
 logging.getLogger("hlat.train.run").info("a line of ours")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_guard(600))
     assert r.returncode == 0, r.stderr
     console = r.stdout + r.stderr
     assert "Creating initial MLflow" not in console
@@ -158,7 +159,8 @@ except SystemExit as e:
 finally:
     print("HEAVY=" + json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
+                       timeout=hang_guard(900))  # fmt: skip
     line = next((x for x in r.stdout.splitlines() if x.startswith("HEAVY=")), None)
     assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-2000:]
     return r, set(json.loads(line.removeprefix("HEAVY=")))

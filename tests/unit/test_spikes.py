@@ -17,8 +17,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hlat.backends.torch import TorchBackend
+from hlat.state import StepOutput, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector
-from hlat.train.loop import StepOutput, TrainState
 
 NAN, INF = float("nan"), float("inf")
 

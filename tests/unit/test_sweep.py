@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hlat.config import ConfigError
-from hlat.track import sweep
-from hlat.train import checkpoint, launch
-from hlat.train.run import to_run_config
+from hlat.config import ConfigError, resolvers, to_run_config
+from hlat.track import runs, sweep
+from hlat.train import checkpoint, launch, sweep_job
 from tests.conftest import compose_cfg, lock_held_elsewhere
+from tests.timeouts import hang_guard
 
 
 def run_config(tmp_path: Path, *overrides: str):
@@ -52,71 +52,71 @@ def test_config_hash_ignores_where_output_goes_but_not_what_is_computed(tmp_path
 def test_decide_trains_skips_a_finished_run_and_continues_a_dead_one(tmp_path: Path, monkeypatch) -> None:
     cfg = run_config(tmp_path)
     h = sweep.config_hash(dataclasses.asdict(cfg))
-    assert sweep.decide(cfg, tmp_path / "job0").action == "train"  # nothing in MLflow yet
+    assert sweep_job.decide(cfg, tmp_path / "job0").action == "train"  # nothing in MLflow yet
 
     dead_root = tmp_path / "old" / "checkpoints"
     dead_root.mkdir(parents=True)
     dead = make_run(tmp_path, h, "KILLED", checkpoint_dir=str(dead_root), run_dir=str(tmp_path / "old"))
     monkeypatch.setattr(checkpoint, "latest", lambda root: root / "step_00000004" if root == dead_root else None)
-    d = sweep.decide(cfg, tmp_path / "job1")
+    d = sweep_job.decide(cfg, tmp_path / "job1")
     assert (d.action, d.run_id, d.checkpoint_dir) == ("resume", dead, str(dead_root))
 
     # A live trainer holds that directory (another sweep still running it): train afresh instead of sharing it.
     lock = checkpoint.hold_lock(dead_root)
     try:
-        assert sweep.decide(cfg, tmp_path / "job2").action == "train"
+        assert sweep_job.decide(cfg, tmp_path / "job2").action == "train"
     finally:
         lock.close()
 
     finished = make_run(tmp_path, h, "FINISHED")
     make_run(tmp_path, "0" * 16, "FINISHED")  # another config: never picked
-    d = sweep.decide(cfg, tmp_path / "job3")
+    d = sweep_job.decide(cfg, tmp_path / "job3")
     assert (d.action, d.run_id, d.config_hash) == ("skip", finished, h)
     record = json.loads((tmp_path / "job3" / sweep.JOB_FILE).read_text())
     assert record["decision"]["action"] == "skip"
 
     off = run_config(tmp_path, "tracker.skip_finished=false")
-    assert sweep.decide(off, tmp_path / "job4").action == "train"
+    assert sweep_job.decide(off, tmp_path / "job4").action == "train"
 
 
 def test_a_restarted_job_keeps_its_first_decision_and_other_ranks_follow_rank_0(tmp_path: Path, monkeypatch) -> None:
     cfg = run_config(tmp_path)
     job = tmp_path / "job"
-    first = sweep.decide(cfg, job)
+    first = sweep_job.decide(cfg, job)
     make_run(tmp_path, first.config_hash, "FINISHED")  # finished after this job decided to train
-    assert sweep.decide(cfg, job) == first  # the restart does not skip its own job
+    assert sweep_job.decide(cfg, job) == first  # the restart does not skip its own job
 
     other = tmp_path / "other"
     monkeypatch.setenv("RANK", "1")
     decided: list = []
-    t = threading.Thread(target=lambda: decided.append(sweep.decide(cfg, other)))
+    t = threading.Thread(target=lambda: decided.append(sweep_job.decide(cfg, other)))
     t.start()
     time.sleep(0.5)
     assert not decided  # rank 1 waits for rank 0's record, it never asks MLflow itself
     other.mkdir()
     (other / sweep.JOB_FILE).write_text(json.dumps({"decision": {"action": "skip", "config_hash": "h", "run_id": "r"}}))
-    t.join(timeout=5)
-    assert decided == [sweep.Decision("skip", "h", run_id="r")]
+    t.join(timeout=hang_guard(120))
+    assert decided == [sweep_job.Decision("skip", "h", run_id="r")]
 
 
 def test_a_rank_waiting_for_rank_0_gives_up_with_the_reason(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("RANK", "3")
     with pytest.raises(TimeoutError, match=r"rank 3 waited .* rank 0 .*\(hydra.sweep.dir\)"):
-        sweep._wait_for(tmp_path, "decision", timeout_s=0.3)
+        sweep_job._wait_for(tmp_path, "decision", timeout_s=0.3)
 
 
 def test_objective_is_the_tail_mean_from_mlflow_and_finish_records_it(tmp_path: Path) -> None:
     run_id = make_run(tmp_path, "h", "FINISHED")
-    value = sweep.objective(f"sqlite:///{tmp_path / 'mlflow.db'}", run_id, [])
+    value = runs.objective(f"sqlite:///{tmp_path / 'mlflow.db'}", run_id, [])
     assert value == pytest.approx(1.0)  # 12 points: the last one
-    assert sweep.objective(None, None, [4.0] * 10 + [2.0, 1.0]) == pytest.approx(1.0)
-    assert math.isnan(sweep.objective(None, None, []))
+    assert runs.objective(None, None, [4.0] * 10 + [2.0, 1.0]) == pytest.approx(1.0)
+    assert math.isnan(runs.objective(None, None, []))
     job = tmp_path / "sweep" / "0"
     job.mkdir(parents=True)
-    sweep.finish_job(job, mlflow_run_id=run_id, status="finished", objective=value)
-    assert sweep.job_objective(job) == value
-    sweep.finish_job(job, mlflow_run_id=run_id, status="finished", objective=math.nan)
-    assert sweep.job_objective(job) == math.inf  # diverged: the worst value for a minimizing sweeper
+    sweep_job.finish_job(job, mlflow_run_id=run_id, status="finished", objective=value)
+    assert sweep_job.job_objective(job) == value
+    sweep_job.finish_job(job, mlflow_run_id=run_id, status="finished", objective=math.nan)
+    assert sweep_job.job_objective(job) == math.inf  # diverged: the worst value for a minimizing sweeper
     assert sweep.recorded_run_ids(tmp_path / "sweep") == [run_id]
 
 
@@ -145,21 +145,21 @@ def test_rank_resolvers_and_the_job_stamp_shared_through_the_agent_store(monkeyp
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("SLURM_PROCID", raising=False)
-    assert (launch.rank_zero_only(".hydra"), launch.rank_suffix()) == (".hydra", "")
+    assert (resolvers.rank_zero_only(".hydra"), resolvers.rank_suffix()) == (".hydra", "")
     monkeypatch.setenv("SLURM_PROCID", "2")  # one Slurm task per node
-    assert (launch.rank_zero_only(".hydra"), launch.rank_suffix()) == (None, "_rank2")
+    assert (resolvers.rank_zero_only(".hydra"), resolvers.rank_suffix()) == (None, "_rank2")
     monkeypatch.setenv("RANK", "0")  # torchrun's RANK wins
-    assert launch.global_rank() == 0
+    assert resolvers.global_rank() == 0
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the torchrun agent's store
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
-    first = launch.job_stamp()
+    first = resolvers.job_stamp()
     assert store.get("hlat/job_stamp").decode() == first  # the first rank to ask stores its time
     store.set("hlat/job_stamp", "2020-01-01/00-00-00")  # as if that rank had asked long ago
-    assert launch.job_stamp() == "2020-01-01/00-00-00"  # every later rank (or a restart) gets the stored value
+    assert resolvers.job_stamp() == "2020-01-01/00-00-00"  # every later rank (or a restart) gets the stored value
 
 
 def test_slurm_rendezvous_meets_at_the_first_host(monkeypatch) -> None:
@@ -193,11 +193,11 @@ def test_a_sweep_job_is_named_by_the_overrides_that_tell_it_from_the_others(tmp_
     assert sweep.default_run_name(job_dir) == "optimizer.beta2=0.99,optimizer.lr=2,model.scaled_init=true"
 
     cfg = compose_cfg("tracker.experiment=sw")
-    named, run = sweep._named(cfg, to_run_config(cfg), job_dir)
+    named, run = sweep_job._named(cfg, to_run_config(cfg), job_dir)
     name = "optimizer.beta2=0.99,optimizer.lr=2,model.scaled_init=true"
     assert run.tracker.run_name == named.tracker.run_name == name
     mine = compose_cfg("tracker.run_name=mine")
-    assert sweep._named(mine, to_run_config(mine), job_dir)[1].tracker.run_name == "mine"  # the user's name wins
+    assert sweep_job._named(mine, to_run_config(mine), job_dir)[1].tracker.run_name == "mine"  # the user's name wins
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

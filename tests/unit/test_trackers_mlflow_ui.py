@@ -14,9 +14,11 @@ from typing import ClassVar
 import pytest
 
 from hlat.config import TrackerConfig
-from hlat.track import sweep_callback, trackers
+from hlat.track import trackers
 from hlat.track.runs import RunData
 from hlat.track.trackers import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MLflowTracker, experiment_id, ui_page
+from hlat.train import sweep_callback
+from tests.timeouts import hang_guard
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +118,7 @@ def test_the_loss_is_a_runs_first_metric_and_system_metrics_start_after_it(store
     assert first_metrics(store, ml.run_id) == [] and not fake_monitor.made
     ml.log_metrics([(1, {"perf/tokens_per_s": 5.0, "train/loss": 9.0})])
     ml.log_metrics([(2, {"train/loss": 8.0, "perf/tokens_per_s": 6.0})])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + hang_guard(120)
     while not fake_monitor.made and time.monotonic() < deadline:  # the background thread sends the loss, then starts it
         time.sleep(0.05)
     ml.finish()

@@ -1,0 +1,98 @@
+"""The fast suite's end-to-end cover: a micro model through ``run.main``, in-process, a few seconds a run.
+
+``make test`` leaves out the tests marked slow (``make test-slow`` and CI run them). What they prove end to end at
+larger sizes, through ``python train.py`` or over two processes, these tests keep in the fast suite on the smallest
+run that still shows it: a run lands in MLflow with its metrics and artifacts; a job stopped after step 3 and resumed
+continues its MLflow run and its losses bit for bit (so runs are deterministic); each non-finite-step policy does
+what it says; and two gloo ranks compute the gradient of the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hlat.state import HaltedError
+from hlat.train.run import main
+from tests.conftest import compose_cfg
+from tests.integration.test_fault_recovery import state_of
+
+MICRO = [
+    "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.log_every=1",
+    "optimizer.lr=3e-3", "optimizer.warmup_steps=2", "optimizer.decay_steps=4", "health=off",
+    "tracker.flush_every_s=0", "tracker.system_metrics=false",
+]  # fmt: skip
+"""~0.1 s a step on 2 CPU cores; 2 micro-batches a step (gradient accumulation). ``decay_steps`` pins the schedule,
+so a 3-step leg sees the learning rates of the 6-step run."""
+
+
+def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(tmp_path: Path, cache_dir: Path,
+                                                                               monkeypatch) -> None:  # fmt: skip
+    """Fast cover of test_train.py's slow short-run, resume and restarted-job tests (and of the determinism test it
+    replaces: the first leg's losses are the full run's)."""
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "mlflow.db"
+    common = [*MICRO, f"data.cache_dir={cache_dir}", f"tracker.uri=sqlite:///{db}"]
+    full = main(compose_cfg(*common, "train.steps=6"), run_dir=tmp_path / "full")
+    assert full.state is not None and full.state.step == 6 and full.state.tokens_seen == 6 * 4 * 32
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    run = client.get_run(full.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]  # every step
+    assert not any(k.startswith("time/") for _, row in full.history.rows for k in row)  # no step_breakdown: no timing
+    assert loss[0][1] == pytest.approx(math.log(4096), abs=0.3)  # ~ln(vocab) at init
+    for key in ("train/grad_norm", "train/param_norm", "train/lr", "perf/tokens_per_s", "perf/step_time_s",
+                "perf/data_wait_s", "data/documents_consumed", "data/padding_fraction"):  # fmt: skip
+        assert client.get_metric_history(run.info.run_id, key), key
+    lr = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
+    assert lr[2] == pytest.approx(3e-3) and lr[6] < lr[4] < lr[2]  # warm-up, then cosine decay
+    assert run.data.params["model.dim"] == "64" and run.data.tags["backend"] == "torch"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "provenance.json", "training.png", "spikes.json"} <= artifacts
+
+    # The same job in two legs: steps 1-3, then resumed to 6 from the step-3 checkpoint.
+    first = main(compose_cfg(*common, "train.steps=3"), run_dir=tmp_path / "first")
+    assert (tmp_path / "first" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
+    second = main(compose_cfg(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
+                  run_dir=tmp_path / "second")  # fmt: skip
+    assert first.history.series("train/loss") == full.history.series("train/loss")[:3]  # deterministic
+    assert second.history.series("train/loss") == full.history.series("train/loss")[3:]  # resumed bit for bit
+    assert second.mlflow_run_id == first.mlflow_run_id  # one MLflow run for the whole job
+    job = client.get_run(first.mlflow_run_id)
+    assert job.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(job.info.run_id, "train/loss")) == [1, 2, 3, 4, 5, 6]
+    assert job.data.tags["restart.changed.train.steps"] == "3 -> 6"
+    assert job.data.tags["resumed_from"].endswith("step_00000003")
+    restarts = max(client.get_metric_history(job.info.run_id, "uptime/restarts"), key=lambda m: m.step)
+    assert restarts.value == 1.0
+
+
+@pytest.mark.parametrize("policy", ["halt", "rollback", "skip_step"])
+def test_non_finite_step_policies(tmp_path: Path, cache_dir: Path, policy: str) -> None:
+    """Fast cover of test_fault_recovery.py's slow policy test: a NaN gradient injected at step 4 of 6."""
+    cfg = [*MICRO, f"data.cache_dir={cache_dir}", "tracker=console", "tracker.plots=false", "train.steps=6",
+           "train.checkpoint_every=2", "train.async_checkpoint=false", "fault=nonfinite", "fault.nonfinite_at=[4]",
+           f"train.on_nonfinite={policy}"]  # fmt: skip
+    root = tmp_path / "run" / "checkpoints"
+    if policy == "halt":
+        with pytest.raises(HaltedError, match=r"step 4: the loss or the gradient norm is not finite .* newest valid "
+                                              r"checkpoint is .*step_00000002"):  # fmt: skip
+            main(compose_cfg(*cfg), run_dir=tmp_path / "run")
+        assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002"]  # nothing non-finite was saved
+        return
+    state = main(compose_cfg(*cfg), run_dir=tmp_path / "run").state
+    assert state is not None and state.step == 6
+    if policy == "rollback":
+        assert (state.rollbacks, state.discarded_batches, state.skipped_updates) == (1, [4], 0)
+    else:
+        assert (state.rollbacks, state.discarded_batches, state.skipped_updates) == (0, [], 1)
+    final = state_of(root / "step_00000006", tmp_path)
+    assert all(torch.isfinite(v).all() for v in final["dcp"]["model"].values())
+    assert final["extra"]["train_state"]["step"] == 6
