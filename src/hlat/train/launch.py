@@ -1,8 +1,12 @@
-"""Local processes and automatic fault recovery: ``python train.py`` runs the trainer under torch elastic.
+"""The launcher: ``python train.py``'s entry, torch elastic supervision, and what a failure prints and exits with.
 
-With ``cluster.nproc_per_node > 1`` or ``cluster.max_restarts > 0`` the launching process becomes a torch elastic
-agent (the engine behind ``torchrun``, through its ``elastic_launch`` API): it starts ``nproc_per_node`` trainer
-processes (the ranks) and, when one dies (SIGKILL, a hardware or communication error, any exception), restarts
+:func:`entry` (``train.py``, ``hlat train``) trains in this process (:func:`hlat.train.run.main`), under torch
+elastic, or as one job of a multirun (:mod:`hlat.train.sweep_job`), and turns every way a run can end into one
+message, an exit code and the command that continues it; the build itself (``run.py``) only raises.
+
+Local processes and automatic fault recovery: with ``cluster.nproc_per_node > 1`` or ``cluster.max_restarts > 0`` the
+launching process becomes a torch elastic agent (the engine behind ``torchrun``, through its ``elastic_launch``
+API): it starts ``nproc_per_node`` trainer processes (the ranks) and, when one dies (SIGKILL, a hardware or communication error, any exception), restarts
 the whole group, up to ``max_restarts`` times. Every restart reuses the run directory, so ``train.resume=auto``
 continues from the newest valid checkpoint and the same MLflow run. Errors that a restart cannot fix (a
 configuration error, a halt on a non-finite step, a full disk) end the job at once instead. Under an external
