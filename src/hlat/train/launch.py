@@ -6,14 +6,14 @@ message, an exit code and the command that continues it; the build itself (``run
 
 Local processes and automatic fault recovery: with ``cluster.nproc_per_node > 1`` or ``cluster.max_restarts > 0`` the
 launching process becomes a torch elastic agent (the engine behind ``torchrun``, through its ``elastic_launch``
-API): it starts ``nproc_per_node`` trainer processes (the ranks) and, when one dies (SIGKILL, a hardware or communication error, any exception), restarts
-the whole group, up to ``max_restarts`` times. Every restart reuses the run directory, so ``train.resume=auto``
-continues from the newest valid checkpoint and the same MLflow run. Errors that a restart cannot fix (a
-configuration error, a halt on a non-finite step, a full disk) end the job at once instead. Under an external
-``torchrun`` (or Slurm / Kubeflow launching one) the trainer simply runs: that launcher already supervises it.
-A signal to the agent (SIGTERM, Ctrl-C, Slurm's SIGUSR1/SIGUSR2) is forwarded to the trainers, which stop at the next
-step boundary with a checkpoint of it (``hlat.train.preempt``); the job then ends preempted and resumable, not
-restarted.
+API): it starts ``nproc_per_node`` trainer processes (the ranks) and, when one dies (SIGKILL, a hardware or
+communication error, any exception), restarts the whole group, up to ``max_restarts`` times. Every restart reuses the
+run directory, so ``train.resume=auto`` continues from the newest valid checkpoint and the same MLflow run. Errors that
+a restart cannot fix (a configuration error, a halt on a non-finite step, a full disk) end the job at once instead.
+Under an external ``torchrun`` (or Slurm / Kubeflow launching one) the trainer simply runs: that launcher already
+supervises it. A signal to the agent (SIGTERM, Ctrl-C, Slurm's SIGUSR1/SIGUSR2) is forwarded to the trainers, which stop
+at the next step boundary with a checkpoint of it (``hlat.train.preempt``); the job then ends preempted and resumable,
+not restarted.
 """
 
 from __future__ import annotations
