@@ -2,7 +2,8 @@
 
 Owns ``memory`` (per-device memory estimate, the pre-flight fit check and the fixes it suggests), ``step_model``
 (the roofline step-time / MFU / cost model), ``peak`` (this host's measured matmul peak, the MFU denominator),
-``report`` (the ``hlat plan`` command) and ``paper`` (calibration and validation against the paper's figures).
+``report`` (the plan of a config and its text) and ``paper`` (calibration and validation against the paper's
+figures); ``command`` is the ``hlat plan`` command line, in the top layer with the other commands.
 
 May import: ``hlat.config`` and the core modules (``sizing``, ``parallel``, ``layouts``, ``host``,
 ``bf16_matmul``). Never the trainer, tracking, evaluation or the command line: the planner must run anywhere, in
