@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,28 +151,42 @@ def test_a_full_disk_stops_with_a_clear_error_and_the_rerun_loses_nothing(tmp_pa
     assert run.info.run_id == result.mlflow_run_id
 
 
-@pytest.mark.parametrize("policy", ["halt", "rollback", "skip_step"])
-def test_non_finite_step_policies(tmp_path: Path, cache_dir: Path, policy: str) -> None:
-    cfg = [*common(cache_dir, tmp_path / "mlflow.db"), "fault=nonfinite", "fault.nonfinite_at=[6]",
-           f"train.on_nonfinite={policy}", "train.steps=12"]  # fmt: skip
-    root = tmp_path / "run" / "checkpoints"
+def check_nonfinite_policy(cfg: list[str], run_dir: Path, policy: str, at: int, steps: int, saved: int) -> Any:
+    """Train ``cfg`` (a NaN gradient injected at step ``at`` of ``steps``) under ``train.on_nonfinite=policy``.
+
+    halt: the run raises HaltedError naming the newest valid checkpoint (step ``saved``), and nothing later is saved.
+    rollback / skip_step: the run finishes with one rollback (the batch of step ``at`` discarded) or one skipped
+    update, and its last checkpoint is finite. Returns the run's result (None for halt).
+    """
+    root = run_dir / "checkpoints"
+    cfg = [*cfg, "fault=nonfinite", f"fault.nonfinite_at=[{at}]", f"train.on_nonfinite={policy}",
+           f"train.steps={steps}"]  # fmt: skip
     if policy == "halt":
-        with pytest.raises(HaltedError, match=r"step 6: the loss or the gradient norm is not finite .* newest valid "
-                                              r"checkpoint is .*step_00000004"):  # fmt: skip
-            main(compose_cfg(*cfg), run_dir=tmp_path / "run")
-        assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004"]  # nothing non-finite was saved
-        return
-    result = main(compose_cfg(*cfg), run_dir=tmp_path / "run")
+        with pytest.raises(HaltedError, match=rf"step {at}: the loss or the gradient norm is not finite .* newest "
+                                              rf"valid checkpoint is .*step_{saved:08d}"):  # fmt: skip
+            main(compose_cfg(*cfg), run_dir=run_dir)
+        assert sorted(p.name for p in root.glob("step_*")) == [f"step_{saved:08d}"]  # nothing non-finite was saved
+        return None
+    result = main(compose_cfg(*cfg), run_dir=run_dir)
     state = result.state
+    assert state is not None and state.step == steps
     if policy == "rollback":
-        assert (state.rollbacks, state.discarded_batches, state.skipped_updates) == (1, [6], 0)
+        assert (state.rollbacks, state.discarded_batches, state.skipped_updates) == (1, [at], 0)
     else:
         assert (state.rollbacks, state.discarded_batches, state.skipped_updates) == (0, [], 1)
-    final = state_of(root / "step_00000012", tmp_path)
+    final = state_of(root / f"step_{steps:08d}", run_dir.parent)
     assert all(torch.isfinite(v).all() for v in final["dcp"]["model"].values())
-    assert final["extra"]["train_state"]["step"] == 12
-    losses = dict(result.history.series("train/loss"))
-    assert all(map(torch.isfinite, torch.tensor([losses[s] for s in range(7, 13)])))
+    assert final["extra"]["train_state"]["step"] == steps
+    return result
+
+
+@pytest.mark.parametrize("policy", ["halt", "rollback", "skip_step"])
+def test_non_finite_step_policies(tmp_path: Path, cache_dir: Path, policy: str) -> None:
+    result = check_nonfinite_policy(common(cache_dir, tmp_path / "mlflow.db"), tmp_path / "run", policy, at=6,
+                                    steps=12, saved=4)  # fmt: skip
+    if result is not None:
+        losses = dict(result.history.series("train/loss"))
+        assert all(map(torch.isfinite, torch.tensor([losses[s] for s in range(7, 13)])))
     shutil.rmtree(tmp_path / "run")
 
 

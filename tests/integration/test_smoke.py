@@ -13,12 +13,10 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
-from hlat.state import HaltedError
 from hlat.train.run import main
 from tests.conftest import compose_cfg
-from tests.integration.test_fault_recovery import state_of
+from tests.integration.test_fault_recovery import check_nonfinite_policy
 
 MICRO = [
     "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
@@ -76,23 +74,7 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(t
 
 @pytest.mark.parametrize("policy", ["halt", "rollback", "skip_step"])
 def test_non_finite_step_policies(tmp_path: Path, cache_dir: Path, policy: str) -> None:
-    """Fast cover of test_fault_recovery.py's slow policy test: a NaN gradient injected at step 4 of 6."""
-    cfg = [*MICRO, f"data.cache_dir={cache_dir}", "tracker=console", "tracker.plots=false", "train.steps=6",
-           "train.checkpoint_every=2", "train.async_checkpoint=false", "fault=nonfinite", "fault.nonfinite_at=[4]",
-           f"train.on_nonfinite={policy}"]  # fmt: skip
-    root = tmp_path / "run" / "checkpoints"
-    if policy == "halt":
-        with pytest.raises(HaltedError, match=r"step 4: the loss or the gradient norm is not finite .* newest valid "
-                                              r"checkpoint is .*step_00000002"):  # fmt: skip
-            main(compose_cfg(*cfg), run_dir=tmp_path / "run")
-        assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002"]  # nothing non-finite was saved
-        return
-    state = main(compose_cfg(*cfg), run_dir=tmp_path / "run").state
-    assert state is not None and state.step == 6
-    if policy == "rollback":
-        assert (state.rollbacks, state.discarded_batches, state.skipped_updates) == (1, [4], 0)
-    else:
-        assert (state.rollbacks, state.discarded_batches, state.skipped_updates) == (0, [], 1)
-    final = state_of(root / "step_00000006", tmp_path)
-    assert all(torch.isfinite(v).all() for v in final["dcp"]["model"].values())
-    assert final["extra"]["train_state"]["step"] == 6
+    """Fast cover of test_fault_recovery.py's slow policy test (the same checks): a NaN gradient at step 4 of 6."""
+    cfg = [*MICRO, f"data.cache_dir={cache_dir}", "tracker=console", "tracker.plots=false",
+           "train.checkpoint_every=2", "train.async_checkpoint=false"]  # fmt: skip
+    check_nonfinite_policy(cfg, tmp_path / "run", policy, at=4, steps=6, saved=2)
