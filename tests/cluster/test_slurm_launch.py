@@ -23,6 +23,9 @@ SMALL = [
     "train.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=8", "optimizer.warmup_steps=2",
     "train.log_every=1", "tracker.flush_every_s=0", "health=off", "tracker.system_metrics=false",
 ]  # fmt: skip
+PACED = "fault.min_step_s=0.1"
+"""Steps of at least 0.1 s: a signal sent a poll (about a second) after the first checkpoint must find the job
+still running, however fast the machine."""
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -103,7 +106,7 @@ def test_preempted_job_checkpoints_requeues_and_finishes(
     waits the cluster's ``cred_expire`` (10 s, :func:`tests.cluster.slurm.slurm_conf`) before it starts again."""
     steps, every = 100, 20  # the signal lands a few steps after the first checkpoint, well before the last step
     script = render(tmp_path, "cluster=cpu", f"train.steps={steps}", f"train.checkpoint_every={every}",
-                    f"data.cache_dir={cache_dir}", f"train.log_every={every}")  # fmt: skip
+                    f"data.cache_dir={cache_dir}", f"train.log_every={every}", PACED)  # fmt: skip
     signalled = []
 
     def preempt(job: str) -> bool:
@@ -133,7 +136,7 @@ def test_an_administrators_requeue_checkpoints_and_the_job_continues(
     the regular ones) and finishes into the same MLflow run."""
     steps, every = 100, 20
     script = render(tmp_path, "cluster=cpu", f"train.steps={steps}", f"train.checkpoint_every={every}",
-                    f"data.cache_dir={cache_dir}", f"train.log_every={every}", "train.keep_last=0")  # fmt: skip
+                    f"data.cache_dir={cache_dir}", f"train.log_every={every}", "train.keep_last=0", PACED)  # fmt: skip
     requeued = []
 
     def requeue(job: str) -> bool:

@@ -34,7 +34,8 @@ def common(cache_dir: Path, db: Path) -> list[str]:
     """A short run that checkpoints only at its end: any other checkpoint is the preempted one."""
     return [*SMALL_RUN, f"train.steps={STEPS}", "train.checkpoint_every=0", "train.log_every=1",
             f"data.cache_dir={cache_dir}", f"tracker.uri=sqlite:///{db}", "tracker.flush_every_s=0",
-            "tracker.plots=false", "tracker.system_metrics=false", "health=off"]  # fmt: skip
+            "tracker.plots=false", "tracker.system_metrics=false", "health=off",
+            "fault.min_step_s=0.1"]  # fmt: skip  # paced: the signal must find the run still going, however fast
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hlat.config import ConfigError, FaultConfig
+from hlat.state import TrainState
 from hlat.train.faults import FaultInjector, kill_steps
 
 
@@ -49,3 +50,20 @@ def test_nan_gradients_at_the_chosen_step(tmp_path: Path) -> None:
     assert torch.isfinite(model.weight.grad).all()
     inj.poison_grads(2, model)
     assert torch.isnan(model.weight.grad).all()
+
+
+def test_min_step_s_sleeps_what_the_step_left_of_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that took 0.3 s of a 1 s minimum sleeps 0.7 s; one that took longer sleeps nothing."""
+    import hlat.train.faults as faults
+
+    now, slept = [100.0], []
+    monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(faults.time, "sleep", lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    inj = FaultInjector(FaultConfig(min_step_s=1.0), steps=10, markers=tmp_path / "faults")
+    assert inj.cfg.active
+    for step, took in enumerate([0.3, 2.5, 1.0], start=1):
+        now[0] += took
+        inj(TrainState(step=step), None)
+    assert slept == pytest.approx([0.7, 0.0, 0.0])
+    with pytest.raises(ConfigError, match=r"fault.min_step_s=-1.0 must be >= 0"):
+        FaultConfig(min_step_s=-1.0)

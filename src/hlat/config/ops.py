@@ -209,6 +209,9 @@ class FaultConfig(_Frozen):
     collective (exercises the hang watchdog, ``health.watchdog*``). A one-process run blocks on a wait instead."""
     hang_rank: int = 1
     """The rank that hangs at ``hang_at`` (must be a rank of the job: 0 in a one-process run)."""
+    min_step_s: float = 0.0
+    """Every step lasts at least this many seconds (a sleep after it): a stand-in for a real model's step time, so
+    that a test signalling a running job from outside cannot lose the race to a fast machine (0: off)."""
 
     def __post_init__(self) -> None:
         steps = [*self.kill_at, *self.nonfinite_at]
@@ -216,12 +219,13 @@ class FaultConfig(_Frozen):
         _check(all(s >= 1 for s in steps), f"fault: steps must be >= 1, got {sorted(steps)}")
         _check(self.hang_rank >= 0, f"fault.hang_rank={self.hang_rank} must be a rank (>= 0)")
         _check(self.kill_random >= 0, f"fault.kill_random={self.kill_random} must be >= 0")
+        _check(self.min_step_s >= 0, f"fault.min_step_s={self.min_step_s} must be >= 0 seconds (0: off)")
         self._freeze()
 
     @property
     def active(self) -> bool:
         """Whether anything is injected."""
-        return bool(self.kill_at or self.kill_random or self.nonfinite_at) or any(
+        return bool(self.kill_at or self.kill_random or self.nonfinite_at or self.min_step_s) or any(
             s is not None for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at)
         )
 

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -54,11 +55,14 @@ class FaultInjector:
         self.cfg, self.markers, self.rank = cfg, markers, rank
         self.kills = set(kill_steps(cfg, steps))
         self.hang_group = self._hang_group(cfg)
+        self.step_ended = time.monotonic()  # the first step's start, near enough: for ``min_step_s``
         if cfg.active:
-            log.warning("fault injection (fault=%s): kill after steps %s, crash in save %s, corrupt %s, disk full "
-                        "%s, NaN gradients at %s, hang at %s on rank %d", cfg.name, sorted(self.kills),
-                        cfg.crash_in_save_at, cfg.corrupt_at, cfg.disk_full_at, cfg.nonfinite_at, cfg.hang_at,
-                        cfg.hang_rank)  # fmt: skip
+            log.warning(
+                "fault injection (fault=%s): kill after steps %s, crash in save %s, corrupt %s, disk full %s, NaN "
+                "gradients at %s, hang at %s on rank %d, steps of at least %gs",
+                *(cfg.name, sorted(self.kills), cfg.crash_in_save_at, cfg.corrupt_at, cfg.disk_full_at),
+                *(cfg.nonfinite_at, cfg.hang_at, cfg.hang_rank, cfg.min_step_s),
+            )
 
     @staticmethod
     def _hang_group(cfg: FaultConfig) -> dist.ProcessGroup | None:
@@ -89,7 +93,10 @@ class FaultInjector:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __call__(self, state: TrainState, out: StepOutput) -> None:
-        """Loop hook (the last one, after the checkpoint hook): kill or hang after the chosen steps."""
+        """Loop hook (the last one, after the checkpoint hook): pace the step, kill or hang after the chosen steps."""
+        if self.cfg.min_step_s:
+            time.sleep(max(0.0, self.cfg.min_step_s - (time.monotonic() - self.step_ended)))
+            self.step_ended = time.monotonic()
         if state.step in self.kills and self._once(f"kill-{state.step}"):
             self._kill(f"after step {state.step}")
         if state.step == self.cfg.hang_at and self.rank == self.cfg.hang_rank and self._once(f"hang-{state.step}"):
