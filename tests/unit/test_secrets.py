@@ -1,5 +1,5 @@
 """Provenance without secrets: a variable whose name looks like a credential's is recorded as ``<redacted>`` wherever
-hlat writes the environment (``provenance.json`` and its MLflow artifact)."""
+hlat writes the environment (``provenance.json`` and its MLflow artifact), and no launch file holds one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from hlat.cli import main as hlat_main
+from hlat.config import to_run_config
+from hlat.deploy.render import launch_env
 from hlat.track.provenance import REDACTED, is_secret_name, redact_env, write_provenance
+from tests.conftest import compose_cfg
 
 CREDENTIALS = [
     *("NEURON_FAKE_TOKEN", "XLA_API_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"),
@@ -47,6 +51,7 @@ KNOBS = [
     *("NEURON_AUTHOR", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"),
 ]
 """Names that are not credentials and must keep their values in the record."""
+O7 = ["experiment=hlat_7b", "cluster=trn1_x64", "parallelism=hlat_7b"]
 
 
 def planted(prefix: str) -> dict[str, str]:
@@ -104,6 +109,34 @@ def test_provenance_records_credentials_as_redacted(tmp_path: Path, monkeypatch:
     assert env[URL[0]] == "https://<redacted>@cache.example/neuron"
     assert "HF_TOKEN" not in env  # only NEURON_* and XLA_* are recorded at all
     assert secrets_in(list(tmp_path.rglob("*"))) == [] and set(files) <= set(tmp_path.iterdir())
+
+
+def test_launch_files_hold_no_credential_of_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``hlat launch`` (all three targets) and ``hlat compile`` with credentials in the environment: none of them
+    reaches a file; the job gets them from the environment it starts in."""
+    for k, v in SECRET_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)
+    for argv in (
+        ["launch", "--target", "torchrun"],
+        ["launch", "--target", "slurm"],
+        ["launch", "--target", "eks", "--image", "reg/hlat:1"],
+        ["compile", "--target", "slurm"],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            hlat_main([*argv, "--out", str(tmp_path / "out"), *O7])
+        assert exit_.value.code == 0, capsys.readouterr().err
+    written = list((tmp_path / "out").iterdir())
+    assert len(written) == 4 and secrets_in(written) == []
+    assert "export NEURON_CC_FLAGS=" in next(p for p in written if p.suffix == ".sbatch").read_text()  # it exports
+
+
+def test_launch_env_refuses_a_credential_by_name() -> None:
+    cfg = to_run_config(compose_cfg(*O7))
+    with pytest.raises(ValueError, match=r"\['NEURON_FAKE_TOKEN'\] look like credentials.*Kubernetes Secret"):
+        launch_env(cfg, {"NEURON_FUSE_SOFTMAX": "1", "NEURON_FAKE_TOKEN": "x"})
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """What a run directory records so a result can be traced: git state, versions, environment.
 
 The environment is recorded without secrets: :func:`redact_env` is the one place that decides what is a credential,
-for every file hlat writes that holds environment variables (``provenance.json`` and its MLflow artifact).
+for every file hlat writes that holds environment variables (``provenance.json`` and its MLflow artifact here; the
+launch files of ``hlat.deploy`` refuse such names).
 """
 
 from __future__ import annotations
