@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from hlat.config import RunConfig
 from hlat.parallel import ParallelDims
+from hlat.track.provenance import is_secret_name
 from hlat.train.preempt import AGENT_SIGNALS, launcher_grace_s
 
 RDZV_PORT = 29400
@@ -234,8 +235,11 @@ def launch_env(cfg: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
     ``train.preempt_grace_s`` + 10 s before it kills them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``); environment
     variables, because a torchrun that predates these settings ignores them where it would refuse the flags.
 
+    A launch file is written down and shared, so it never holds a credential (``hlat.track.provenance.is_secret_name``):
+    hlat exports none, and a job that needs one takes it from the environment it is started in.
+
     Raises:
-        ValueError: a name that is not a shell variable name.
+        ValueError: a name that is not a shell variable name, or one that looks like a credential's.
     """
     out = {k: str(v) for k, v in env.items()}
     if cfg.cluster.backend == "neuron":
@@ -245,6 +249,12 @@ def launch_env(cfg: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
     bad = [k for k in out if not _ENV_NAME.match(k)]
     if bad:
         raise ValueError(f"environment variable names {bad} are not valid shell names")
+    secret = [k for k in out if is_secret_name(k)]
+    if secret:
+        raise ValueError(
+            f"environment variables {secret} look like credentials, and a launch file must not hold one: set them in "
+            "the environment the job starts in (exported before sbatch or the node script; a Kubernetes Secret on EKS)"
+        )
     return out
 
 

@@ -1,4 +1,9 @@
-"""What a run directory records so a result can be traced: git state, versions, environment."""
+"""What a run directory records so a result can be traced: git state, versions, environment.
+
+The environment is recorded without secrets: :func:`redact_env` is the one place that decides what is a credential,
+for every file hlat writes that holds environment variables (``provenance.json`` and its MLflow artifact here; the
+launch files of ``hlat.deploy`` refuse such names).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import contextlib
 import json
 import os
 import platform
+import re
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
@@ -22,6 +29,19 @@ PACKAGES = (
     "neuronx-distributed",
     "torch-xla",
 )
+REDACTED = "<redacted>"
+"""What a credential's value is recorded as, so the record still shows that the variable was set."""
+SECRET_ENDINGS = ("TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "CREDENTIALS")
+"""Words that mark a credential also at the end of a longer name part (``GITHUBTOKEN``, ``CLIENTSECRET``)."""
+_WHOLE = frozenset({"KEY", "KEYS", "APIKEY", "ACCESSKEY", "PRIVATEKEY", "PRIVATE", "PASS", "PWD", "CREDS"})
+SECRET_WORDS = _WHOLE | {"AUTH", "OAUTH", "AUTHORIZATION", "SESSION", "COOKIE", *SECRET_ENDINGS}
+"""Name parts (split on ``_`` and other non-alphanumerics, case-insensitive) that mark a credential: ``API_KEY`` and
+``AWS_ACCESS_KEY_ID`` match ``KEY``, ``MONKEY`` does not (``KEY`` and ``PASS`` end harmless words: ``BYPASS``).
+``CERT`` is not one: certificates and their paths are public, and a private key's name says ``KEY`` or ``PRIVATE``."""
+NOT_SECRETS = frozenset({"NEURON_TOKEN_GEN_BUCKETS"})
+"""Names that match the words above but are Neuron knobs, not credentials (inference's token-generation buckets)."""
+_URL_USERINFO = re.compile(r"://[^/?#@\s]+@")
+"""The ``user:password@`` of a URL (``https://<token>@host`` too: a user name alone may be a token)."""
 
 
 def _git(*args: str, cwd: Path) -> str | None:
@@ -50,9 +70,25 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a variable's name looks like a credential's (:data:`SECRET_ENDINGS`, :data:`SECRET_WORDS`)."""
+    if name.upper() in NOT_SECRETS:
+        return False
+    parts = re.split(r"[^A-Z0-9]+", name.upper())
+    return any(p in SECRET_WORDS or p.endswith(SECRET_ENDINGS) for p in parts)
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as it may be written down: every credential's value is :data:`REDACTED`.
+
+    So is the ``user:password@`` of a URL in any other value (a compile cache's or a store's URL).
+    """
+    return {k: REDACTED if is_secret_name(k) else _URL_USERINFO.sub(f"://{REDACTED}@", v) for k, v in env.items()}
+
+
 def runtime_env() -> dict[str, str]:
-    """The ``NEURON_*`` and ``XLA_*`` variables that change compilation and numerics on Trainium."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NEURON_", "XLA_"))}
+    """The ``NEURON_*`` and ``XLA_*`` variables that change compilation and numerics on Trainium, without secrets."""
+    return redact_env({k: v for k, v in sorted(os.environ.items()) if k.startswith(("NEURON_", "XLA_"))})
 
 
 def write_provenance(run_dir: Path, resolved_yaml: str) -> tuple[dict[str, str], list[Path]]:
