@@ -9,7 +9,8 @@
 # anything else is installed, so an unreachable repository fails in seconds. NXD_SOURCE=<file> (NXD_TARBALL, its old
 # name, works too) installs a local copy of the same release instead: its wheel or sdist, or the source archive of
 # github.com/aws-neuron/neuronx-distributed at tag v2.28.0, for machines without access to the Neuron repository.
-# --print-source prints what NxD would be installed from, and exits without building anything.
+# NXD_INDEX replaces the repository's URL (a mirror of it). --print-source prints what NxD would be installed from,
+# and exits without building anything.
 set -euo pipefail
 NXD_SOURCE="${NXD_SOURCE:-${NXD_TARBALL:-}}"
 if [ -f "$NXD_SOURCE" ]; then  # relative to where the script was called from
