@@ -11,7 +11,7 @@
 # docker/check_install.sh replays a target's COPY/RUN steps (read from this file) in a fresh venv without Docker;
 # tests/unit/test_dockerfile.py lints this file and asserts the facts stated in its comments.
 
-# The exact SDK 2.28 tag (shared/reference/neuron-nxd.md §4): torch 2.9.0, torch-neuronx 2.9.0.2.12.22436,
+# The exact SDK 2.28 tag (the Neuron SDK 2.28 release notes): torch 2.9.0, torch-neuronx 2.9.0.2.12.22436,
 # neuronx-cc 2.23.6484.0, neuronx_distributed 0.17.26814, NxDT 1.7.0, Python 3.12, Ubuntu 24.04. 2.28 is the last
 # SDK that supports NxD Core training; later tags are accepted as a build-arg but are not what hlat targets.
 ARG NEURON_DLC_IMAGE=public.ecr.aws/neuron/pytorch-training-neuronx
@@ -92,7 +92,7 @@ WORKDIR /opt/hlat
 
 # The cpu and gpu stages run the same steps (test_dockerfile.py keeps them identical); only the torch index
 # differs. torch is installed FIRST and pinned by constraints.txt: a bare torch requirement pulls multi-GB CUDA
-# wheels (shared/reference/environment.md), and hlat's own install then finds torch already satisfied.
+# wheels from PyPI, and hlat's own install then finds torch already satisfied.
 FROM python-base AS cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY constraints.txt ./

@@ -40,7 +40,8 @@ test-slow: install-dev
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 # The NxD lane: the neuron backend against the real NeuronX Distributed 0.17 on torch-xla's CPU device, in its own
-# environment (.venv-neuron: torch 2.9 + torch-xla 2.9 from PyPI, ~4 GB, ~5 min the first time; reused after).
+# environment (.venv-neuron: torch 2.9 + torch-xla 2.9 from PyPI, ~4 GB, ~5 min the first time; reused after), NxD
+# from the Neuron pip repository or from NXD_SOURCE=<a local copy> (tests/neuron/setup_venv.sh).
 test-neuron:
 	bash tests/neuron/setup_venv.sh
 	.venv-neuron/bin/python -m pytest -q tests/neuron $(ARGS)

@@ -7,7 +7,7 @@
 # Then train with `python train.py tracker.uri=http://<host>:5000`. Bound to loopback unless HOST says
 # otherwise; with HOST=0.0.0.0, MLflow 3's host-header check needs ALLOWED_HOSTS (the name clients use).
 # One worker and no job execution: starts in ~6 s and uses ~520 MB instead of ~20 s and ~3 GB
-# (shared/reference/environment.md).
+# (MLflow 3.17, measured on a 2-core machine).
 set -euo pipefail
 STORE="${MLFLOW_STORE:-$PWD/mlflow-server}"
 HOST="${HOST:-127.0.0.1}"

@@ -2,7 +2,7 @@
 
 Pre-norm RMSNorm, rotary position embeddings, grouped-query attention with ONE fused qkv projection,
 SwiGLU with ONE fused gate_up projection, causal attention without a mask tensor, untied LM head
-(PAPER.md, "Model"). Nothing here is distributed or backend-specific: parallelism and precision are
+(arXiv 2404.10630 §3.1, §3.5). Nothing here is distributed or backend-specific: parallelism and precision are
 applied from outside by ``hlat.backends``.
 
 For generation, ``forward(tokens, cache)`` with a ``KVCache`` (``model.new_cache()``) runs incrementally: each call
@@ -376,7 +376,7 @@ def init_normal(seed: int, name: str, shape: Sequence[int], std: float) -> torch
 
 
 def init_stds(cfg: ModelConfig) -> dict[str, float]:
-    """The init std of every weight matrix by name; the output projections get std/sqrt(2l) when scaled (PAPER.md)."""
+    """The init std of every weight matrix by name; output projections get std/sqrt(2l) when scaled (paper §4.3)."""
     std = cfg.init_std
     out: dict[str, float] = {"embed.weight": std, "lm_head.weight": std}
     for i in range(cfg.n_layers):

@@ -71,7 +71,7 @@ class ParallelDims:
     def dp_rank(self, rank: int) -> int:
         """The data-parallel replica of global ``rank`` (which data stream it reads).
 
-        Ranks are laid out ``[pp, dp, tp]`` row-major, NxD's order (reference neuron-nxd.md §1.6): tensor parallelism
+        Ranks are laid out ``[pp, dp, tp]`` row-major, NxD's order (its ``parallel_state.py``): tensor parallelism
         innermost, so it stays within a node; every tensor- and pipeline-parallel rank of a replica reads the same
         stream.
         """

@@ -13,7 +13,7 @@ exercised only in the lane.
 that a test installs (``FakeNeuronApi.install``) and removes afterwards, records every call with its arguments
 (``FakeNeuronApi.calls``), and behaves like NxD on ONE NeuronCore so that real training steps run on CPU:
 
-- the API functions have the real signatures of shared/reference/neuron-nxd.md (§1.2-§1.6), bound with
+- the API functions have the real signatures of NxD 0.17 (``trainer``, ``parallel_layers``, ``pipeline``), bound with
   ``inspect.Signature.bind``, so an argument NxD does not take fails the test as it would fail on trn1;
 - the parallel layers are plain linears/embeddings of the full size (tensor-parallel degree 1: every gather and
   reduce is the identity), keep NxD's parameter names and ``[S, B, H]`` sequence-parallel layout, and initialize on
@@ -70,7 +70,7 @@ def _signature(fn: Callable) -> inspect.Signature:
     return inspect.signature(fn)
 
 
-# --- the real signatures (reference §1.2-§1.6), used to bind what the backend passes -------------------------------
+# --- the real signatures (NxD 0.17), used to bind what the backend passes -----------------------------------------
 
 
 def _sig_column(input_size, output_size, bias=True, gather_output=True, dtype=torch.float32, device=None, stride=1,

@@ -3,11 +3,12 @@
 What it is: a meta-path finder (``install()``) that serves every ``torch_neuronx.*``, ``neuronxcc.*`` and
 ``libneuronxla.*`` module as an empty package whose attributes are inert placeholders: callable (with one function
 argument it returns that function, so ``@nki_jit`` and ``@nki_jit(...)`` decorate as the identity), usable as base
-classes, subscriptable and attribute-chainable. NxD 0.17 touches 48 such modules and 67 symbols at import time
-(``../shared/reference/nxd-on-xla-cpu.md``); none of them does anything here.
+classes, subscriptable and attribute-chainable. NxD 0.17 touches 48 such modules and 67 symbols at import time;
+none of them does anything here.
 
-What it is not: a fake of NxD or of torch-xla. Those are the real packages (installed from the vendored NxD source
-and PyPI's torch-xla 2.9), running on torch-xla's CPU device; nothing here computes, records or checks anything.
+What it is not: a fake of NxD or of torch-xla. Those are the real packages (NxD from the Neuron pip repository or a
+local copy, and PyPI's torch-xla 2.9), running on torch-xla's CPU device; nothing here computes, records or checks
+anything.
 A code path that really needs neuronx-cc, NKI kernels, the Neuron runtime or ``torch_neuronx.trace`` gets a
 placeholder and is not tested by the lane.
 

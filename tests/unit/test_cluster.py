@@ -27,7 +27,7 @@ GiB = 1024**3
 def test_cluster_presets(preset: str, backend: str, nodes: int, world: int) -> None:
     c = to_run_config(compose_cfg(f"cluster={preset}")).cluster
     assert (c.name, c.backend, c.nodes, c.world_size) == (preset, backend, nodes, world)
-    if preset.startswith("trn1_"):  # PAPER.md: 95 TFLOPS and 16 GiB per NeuronCore, $21.50 per trn1.32xlarge-hour
+    if preset.startswith("trn1_"):  # paper §2: 95 TFLOPS and 16 GiB per NeuronCore, $21.50 per trn1.32xlarge-hour
         assert (c.peak_tflops, c.device_memory_gib, c.price_per_hour, c.devices_per_node) == (95.0, 16, 21.5, 32)
         assert c.efa_devices == 8 and c.compile_cache.startswith("/var/tmp")  # local disk, not FSx
         assert c.max_restarts == (3 if nodes > 1 else 0)

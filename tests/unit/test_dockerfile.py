@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 DLC_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx"
-DLC_TAG = "2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04"  # shared/reference/neuron-nxd.md §4: SDK 2.28
+DLC_TAG = "2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04"  # aws-neuron/deep-learning-containers: SDK 2.28
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Real only on the Neuron pip repository; PyPI has empty placeholders under these names. The DLC ships them.
 NEURON_PACKAGES = {"torch-neuronx", "neuronx-distributed", "neuronx-distributed-training", "neuronx-cc", "libneuronxla"}

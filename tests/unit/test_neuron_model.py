@@ -143,7 +143,7 @@ def test_every_tp_plan_entry_is_an_nxd_layer_with_the_reference_arguments(monkey
     rows = api.all("RowParallelLinear")
     assert len(rows) == 4 and all(r.kwargs["input_is_parallel"] is True for r in rows)
     assert api.first("ParallelEmbedding").kwargs["sequence_parallel_enabled"] is True
-    # Scaled init (PAPER.md): the output projections of layer l get std / sqrt(2 l).
+    # Scaled init (arXiv 2404.10630 §4.3): the output projections of layer l get std / sqrt(2 l).
     stds = [r.kwargs["init_method"].std for r in rows]
     assert stds == pytest.approx([0.021 / math.sqrt(2), 0.021 / math.sqrt(2), 0.021 / 2, 0.021 / 2])
     assert qkv["init_method"].std == 0.021

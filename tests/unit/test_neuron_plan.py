@@ -1,6 +1,7 @@
 """Config -> Neuron environment and NxD config (backends/neuron_plan.py), exactly, for the paper's two recipes.
 
-Expected values come from shared/reference/neuron-nxd.md (§1.2, §1.6, §2.1, §7) and PAPER.md.
+Expected values come from NxD 0.17's code (``trainer/trainer.py``, ``pipeline/model.py``), HLAT's own scripts
+(github.com/awslabs/HLAT), the Neuron docs' PyTorch NeuronX environment variables and arXiv 2404.10630 §3.5.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Neuron precision mapping (backends/neuron.py), checked against shared/reference/neuron-nxd.md."""
+"""The Neuron precision mapping (backends/neuron.py), checked against NxD's Llama example and the Neuron docs."""
 
 from __future__ import annotations
 

@@ -161,6 +161,6 @@ def test_gpu_and_trn1n_presets_describe_their_hardware() -> None:
         return OmegaConf.to_object(compose_cfg(f"cluster={name}")).cluster
 
     p4d, p5, trn1n = c("p4d_x64"), c("p5_1node"), c("trn1n_1node")
-    assert (p4d.nodes, p4d.peak_tflops * p4d.devices_per_node, p4d.price_per_hour) == (64, 2496, 32.77)  # PAPER.md
+    assert (p4d.nodes, p4d.peak_tflops * p4d.devices_per_node, p4d.price_per_hour) == (64, 2496, 32.77)  # paper §2
     assert (p4d.inter_node_gbit_s, p5.inter_node_gbit_s, trn1n.inter_node_gbit_s) == (400, 3200, 1600)
     assert (p5.peak_tflops, p5.device_memory_gib, trn1n.devices_per_node) == (989.4, 80, 32)

@@ -1,4 +1,4 @@
-"""SpikeDetector against an independent re-implementation of the paper's definition (PAPER.md, "Monitoring").
+"""SpikeDetector against an independent re-implementation of the paper's definition (arXiv 2404.10630 §4.1).
 
 Every statistic the detector exposes is compared: the live row of each step (``spike/active``, ``spike/length``,
 ``spike/count``, ``spike/limit``), ``count``, ``length``, ``durations``, ``histogram()``, ``summary()`` and the

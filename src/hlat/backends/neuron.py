@@ -1,4 +1,4 @@
-"""The Trainium backend: torch-neuronx + neuronx-distributed (NxD 0.17, Neuron SDK 2.28; reference neuron-nxd.md).
+"""The Trainium backend: torch-neuronx + neuronx-distributed (NxD 0.17, Neuron SDK 2.28).
 
 The only module that imports ``torch_xla`` / ``neuronx_distributed``, and only inside ``_import_api`` (called by
 ``setup``): those wheels come from the Neuron repository in the Docker image, and importing them reads the
@@ -12,7 +12,7 @@ A run on trn1, in order (``run.main`` -> ``loop.fit``):
   import torch_xla and NxD, ``dist.init_process_group("xla")``, ``neuronx_distributed_config(...)`` (which
   initializes tensor/pipeline parallel state), ``model_parallel_xla_manual_seed(seed)``.
 - ``build_model``: ``initialize_parallel_model(nxd_config, closure)``; the zero-argument closure sidesteps the
-  ``include_buffers`` positional argument of NxD >= 0.10 (reference §1.3). NxD builds the ``Transformer`` on the meta
+  ``include_buffers`` positional argument of NxD >= 0.10 (``trainer.py``). NxD builds the ``Transformer`` on the meta
   device, ``to_neuron`` swaps in the parallel layers, NxD wraps it in ``NxDPPModel`` with PP, materializes it with
   ``ModuleInit`` and applies activation checkpointing.
 - ``build_optimizer``: ``initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, groups, ...)``; ZeRO-1 and
@@ -96,7 +96,7 @@ class _Api:
 
 
 def _import_api(cpu_mode: bool = False) -> _Api:
-    """Import torch_xla and NxD (reference §1.1, §1.5, §1.6); the environment must be set before.
+    """Import torch_xla and NxD (NxD's public API: its ``__init__.py``); the environment must be set before.
 
     ``cpu_mode`` (``cluster.nxd_cpu_mode``): NxD's CPU mode, where the model and every tensor stay on the CPU.
 
@@ -192,11 +192,11 @@ class NeuronBackend:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:
                 dist.init_process_group(backend, timeout=timeout)
-        # Initializes NxD's tensor/pipeline/data-parallel groups (the process group exists: reference §1.2).
+        # Initializes NxD's tensor/pipeline/data-parallel groups (the process group exists: NxD's ``trainer.py``).
         self.nxd_config = api.nxd.neuronx_distributed_config(
             **nxd_config_kwargs(cfg, param_init_fn=ModuleInit(cfg.model), world_size=ranks.world_size)
         )
-        api.manual_seed(seed)  # device RNG: after model-parallel init, per TP rank (reference §1.6)
+        api.manual_seed(seed)  # device RNG: after model-parallel init, per TP rank (NxD's ``random.py``)
         self.ranks, self.device = ranks, api.device()
         return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
                    memory_budget_bytes=planned_budget(cluster))  # fmt: skip
@@ -318,7 +318,7 @@ class NeuronBackend:
         # Synchronous on purpose, whatever train.async_checkpoint says (the Checkpointer still checksums and renames
         # in the background): NxD's async save finishes in CheckpointIOState.wait_save, which needs xm.rendezvous on
         # the main thread and writes its "done" marker late, into a directory the Checkpointer has renamed by then.
-        # HLAT's own scripts saved synchronously with xser too (reference §7).
+        # HLAT's own scripts saved synchronously with xser too (github.com/awslabs/HLAT).
         self._barrier("hlat-checkpoint-dir")  # rank 0 has (re)created `path`: now every rank writes into it
         torch.save(extra, path / EXTRA.format(rank=self.ranks.rank))
         kwargs, _ = checkpoint_calls(path, extra, async_save=False, zero1=self.cfg.parallelism.zero1)

@@ -3,15 +3,15 @@
 ``to_neuron`` takes an ``hlat.model.Transformer`` (built on the meta device inside NxD's
 ``initialize_parallel_model``) and swaps, as ``hlat.parallel.TP_PLAN`` says, its fused ``qkv`` for
 ``GQAQKVColumnParallelLinear``, ``gate_up`` and ``lm_head`` for ``ColumnParallelLinear``, ``o_proj`` and ``down`` for
-``RowParallelLinear`` and ``embed`` for ``ParallelEmbedding``, with the keyword arguments of reference
-``neuron-nxd.md`` §1.5/§1.7 (``gather_output=False``, ``input_is_parallel=True``, ``sequence_parallel_enabled``,
+``RowParallelLinear`` and ``embed`` for ``ParallelEmbedding``, with the keyword arguments of NxD's Llama
+example, ``modeling_llama_nxd.py`` (``gather_output=False``, ``input_is_parallel=True``, ``sequence_parallel_enabled``,
 ``stride=2`` for the fused [gate; up], ``kv_size_multiplier``, fp32 host dtype, ``reduce_dtype``, and an
 ``init_method`` with the model's std, scaled by 1/sqrt(2l) for the output projections). Module and parameter names
 stay those of ``hlat.model`` except inside the swapped layers (``attn.qkv.weight_qkv``).
 
 The NxD classes are *injected* (``NxDLayers``): this module imports nothing from ``torch_xla`` or
-``neuronx_distributed``, so it runs on CPU with stand-ins (DESIGN.md: "the neuron backend injects a layer
-factory"). It changes behaviour, not structure, by swapping the class of each module for a subclass defined here,
+``neuronx_distributed``, so it runs on CPU with stand-ins (the model stays single-device code; the backend injects
+the layers). It changes behaviour, not structure, by swapping the class of each module for a subclass defined here,
 as ``hlat.recompute`` does:
 
 - ``NeuronTransformer.forward(input_ids, labels)`` returns the loss (NxD's pipeline engine needs the loss inside the
@@ -115,7 +115,7 @@ class NeuronAttentionCore(AttentionCore):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         T = q.shape[2]
         scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5  # (B, H, T, T)
-        # Built on the device from the shape, never an input: a leaky input mask sent HLAT's loss to ~0 (PAPER.md).
+        # Built on the device from the shape, never an input: a leaky input mask sent HLAT's loss to ~0 (slides p.28).
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=self.upcast_dtype).to(q.dtype)
@@ -327,8 +327,8 @@ def mark_fused_qkv(layer: nn.Module) -> None:
 class ModuleInit:
     """NxD's ``param_init_fn(module, device)``: initialize ``module``'s own parameters on the host.
 
-    NxD calls it for every module after replacing that module's meta parameters by empty host tensors (reference
-    §1.2, §1.7). Parallel layers initialize themselves as in NxD's Llama example: ``init_weight_cpu`` (Column/Row/
+    NxD calls it for every module after replacing that module's meta parameters by empty host tensors (NxD's
+    model_utils.py). Parallel layers initialize themselves as in NxD's Llama example: ``init_weight_cpu`` (Column/Row/
     Embedding) or ``initialize_weight_biases`` (GQAQKV) run their ``init_method`` on the full weight and keep this
     rank's shard; their ``init_method`` (``NamedInit``, ``QKVInit``) draws by name, so every rank, stage and order
     gets the torch backend's weights. The fused qkv weight gets back its tensor-parallel attributes

@@ -2,10 +2,13 @@
 
 No ``torch_xla`` / ``neuronx_distributed`` import here (those live in ``hlat.backends.neuron`` only), so the
 mapping is tested exactly on any machine and the launch renderer can export ``neuron_env`` into Slurm, EKS and
-torchrun scripts. Every NxD name and value comes from ``shared/reference/neuron-nxd.md`` (§ numbers below).
+torchrun scripts. Every NxD name and value comes from public sources, named below: NxD 0.17's code and Llama
+examples (github.com/aws-neuron/neuronx-distributed, tag v2.28.0), the Neuron SDK docs and HLAT's scripts
+(github.com/awslabs/HLAT).
 None of this has run on a trn1 host.
 
-Precision on Neuron (reference §1.2, §1.8, §2.1, §3):
+Precision on Neuron (NxD's ``trainer/trainer.py`` and Llama example, Neuron SDK docs: PyTorch NeuronX environment
+variables, NxD Training precision types):
 
 - fp32: no XLA variable, SR 0, compiler ``--auto-cast=none``.
 - autocast: no XLA variable, SR 0, ``torch.autocast("xla", bf16)``.
@@ -41,21 +44,21 @@ from hlat.parallel import ParallelDims
 XLA_MODULES = ("torch_xla", "torch_neuronx", "neuronx_distributed")
 
 COMPILER_FLAGS = ("--model-type transformer", "--distribution-strategy=llm-training")
-"""HLAT's neuronx-cc flags (PAPER.md; reference §2.1, §7). NxDT drops ``llm-training`` with NKI flash attention;
+"""HLAT's neuronx-cc flags (paper §3.5, HLAT's scripts). NxDT drops ``llm-training`` with NKI flash attention;
 the neuron backend runs its own attention core (``NeuronAttentionCore``), never the NKI kernel, so it stays on."""
 INFLIGHT_REQUESTS = 3
-"""``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` without pipeline parallelism: HLAT-7B's value (PAPER.md)."""
+"""``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` without pipeline parallelism: HLAT-7B's value (paper §3.5)."""
 INFLIGHT_REQUESTS_PP = 31
-"""The same with pipeline parallelism: HLAT's own 70B script (reference §7). The pipeline schedule issues many small
+"""The same with pipeline parallelism: HLAT's own 70B script. The pipeline schedule issues many small
 graphs per step (a forward, a backward, sends and receives per micro-batch), so a deep queue keeps the cores fed;
 NxD's 70B example uses 7 and NxDT 5, which cost less device memory if 31 ever runs short."""
 MALLOC_ARENAS, MALLOC_ARENAS_PP = 64, 128
-"""``MALLOC_ARENA_MAX`` for HLAT's 7B and 70B scripts (reference §2.1): fewer glibc arenas, no host OOM. glibc reads
+"""``MALLOC_ARENA_MAX`` for HLAT's 7B and 70B scripts: fewer glibc arenas, no host OOM. glibc reads
 it at process start, so it only works exported by the launcher; setting it in-process changes nothing."""
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
-"""libfabric over EFA for multi-node collectives (reference §2.1)."""
+"""libfabric over EFA for multi-node collectives (HLAT's scripts)."""
 SEQUENTIAL_MOVE_FACTOR = 11
-"""Ranks per host that materialize their model shard at once (NxD's default, "works for 20B"; reference §1.2)."""
+"""Ranks per host that materialize their model shard at once (NxD's default, "works for 20B"; ``trainer.py``)."""
 RECOMPUTED: dict[str, type[torch.nn.Module] | None] = {"none": None, "full": NeuronBlock,
                                                       "selective": NeuronAttentionCore}  # fmt: skip
 """``activation_checkpoint_config`` per ``parallelism.activation_checkpointing``. Full recompute is the block class,
@@ -131,7 +134,7 @@ def neuron_env(cfg: RunConfig) -> dict[str, str]:
     """Every environment variable a trn1 trainer process of this run needs, as strings.
 
     The launch renderer exports exactly this dict (Slurm, EKS, torchrun); ``NeuronBackend.setup`` applies it
-    in-process with ``apply_env`` before torch_xla is imported. Contents (reference §2.1, §7; PAPER.md):
+    in-process with ``apply_env`` before torch_xla is imported. Contents (HLAT's scripts; paper §3.5, §4.3):
     ``NEURON_CC_FLAGS`` (``COMPILER_FLAGS``, the precision's flags, ``--cache_dir``), ``NEURON_COMPILE_CACHE_URL``
     (``cluster.compile_cache``: local disk by default, not the shared FSx), ``NEURON_FUSE_SOFTMAX=1``,
     ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` (3, or 31 with pipeline parallelism), ``MALLOC_ARENA_MAX``
@@ -168,7 +171,7 @@ def neuron_env(cfg: RunConfig) -> dict[str, str]:
 
 
 def pipeline_config(par: ParallelismConfig, num_microbatches: int) -> dict[str, Any]:
-    """``NxDPPModel`` keyword arguments (reference §1.6) for the decoder of ``hlat.backends.neuron_model``.
+    """``NxDPPModel`` keyword arguments (NxD's ``pipeline/model.py``) for the decoder of ``hlat.backends.neuron_model``.
 
     The model is traced with torch.fx (``tracer_cls="torch"``: not a Hugging Face model) from its
     ``forward(input_ids, labels)``, with blocks (NxD's default for ``transformer_layer_cls``), norms and the loss as
@@ -192,7 +195,7 @@ def pipeline_config(par: ParallelismConfig, num_microbatches: int) -> dict[str, 
 
 def nxd_config_kwargs(cfg: RunConfig, *, param_init_fn: Callable[..., None],
                       world_size: int | None = None) -> dict[str, Any]:  # fmt: skip
-    """Keyword arguments of ``neuronx_distributed.neuronx_distributed_config`` for this run (reference §1.2).
+    """Keyword arguments of ``neuronx_distributed.neuronx_distributed_config`` for this run (NxD's ``trainer.py``).
 
     Tensor and pipeline degrees, sequence parallelism, the optimizer (ZeRO-1; clipping is always on because NxD
     computes ``grad_norm`` only when it clips: ``optimizer.clip_grad_norm=0`` becomes an infinite limit), recompute
@@ -257,7 +260,7 @@ def checkpoint_calls(path: Path, extra: dict[str, Any], *, async_save: bool, zer
 
     ``hlat.train.checkpoint`` keeps owning atomicity and retention (the ``.tmp`` directory, manifest with checksums,
     keep_last / keep_every), so NxD writes into ``path`` as one tag and prunes nothing (``num_kept_ckpts=None``).
-    xser serialization writes one tensor at a time (no host OOM at 70B; reference §1.4); loader position, train
+    xser serialization writes one tensor at a time (no host OOM at 70B; NxD's ``checkpoint.py``); loader position, train
     state and RNG travel in ``user_content``. ``async_save`` uses NxD's own thread pool, which
     ``nxd.finalize_checkpoint()`` waits for. Not run on trn1 yet.
     """

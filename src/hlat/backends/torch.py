@@ -146,7 +146,7 @@ class TorchBackend:
         autocast = p.param_dtype == "float32" and p.compute_dtype != "float32"
         with torch.autocast(self.device.type, dtype=DTYPE[p.compute_dtype], enabled=autocast):
             logits = model(inputs)  # (B, T, V)
-        # fp32 softmax/CE by default: over a 32k vocabulary bf16 loses accuracy (PAPER.md, "Precision").
+        # fp32 softmax/CE by default: over a 32k vocabulary bf16 loses accuracy (HLAT slides p.37).
         logits = logits.float() if p.fp32_softmax_ce else logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).float()
 

@@ -51,7 +51,7 @@ class ClusterConfig(_Frozen):
     ``vpc.amazonaws.com/efa`` resource for multi-node runs."""
     compile_cache: str = "/var/tmp/neuron-compile-cache"
     """Neuron persistent compile cache (``NEURON_COMPILE_CACHE_URL``): on each worker's local disk, not the shared
-    FSx, which caused communication timeouts in HLAT (PAPER.md); the neuron backend only."""
+    FSx, which caused communication timeouts in HLAT (arXiv 2404.10630 §4.3); the neuron backend only."""
     pjrt_device: str = "NEURON"
     """torch-xla's runtime device on the neuron backend (``PJRT_DEVICE``): ``NEURON`` on trn1, ``CPU`` for the real
     NxD on torch-xla's CPU device (``cluster=xla_cpu``: a Neuron config smoke-tested without Trainium)."""
@@ -152,7 +152,7 @@ class TrackerConfig(_Frozen):
     flush_every_s: float = 5.0
     """Metrics are buffered and sent in one batch at most this often (and at the end)."""
     spike_window: int = 20
-    """Gradient spikes (PAPER.md, "Monitoring"): steps in the running mean r of the gradient norm."""
+    """Gradient spikes (arXiv 2404.10630 §4.1): steps in the running mean r of the gradient norm."""
     spike_threshold: float = 0.1
     """A spike starts when the gradient norm exceeds r + spike_threshold and lasts while it stays above."""
     spike_summary_every: int = 1000
@@ -237,7 +237,7 @@ class EvalTask(_Frozen):
     task: str = ""
     """lm-eval task or group name (``mmlu``, ``arc_easy``, hlat's offline ``hlat_local``...)."""
     num_fewshot: int = 0
-    """Shots, as the paper used them (PAPER.md, "Evaluation")."""
+    """Shots, as the paper used them (arXiv 2404.10630 §5, Table 3)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.task), "eval.tasks entries need a task name (e.g. {task: arc_easy, num_fewshot: 0})")

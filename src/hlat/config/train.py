@@ -122,7 +122,7 @@ class OptimizerConfig(_Frozen):
 
 @dataclass
 class PrecisionConfig(_Frozen):
-    """Backend-neutral numeric policy (``conf/precision/``); each backend translates it (PAPER.md, "Precision").
+    """Backend-neutral numeric policy (``conf/precision/``); each backend translates it (arXiv 2404.10630 §3.5, §6).
 
     The presets: ``fp32``; ``bf16`` (pure: bf16 parameters, gradients and AdamW moments, round-to-nearest-even);
     ``bf16_sr`` (the same, with every bf16 write of the optimizer stochastically rounded, as Trainium does);

@@ -42,7 +42,7 @@ from hlat.train.preempt import AGENT_SIGNALS, launcher_grace_s
 RDZV_PORT = 29400
 """Port of the c10d rendezvous store on the first node (torchrun's default for c10d)."""
 NOFILE = 65535
-"""Open-file limit for the trainer processes (the Neuron scripts raise it; reference neuron-nxd.md §2.1)."""
+"""Open-file limit for the trainer processes (NxD's Llama example scripts raise it to this value)."""
 ULIMIT = f'ulimit -n {NOFILE} 2>/dev/null || ulimit -n "$(ulimit -Hn)" || true'
 """Raise the open-file limit, or to the hard limit where that is lower; a failed ``ulimit`` must not end the job,
 which runs under ``set -e``."""
@@ -146,7 +146,7 @@ def compile_overrides(cfg: RunConfig, overrides: Sequence[str], steps: int) -> l
     """The run's overrides for an ahead-of-time compile of ``steps`` steps.
 
     The Neuron cache is keyed by the traced graphs and the compiler flags, so every setting that shapes a graph
-    stays exactly as in the run (reference neuron-nxd.md §2.3: otherwise the cache misses). Only keys in
+    stays exactly as in the run (Neuron SDK docs, neuron_parallel_compile: otherwise the cache misses). Only keys in
     :data:`HOST_ONLY_KEYS` change, and they are appended last:
 
     - ``train.steps=<steps>``;

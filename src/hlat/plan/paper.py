@@ -35,7 +35,7 @@ class Reference:
     source: str = ""
 
 
-REF = "/work/shared/reference/neuron-nxd.md §6 (the SDK's training_data_decoder.csv)"
+REF = "Neuron SDK docs, Trn1/Trn1n Training Performance (training_data_decoder.csv, its history)"
 SDK_7B_16 = Reference("7B, 16 nodes, TP8 DP64: seq/s, SDK 2.20", ("experiment=hlat_7b", "cluster.nodes=16"),
                       seq_per_s=101.3, source=REF)  # fmt: skip
 SDK_7B_16_OLD = Reference("7B, 16 nodes, TP8 DP64: seq/s, SDK 2.18", ("experiment=hlat_7b", "cluster.nodes=16"),

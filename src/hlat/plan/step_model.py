@@ -31,7 +31,7 @@ fitted to two published throughputs (``hlat.plan.paper``), and how well the mode
 
 Not modelled (each a few percent or less for the paper's recipes): latency terms of collectives, the vocabulary-
 parallel embedding and output layer's collectives, the imbalance of the first and last pipeline stages (embedding,
-output layer), host-side overheads (data loading runs ahead, PAPER.md), stragglers.
+output layer), host-side overheads (data loading runs ahead, arXiv 2404.10630 §3.3), stragglers.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Rows = list[tuple[int, dict[str, float]]]
 
 
 class SpikeDetector:
-    """Gradient spikes as the paper defines them (PAPER.md, "Monitoring"; arXiv 2404.10630 §4.2).
+    """Gradient spikes as the paper defines them (arXiv 2404.10630 §4.1, Fig. 2).
 
     r is the mean gradient norm of the previous ``window`` steps (every step enters it, spikes included). A spike
     starts at a step whose norm exceeds r + ``threshold`` and lasts while each following norm stays above its own
@@ -98,7 +98,7 @@ PEAK_TFLOPS = {
     "H100": {"bfloat16": 989.4, "float32": 66.9},  # SXM; fp32 without TF32
     "H200": {"bfloat16": 989.4, "float32": 66.9},
     "A100": {"bfloat16": 312.0, "float32": 19.5},
-    "trn1": {"bfloat16": 95.0},  # one NeuronCore-v2 (PAPER.md: 32 x 95 TFLOPS per trn1.32xlarge)
+    "trn1": {"bfloat16": 95.0},  # one NeuronCore-v2 (arXiv 2404.10630 §2: 32 x 95 TFLOPS per trn1.32xlarge)
 }
 
 
@@ -163,7 +163,7 @@ def first_peak_hint(source: str, cache_dir: str) -> bool:
 
 
 class Uptime:
-    """Goodput accounting of one training job across restarts (the paper's uptime, PAPER.md Table 1).
+    """Goodput accounting of one training job across restarts (the paper's uptime, arXiv 2404.10630 §4.2, Table 1).
 
     wall: seconds since the job's first launch (downtime between a crash and the restart included); productive:
     seconds of the steps the job keeps (restored from the checkpoint on resume, so work done after the last
