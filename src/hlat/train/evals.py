@@ -2,20 +2,54 @@
 
 A hook of the checkpointer on rank 0 (``on_saved``). Each evaluation runs in its own process (``python -m hlat.cli
 eval``): it needs no rank of the training job, runs on the torch backend whatever the job's layout, and logs into
-the training run at the checkpoint's step. Training imports nothing of :mod:`hlat.eval`.
+the training run at the checkpoint's step. Training imports nothing of :mod:`hlat.eval`: :func:`check` asks a child
+process too (``python -m hlat.eval.tasks``) whether lm-eval is installed and knows the tasks, before anything is
+built.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hlat.config import EvalConfig, RunConfig
+from hlat.config import ConfigError, EvalConfig, RunConfig
 
 log = logging.getLogger(__name__)
+
+
+def check(cfg: RunConfig) -> None:
+    """Before anything is built: lm-eval can be imported and knows every task that ``eval.every_tokens`` evaluates.
+
+    Asked of ``python -m hlat.eval.tasks`` in a child process, with this Python, as the evaluations themselves
+    will be (~2 s: lm-eval's import and hlat's task index; lm-eval's own ~15k task names are cached in
+    ``data.cache_dir``). A dry run (``train.dry_run``) plans without it: it may run where lm-eval is not installed.
+
+    Raises:
+        ConfigError: lm-eval is missing (the extra to install is named) or does not know a task (the closest names).
+    """
+    e = cfg.eval
+    if not e.every_tokens or cfg.train.dry_run:
+        return
+    names = [t.task for t in e.tasks]
+    cmd = [sys.executable, "-m", "hlat.eval.tasks", f"--preset={e.name}", f"--cache-dir={cfg.data.cache_dir}", *names]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode == 0:
+        return
+    said = [line for line in done.stderr.splitlines() if line.startswith(_CONFIG_ERROR)]
+    if done.returncode == 2 and said:
+        raise ConfigError(said[-1].removeprefix(_CONFIG_ERROR))
+    last = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    raise ConfigError(
+        f"eval={e.name}: checking its tasks with lm-eval failed (exit {done.returncode}: {last[0]}); run "
+        f"`{shlex.join(['python', *cmd[1:]])}` to see why, or train with eval.every_tokens=0"
+    )
+
+
+_CONFIG_ERROR = "hlat: configuration error: "
 
 
 def scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> EvalScheduler | None:

@@ -35,7 +35,7 @@ from hlat.config.resolvers import global_rank, under_elastic
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
 from hlat.state import HaltedError
-from hlat.train import checkpoint, preempt, sweep_job
+from hlat.train import checkpoint, evals, preempt, sweep_job
 from hlat.train.checkpoint import CheckpointError
 from hlat.train.run import hydra_output_dir, main
 
@@ -248,6 +248,7 @@ def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[floa
     Returns:
         The MLflow run id (None without MLflow) and the loss points this process logged (none when supervised).
     """
+    evals.check(cfg)  # the evaluation's tasks, before any process is started or anything built (every rank alike)
     if wants_launcher(cfg):
         run_dir = hydra_output_dir()
         supervise(hydra_cfg, cfg, run_dir)
