@@ -8,6 +8,7 @@ The end-to-end failure of a run (exit code, MLflow status) is in tests/integrati
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hlat.config import ConfigError
+from hlat.config import ConfigError, to_run_config
+from hlat.train import evals
+from tests.conftest import compose_cfg
 from tests.timeouts import hang_guard
 from tests.unit.test_bad_input import ROOT, TINY, one_clean_error
 
@@ -209,3 +212,56 @@ def test_without_lm_eval_training_and_hlat_eval_name_the_extra(tmp_path: Path) -
         pythonpath=[blocker],
     )
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------- a failed evaluation along training
+
+
+def test_eval_on_error_is_fail_or_warn() -> None:
+    from hlat.config.compose import compose_run_config
+
+    assert compose_run_config([]).eval.on_error == "fail"
+    with pytest.raises(ConfigError, match=r"eval\.on_error='ignore' is not one of \['fail', 'warn'\]"):
+        compose_run_config(["eval.on_error=ignore"])
+
+
+def failing_evaluations(tmp_path: Path, *overrides: str) -> tuple[evals.EvalScheduler, Path]:
+    """A scheduler whose evaluations fail for real: ``hlat eval`` on directories that are not checkpoints."""
+    cfg = to_run_config(compose_cfg("eval=local", "eval.every_tokens=64", "tracker=console", *overrides))
+    scheduler = evals.scheduler(cfg, tokens_per_step=64, tokens_seen=0)
+    assert scheduler is not None
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+    return scheduler, root
+
+
+def test_a_failed_evaluation_is_reported_at_the_next_checkpoint_and_fails_the_end(tmp_path: Path, caplog) -> None:
+    scheduler, root = failing_evaluations(tmp_path)
+    caplog.set_level(logging.INFO, logger="hlat.train.evals")
+    scheduler(root / "step_00000001", 1)
+    scheduler.procs[0][0].wait()
+    scheduler(root / "step_00000002", 2)  # the next checkpoint: the first evaluation's failure is logged now
+    early = [r for r in caplog.records if "the evaluation of step_00000001 failed (exit 2" in r.getMessage()]
+    assert len(early) == 1 and early[0].levelno == logging.ERROR
+    with pytest.raises(evals.EvalFailedError) as e:
+        scheduler.finish()
+    msg = str(e.value)
+    first_log = root / "eval" / "local_step_00000001.log"
+    last_line = first_log.read_text().strip().splitlines()[-1]
+    assert last_line.startswith("hlat: configuration error: ")  # what the child said
+    assert msg.startswith(
+        f"the evaluation along training of step_00000001 (exit 2), step_00000002 (exit 2) failed; "
+        f"{first_log}: {last_line}. Training finished and its checkpoints are kept"
+    )
+    assert f"`hlat eval checkpoint={root} all_checkpoints=true eval=local " in msg
+    assert msg.endswith("or set eval.on_error=warn to only warn when an evaluation fails")
+    assert not scheduler.procs
+
+
+def test_with_on_error_warn_a_failed_evaluation_only_warns(tmp_path: Path, caplog) -> None:
+    scheduler, root = failing_evaluations(tmp_path, "eval.on_error=warn")
+    scheduler(root / "step_00000001", 1)
+    scheduler.finish()
+    failed = [r for r in caplog.records if "the evaluation of step_00000001 failed (exit 2" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].levelno == logging.WARNING
