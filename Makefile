@@ -7,9 +7,10 @@ PY := $(VENV)/bin/python
 # a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-slow test-neuron test-cluster test-readme lint install install-dev clean
+.PHONY: demo test test-slow test-neuron test-cluster test-readme lint install install-dev install-eval clean
 
-# Two stamps: `make demo` installs what a run needs (torch + hlat), `make test` adds the dev tools on top.
+# Three stamps: `make demo` installs what a run needs (torch + hlat), `make test` adds the dev tools on top, and
+# `make install-eval` lm-evaluation-harness (the `eval` extra: `hlat eval`, eval.every_tokens), which the demo skips.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -21,9 +22,15 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
+$(VENV)/.installed-eval: $(VENV)/.installed
+	$(PY) -m pip install -q -c constraints.txt -e ".[eval]"
+	touch $@
+
 install: $(VENV)/.installed
 
 install-dev: $(VENV)/.installed-dev
+
+install-eval: $(VENV)/.installed-eval
 
 demo: install
 	$(PY) train.py $(ARGS)

@@ -52,3 +52,52 @@ def test_hlat_eval_refuses_what_it_cannot_evaluate(tmp_path: Path, capsys) -> No
     with pytest.raises(SystemExit) as e:
         cli_main(["eval", "tracker=console"])
     assert e.value.code == 2 and "needs a checkpoint" in capsys.readouterr().err
+
+
+def test_a_failed_evaluation_fails_the_run_unless_on_error_warn(tmp_path: Path, cache_dir: Path) -> None:
+    """Issue 33: the evaluation child fails for real (``eval.device=cuda`` where no GPU is visible); the run exits 1
+    with MLflow status FAILED, its training and checkpoints complete, also under torch elastic, which must not
+    restart it; ``eval.on_error=warn`` finishes the run."""
+    from mlflow import MlflowClient
+
+    from hlat.train import checkpoint
+    from tests.unit.test_bad_input import ROOT, TINY, one_clean_error
+    from tests.unit.test_eval_checks import run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # 2 x 32 tokens per step: the checkpoint of step 2 is evaluated
+    evaluated = [
+        *TINY,
+        "train.checkpoint_every=2",
+        "eval=local",
+        "eval.every_tokens=128",
+        "eval.limit=2",
+        "eval.device=cuda",
+        f"data.cache_dir={cache_dir}",
+        f"tracker.uri={uri}",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+    ]
+    client = MlflowClient(tracking_uri=uri)
+    for name, extra, code, status in [
+        ("fail", ["cluster.max_restarts=1"], 1, "FAILED"),
+        ("warn", ["eval.on_error=warn"], 0, "FINISHED"),
+    ]:
+        args = [str(ROOT / "train.py"), *evaluated, *extra, f"hydra.run.dir={tmp_path / name}"]
+        r = run(args, cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+        root = tmp_path / name / "checkpoints"
+        log = root / "eval" / "local_step_00000002.log"
+        if code:
+            line = one_clean_error(r, code)
+            assert line.startswith(
+                f"hlat: the evaluation along training of step_00000002 (exit 2) failed; {log}: "
+                "hlat: configuration error: device=cuda, but CUDA is not available here"
+            )
+            assert "Training finished and its checkpoints are kept" in line and "eval.on_error=warn" in line
+        else:
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert "the evaluation of step_00000002 failed (exit 2" in r.stdout
+        assert checkpoint.newest_complete(root) == checkpoint.step_dir(root, 2)  # training was not lost
+        mlflow_run = client.get_run(checkpoint.read_job(root)["mlflow_run_id"])
+        assert mlflow_run.info.status == status
+        assert max(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")) == 2

@@ -267,8 +267,12 @@ class EvalConfig(_Frozen):
     """Sequences per forward pass."""
     device: str | None = None
     """cpu or cuda; null: the training cluster's device (cuda when the run trained on cuda and one is present)."""
+    on_error: str = "fail"
+    """An evaluation along training that fails: ``fail`` the run once training is done (exit 1, MLflow FAILED; the
+    checkpoints are kept), or ``warn`` and finish it."""
 
     def __post_init__(self) -> None:
+        _check_choice("eval.on_error", self.on_error, ("fail", "warn"))
         _check(self.every_tokens >= 0, f"eval.every_tokens={self.every_tokens} must be >= 0 (0: off)")
         _check(self.limit is None or self.limit > 0, f"eval.limit={self.limit} must be > 0 or null")
         _check(self.batch_size > 0, f"eval.batch_size={self.batch_size} must be > 0")

@@ -3,7 +3,7 @@
 Owns ``harness`` (``HlatLM``, hlat as an lm-eval model, and ``python -m hlat.eval.harness``), ``run``
 (``hlat eval``: checkpoints -> scores -> MLflow), ``inference`` (load a checkpoint for inference, greedy decoding),
 ``hf`` (``hlat export`` / ``hlat import``), ``hf_tokenizer`` (a sentencepiece model as ``tokenizer.json``) and
-``tasks`` (the builtin lm-eval task files).
+``tasks`` (the builtin lm-eval task files, and ``python -m hlat.eval.tasks``: whether lm-eval knows a task).
 
 May import: anything below the command line (``hlat.config``, core, ``hlat.data``, ``hlat.backends``,
 ``hlat.track``, ``hlat.train``'s checkpoint and weight readers). Never ``hlat.cli``.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hlat.config import ConfigError, EvalConfig, EvalTask, RunConfig
+from hlat.eval.tasks import check_tasks
 from hlat.train import checkpoint
 
 log = logging.getLogger(__name__)
@@ -191,13 +192,14 @@ def main(cfg: RunConfig) -> list[tuple[Path, list[Score]]]:
     """``hlat eval``: evaluate ``cfg.eval.checkpoint`` (or all of a run's checkpoints) on ``cfg.eval.tasks``.
 
     Raises:
-        ConfigError: no checkpoint or tasks, a checkpoint of the neuron backend, or an unknown task.
+        ConfigError: no checkpoint or tasks, a checkpoint of the neuron backend, no lm-eval, or an unknown task.
     """
     e = cfg.eval
     if not e.checkpoint:
         raise ConfigError("hlat eval needs a checkpoint: hlat eval checkpoint=<run>/checkpoints[/step_N] tasks=local")
     if not e.tasks:
         raise ConfigError(f"eval={e.name} has no tasks: choose tasks=local, hlat_suite or truthfulness")
+    check_tasks([t.task for t in e.tasks], e.name, cfg.data.cache_dir)  # lm-eval and the task names, before any model
     ckpts = checkpoints_of(e.checkpoint, e.all_checkpoints)
     meta = checkpoint.manifest(ckpts[-1]) or {}
     trained = meta.get("config", {})

@@ -34,7 +34,7 @@ UNHASHED = frozenset({
     "tracker.flush_every_s", "tracker.system_metrics",
     "train.checkpoint_dir", "train.resume", "train.keep_last", "train.keep_every", "train.async_checkpoint",
     "train.checkpoint_every", "train.preempt_grace_s", "cluster.max_restarts", "data.cache_dir", "data.worker",
-    "data.prefetch",
+    "data.prefetch", "eval.on_error",
 })  # fmt: skip
 """Config keys that say where output goes or how it is kept, not what is computed: left out of the job hash."""
 UNHASHED_GROUPS = ("fault.",)

@@ -2,20 +2,58 @@
 
 A hook of the checkpointer on rank 0 (``on_saved``). Each evaluation runs in its own process (``python -m hlat.cli
 eval``): it needs no rank of the training job, runs on the torch backend whatever the job's layout, and logs into
-the training run at the checkpoint's step. Training imports nothing of :mod:`hlat.eval`.
+the training run at the checkpoint's step. Training imports nothing of :mod:`hlat.eval`: :func:`check` asks a child
+process too (``python -m hlat.eval.tasks``) whether lm-eval is installed and knows the tasks, before anything is
+built. An evaluation that fails fails the run once training is done (``eval.on_error=fail``), or only warns.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hlat.config import EvalConfig, RunConfig
+from hlat.config import ConfigError, EvalConfig, RunConfig
 
 log = logging.getLogger(__name__)
+
+
+class EvalFailedError(RuntimeError):
+    """An evaluation along training failed (``eval.on_error=fail``); training itself finished, its checkpoints kept."""
+
+
+def check(cfg: RunConfig) -> None:
+    """Before anything is built: lm-eval can be imported and knows every task that ``eval.every_tokens`` evaluates.
+
+    Asked of ``python -m hlat.eval.tasks`` in a child process, with this Python, as the evaluations themselves
+    will be (~2 s: lm-eval's import and hlat's task index; lm-eval's own ~15k task names are cached in
+    ``data.cache_dir``). A dry run (``train.dry_run``) plans without it: it may run where lm-eval is not installed.
+
+    Raises:
+        ConfigError: lm-eval is missing (the extra to install is named) or does not know a task (the closest names).
+    """
+    e = cfg.eval
+    if not e.every_tokens or cfg.train.dry_run:
+        return
+    names = [t.task for t in e.tasks]
+    cmd = [sys.executable, "-m", "hlat.eval.tasks", f"--preset={e.name}", f"--cache-dir={cfg.data.cache_dir}", *names]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode == 0:
+        return
+    said = [line for line in done.stderr.splitlines() if line.startswith(_CONFIG_ERROR)]
+    if done.returncode == 2 and said:
+        raise ConfigError(said[-1].removeprefix(_CONFIG_ERROR))
+    last = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    raise ConfigError(
+        f"eval={e.name}: checking its tasks with lm-eval failed (exit {done.returncode}: {last[0]}); run "
+        f"`{shlex.join(['python', *cmd[1:]])}` to see why, or train with eval.every_tokens=0"
+    )
+
+
+_CONFIG_ERROR = "hlat: configuration error: "
 
 
 def scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> EvalScheduler | None:
@@ -61,20 +99,25 @@ class EvalScheduler:
     """Training hook: start ``hlat eval`` on the first complete checkpoint past every ``every_tokens`` tokens.
 
     Called by the Checkpointer on rank 0 once a checkpoint is complete (``on_saved``). The evaluation runs in its own
-    process, on the torch backend, logging into the training run at the checkpoint's step; ``close`` waits for the
-    ones still running. ``overrides`` carry the eval preset and the tracker into the child.
+    process, on the torch backend, logging into the training run at the checkpoint's step. An evaluation that failed
+    is logged at the next checkpoint; :meth:`finish` waits for the ones still running and fails the run if one
+    failed (``eval.on_error=fail``). ``overrides`` carry the eval preset and the tracker into the child.
     """
 
     cfg: EvalConfig
     tokens_per_step: int
     overrides: list[str]
     next_tokens: int = 0
-    procs: list[tuple[subprocess.Popen, Path]] = field(default_factory=list)
+    procs: list[tuple[subprocess.Popen, Path, Path]] = field(default_factory=list)
+    """The evaluations not yet seen to end: process, checkpoint, log file."""
+    failed: list[tuple[Path, int, Path]] = field(default_factory=list)
+    """The evaluations that failed: checkpoint, exit code, log file."""
 
     def __post_init__(self) -> None:
         self.next_tokens = self.next_tokens or self.cfg.every_tokens
 
     def __call__(self, ckpt: Path, step: int) -> None:
+        self._collect(wait=False)  # a failed evaluation is reported now, not only when training ends
         tokens = step * self.tokens_per_step
         if not self.cfg.every_tokens or tokens < self.next_tokens:
             return
@@ -86,12 +129,42 @@ class EvalScheduler:
         log.info("evaluating %s (%s tokens) on eval=%s in the background; log: %s", ckpt.name, f"{tokens:,}",
                  self.cfg.name, out)  # fmt: skip
         with open(out, "w") as f:
-            self.procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), out))
+            self.procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), ckpt, out))
+
+    def _collect(self, wait: bool) -> None:
+        """Take in the evaluations that ended (every one if ``wait``); log each failed one with its log's tail."""
+        running = []
+        for proc, ckpt, out in self.procs:
+            code = proc.wait() if wait else proc.poll()
+            if code is None:
+                running.append((proc, ckpt, out))
+            elif code:
+                tail = out.read_text(errors="replace")[-2000:] if out.is_file() else ""
+                level = logging.ERROR if self.cfg.on_error == "fail" else logging.WARNING
+                log.log(level, "the evaluation of %s failed (exit %d, log %s): %s", ckpt.name, code, out, tail)
+                self.failed.append((ckpt, code, out))
+        self.procs = running
 
     def close(self) -> None:
-        """Wait for the evaluations still running; report the ones that failed."""
-        for proc, out in self.procs:
-            if proc.wait():
-                tail = out.read_text(errors="replace")[-2000:] if out.is_file() else ""
-                log.warning("an evaluation along training failed (exit %d, log %s): %s", proc.returncode, out, tail)
-        self.procs.clear()
+        """Wait for the evaluations still running; log the ones that failed."""
+        self._collect(wait=True)
+
+    def finish(self) -> None:
+        """Training is done: wait for the evaluations, and fail the run if one failed and ``eval.on_error=fail``.
+
+        Raises:
+            EvalFailedError: One or more failed; the message names each, the last line of the first one's log, how
+                to evaluate the kept checkpoints again, and ``eval.on_error=warn``.
+        """
+        self.close()
+        if not self.failed or self.cfg.on_error != "fail":
+            return
+        ckpt, _, out = self.failed[0]
+        which = ", ".join(f"{c.name} (exit {code})" for c, code, _ in self.failed)
+        lines = out.read_text(errors="replace").strip().splitlines() if out.is_file() else []
+        again = shlex.join(["hlat", "eval", f"checkpoint={ckpt.parent}", "all_checkpoints=true", *self.overrides])
+        raise EvalFailedError(
+            f"the evaluation along training of {which} failed; {out}: {lines[-1] if lines else 'empty'}. Training "
+            f"finished and its checkpoints are kept: fix the cause and evaluate them with `{again}`, or set "
+            "eval.on_error=warn to only warn when an evaluation fails"
+        )

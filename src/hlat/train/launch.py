@@ -35,15 +35,17 @@ from hlat.config.resolvers import global_rank, under_elastic
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
 from hlat.state import HaltedError
-from hlat.train import checkpoint, preempt, sweep_job
+from hlat.train import checkpoint, evals, preempt, sweep_job
 from hlat.train.checkpoint import CheckpointError
+from hlat.train.evals import EvalFailedError
 from hlat.train.run import hydra_output_dir, main
 
 log = logging.getLogger(__name__)
 
-FINAL_ERRORS: tuple[type[Exception], ...] = (PreflightError, ConfigError, CheckpointError, HaltedError)
+FINAL_ERRORS: tuple[type[Exception], ...] = (PreflightError, ConfigError, CheckpointError, HaltedError, EvalFailedError)
 """Failures a restart would only repeat: the worker reports them instead of dying, so the agent stops. (A node that
-fails the pre-flight check fails it again after a restart onto the same nodes.)"""
+fails the pre-flight check fails it again after a restart onto the same nodes; a failed evaluation comes after the
+last step.)"""
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default job_logging format
 
 
@@ -248,13 +250,14 @@ def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[floa
     Returns:
         The MLflow run id (None without MLflow) and the loss points this process logged (none when supervised).
     """
+    evals.check(cfg)  # the evaluation's tasks, before any process is started or anything built (every rank alike)
     if wants_launcher(cfg):
         run_dir = hydra_output_dir()
         supervise(hydra_cfg, cfg, run_dir)
         return checkpoint.read_job(checkpoint.checkpoint_root(cfg, run_dir)).get("mlflow_run_id"), []
     try:
         result = main(hydra_cfg)
-    except (ConfigError, HaltedError, checkpoint.CheckpointError, preempt.PreemptedError, KeyboardInterrupt):
+    except (ConfigError, HaltedError, CheckpointError, EvalFailedError, preempt.PreemptedError, KeyboardInterrupt):
         raise
     except BaseException:  # a crash: say how to pick the run up again
         _print_continue_hint(cfg)
@@ -268,7 +271,7 @@ def error_message(e: BaseException) -> str | None:
         return f"hlat: health check failed: {e}"
     if isinstance(e, ConfigError):
         return f"hlat: configuration error: {e}"
-    if isinstance(e, (JobFailedError, HaltedError, checkpoint.CheckpointError)):
+    if isinstance(e, (JobFailedError, HaltedError, checkpoint.CheckpointError, EvalFailedError)):
         return f"hlat: {e}"
     return None
 
@@ -294,9 +297,9 @@ def entry(hydra_cfg: DictConfig) -> float | None:
         _train(hydra_cfg, cfg)
     except (preempt.PreemptedError, preempt.AbortedError, KeyboardInterrupt) as e:
         _stopped(cfg, e)
-    except (ConfigError, HaltedError, checkpoint.CheckpointError) as e:
+    except (ConfigError, HaltedError, checkpoint.CheckpointError, EvalFailedError) as e:
         print(error_message(e), file=sys.stderr)
-        if cfg is not None and not isinstance(e, ConfigError):
+        if cfg is not None and not isinstance(e, (ConfigError, EvalFailedError)):  # training did not finish
             _print_continue_hint(cfg)
         raise SystemExit(getattr(e, "exit_code", 2 if isinstance(e, ConfigError) else 1)) from None
     except Exception as e:

@@ -135,6 +135,7 @@ class Trainer:
         Raises:
             PreemptedError: A signal stopped the run and the checkpoint of the step in flight is complete.
             HaltedError: A non-finite step under ``on_nonfinite=halt``, or a rollback with nowhere to go.
+            EvalFailedError: Training finished but an evaluation along it failed (``eval.on_error=fail``).
         """
         t, rank0 = self.cfg.train, self.env.rank == 0
         status, stopped = "FAILED", None
@@ -144,6 +145,8 @@ class Trainer:
                 self.logger.start(psutil.Process().create_time())
                 state = self._fit_with_rollback(state)
                 self.saver.close()
+                if self.evals is not None:  # their scores are in the run before it ends; a failed one fails it
+                    self.evals.finish()
                 status = "FINISHED"
                 if rank0 and self.cfg.tracker.plots:
                     self.tracking.plot(self.spikes, self.run_dir / "plots")
