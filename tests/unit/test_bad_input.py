@@ -6,8 +6,10 @@ stop before any data or model is built, so none trains.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -375,3 +377,94 @@ def test_hlat_plan_names_the_nodes_option_and_its_type(capsys) -> None:
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert "argument --nodes: expected comma-separated positive integers" in err and "'abc'" in err
+
+
+# ------------------------------------------------------------------- 9. every refusal says its fix (issue 33, item 5)
+
+
+def numeric_keys() -> list[tuple[str, type, str]]:
+    """Every int or float key of the schema, nullable ones too: ``(key, section class, field name)``."""
+    from hlat.config import RunConfig
+
+    keys = []
+    for section in dataclasses.fields(RunConfig):
+        if section.name == "eval":  # the evaluation tasks' own checks (tests/unit/test_evaluate.py)
+            continue
+        cls = section.default_factory
+        numeric = [f.name for f in dataclasses.fields(cls) if f.type.split(" | ")[0] in ("int", "float")]
+        keys += [(f"{section.name}.{name}", cls, name) for name in numeric]
+    return keys
+
+
+NUMERIC = numeric_keys()
+NEGATIVE_OK = {"train.seed", "fault.seed"}
+"""The numeric keys that take a negative value; every other one must refuse -1 with the message below."""
+
+
+@pytest.mark.parametrize("value", [0, -1])
+@pytest.mark.parametrize(("key", "cls", "name"), NUMERIC, ids=[k for k, _, _ in NUMERIC])
+def test_a_number_out_of_range_names_the_key_the_value_and_the_range_to_set(
+    key: str, cls: type, name: str, value: int
+) -> None:
+    """A new numeric key cannot fall back to "must be positive": its refusal has to say what to set instead."""
+    from hlat.config.base import show
+
+    kind = float if next(f for f in dataclasses.fields(cls) if f.name == name).type.startswith("float") else int
+    try:
+        cls(**{name: kind(value)})
+    except ConfigError as e:
+        msg = str(e)
+    else:
+        assert value == 0 or key in NEGATIVE_OK, f"{key}={value} is accepted"
+        return
+    k = re.escape(key)
+    rule = r"(be [>=]+ \S+|lie in [\[(]\S+, \S+[\])])( or null \(.+?\))?( \(.+\))?"
+    m = re.fullmatch(
+        rf"{k}={re.escape(show(kind(value)))} must {rule}; set it in that range, e\.g\. {k}=(?P<ex>\S+)", msg
+    )
+    assert m, msg
+    example = None if m["ex"] == "null" else kind(float(m["ex"]))
+    cls(**{name: example})  # the value the message suggests is one the schema takes
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.steps=0", "train.steps=0 must be >= 1; set it in that range, e.g. train.steps=200"),
+        (
+            "optimizer.beta2=1.5",
+            "optimizer.beta2=1.5 must lie in [0, 1); set it in that range, e.g. optimizer.beta2=0.95",
+        ),
+        (
+            "cluster.num_threads=0",
+            "cluster.num_threads=0 must be >= 1 or null (torch's default); set it in that range, "
+            "e.g. cluster.num_threads=8",
+        ),
+        (
+            "train.checkpoint_every=-5",
+            "train.checkpoint_every=-5 must be >= 0 (0: only after the last step); set it in "
+            "that range, e.g. train.checkpoint_every=100",
+        ),
+        (
+            "optimizer.min_lr=1.0",
+            "optimizer.min_lr=1.0 must lie in [0, 0.0003] (0 up to optimizer.lr); set it in that "
+            "range, e.g. optimizer.min_lr=3e-05",
+        ),
+        (
+            "fault.kill_at=[0,4]",
+            "fault.kill_at=[0, 4] holds a step below 1: steps count from 1 (the first optimizer "
+            "step); keep the steps >= 1, e.g. fault.kill_at=[4]",
+        ),
+        (
+            "data.text_column=''",
+            "data.text_column is empty; set it to the column (or JSONL key) that holds the "
+            "documents, e.g. data.text_column=text",
+        ),
+    ],
+)
+def test_range_refusals_read_as_documented(override: str, message: str) -> None:
+    from hlat.config import to_run_config
+
+    with pytest.raises(ConfigError) as e:
+        to_run_config(compose_cfg(override))
+    assert str(e.value) == message
