@@ -468,3 +468,99 @@ def test_range_refusals_read_as_documented(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         to_run_config(compose_cfg(override))
     assert str(e.value) == message
+
+
+# ------------------------------------------------------------------------- 10. data that cannot be read or continued
+
+STREAM = dict(version=2, seed=1, shuffle=True, dp_rank=0, dp_size=1, data="3|a.jsonl:9", tokenizer="a1")
+"""A saved online-loader identity (``hlat.data.loader.stream_identity`` and the state version)."""
+
+
+def test_a_corpus_cut_in_half_before_a_rerun_names_the_file_its_sizes_and_both_ways_on(tmp_path: Path) -> None:
+    from hlat.data.loader import CHECKPOINT, check_identity
+    from hlat.data.sources import TextSource
+
+    rows = [json.dumps({"text": f"document {i}"}) + "\n" for i in range(3000)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(rows))
+    saved = {**STREAM, "data": TextSource(corpus).fingerprint}
+    before = corpus.stat().st_size
+    corpus.write_text("".join(rows[:1500]))  # cut in half between the kill and the rerun
+    with pytest.raises(ConfigError) as e:
+        check_identity(saved, {**saved, "data": TextSource(corpus).fingerprint})
+    msg = str(e.value)
+    assert msg.startswith(
+        "cannot resume the data stream exactly: the data (data.path) changed since the checkpoint "
+        f"was saved: corpus.jsonl has {corpus.stat().st_size:,} bytes now, {before:,} then, "
+        "1,500 rows now, 3,000 then. "
+    )
+    assert msg.endswith(
+        "Resume with the data as it was, or start a new run (a new hydra.run.dir; "
+        f"train.init_from={CHECKPOINT} keeps its trained weights)"
+    )
+    assert "|" not in msg  # not the raw fingerprint
+
+
+IDENTITY_CHANGES = {
+    "seed": ({"seed": 2}, "train.seed was 1, is 2 now", "Resume with train.seed=1"),
+    "shuffle": ({"shuffle": False}, "data.shuffle was true, is false now", "Resume with data.shuffle=true"),
+    "dp_size": ({"dp_size": 2, "dp_rank": 1}, "the data-parallel size was 1, is 2 now", "the same data-parallel size"),
+    "loader": ({"loader": "offline_packed"}, "data.loader was online, is offline_packed now", "data.loader=online"),
+    "tokenizer": (
+        {"tokenizer": "b2"},
+        "the tokenizer is not the one the checkpoint was trained with",
+        "Resume with the same tokenizer",
+    ),
+    "files": (
+        {"data": "4|a.jsonl:10|c.jsonl:7"},
+        "c.jsonl is new, a.jsonl has 10 bytes now, 9 then, 4 rows now, 3 then",
+        "data as it was",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(IDENTITY_CHANGES))
+def test_every_change_of_the_data_stream_is_named_with_the_setting_to_restore(change: str) -> None:
+    from hlat.data.loader import check_identity
+
+    saved = STREAM
+    new, what, fix = IDENTITY_CHANGES[change]
+    with pytest.raises(ConfigError) as e:
+        check_identity(saved, {**saved, **new})
+    assert what in str(e.value) and fix in str(e.value) and "start a new run" in str(e.value)
+    with pytest.raises(
+        ConfigError,
+        match=r"version 1, this hlat reads version 2: resume with the hlat that wrote it, or start a new run",
+    ):
+        check_identity({**saved, "version": 1}, saved)
+
+
+@pytest.mark.slow
+def test_train_py_on_a_corpus_cut_in_half_since_its_checkpoint_exits_2_naming_the_file_and_both_ways_on(
+    tmp_path: Path,
+) -> None:
+    from pydoc_data.topics import topics
+
+    rows = [json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)[:60]]
+    corpus, run_dir = tmp_path / "corpus.jsonl", tmp_path / "run"
+    corpus.write_text("".join(rows))
+    args = [
+        *TINY,
+        "model.vocab_size=512",
+        f"data.path={corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "tracker=console",
+        f"hydra.run.dir={run_dir}",
+    ]
+    first = train_py(*args, cwd=tmp_path)  # two steps, checkpointed after the last
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = corpus.stat().st_size
+    corpus.write_text("".join(rows[:30]))
+    line = one_clean_error(train_py(*args, "train.steps=4", cwd=tmp_path))
+    ckpt = run_dir / "checkpoints" / "step_00000002"
+    assert line.startswith(
+        f"hlat: configuration error: {ckpt}: cannot resume the data stream exactly: the data "
+        f"(data.path) changed since the checkpoint was saved: corpus.jsonl has "
+        f"{corpus.stat().st_size:,} bytes now, {before:,} then, 30 rows now, 60 then"
+    )
+    assert line.endswith(f"start a new run (a new hydra.run.dir; train.init_from={ckpt} keeps its trained weights)")

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from hlat import attempt
-from hlat.config import RunConfig
+from hlat.config import ConfigError, RunConfig
+from hlat.data.loader import CHECKPOINT
 from hlat.state import HaltedError, NonFiniteError, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
 from hlat.train import checkpoint
@@ -74,7 +75,10 @@ def restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) 
         The saved progress, and the job record (MLflow run id, uptime accounting; empty in older checkpoints).
     """
     extra = backend.load(path, model, optimizer)
-    data.load_state_dict(extra["data"])
+    try:
+        data.load_state_dict(extra["data"])
+    except ConfigError as e:  # the loader cannot know which checkpoint it was given: name it, and in the fix
+        raise ConfigError(f"{path}: {e}".replace(CHECKPOINT, str(path))) from None
     if "spikes" in extra:
         spikes.load_state_dict(extra["spikes"])
     torch.set_rng_state(extra["rng"])
