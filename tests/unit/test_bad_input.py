@@ -535,6 +535,39 @@ def test_every_change_of_the_data_stream_is_named_with_the_setting_to_restore(ch
         check_identity({**saved, "version": 1}, saved)
 
 
+def test_a_halt_says_to_continue_only_from_a_checkpoint_that_exists(tmp_path: Path, cache_dir: Path) -> None:
+    from hlat.state import HaltedError, NonFiniteError
+    from hlat.train.resume import halt_message
+    from hlat.train.run import main
+
+    root = tmp_path / "run" / "checkpoints"
+    cfg = compose_cfg(
+        *TINY,
+        "tracker=console",
+        f"data.cache_dir={cache_dir}",
+        "fault=nonfinite",
+        "fault.nonfinite_at=[2]",
+        "train.log_every=1",
+    )
+    with pytest.raises(HaltedError) as e:  # before the first save (train.checkpoint_every=100)
+        main(cfg, run_dir=tmp_path / "run")
+    assert str(e.value) == (
+        f"step 2: the loss or the gradient norm is not finite (train.on_nonfinite=halt); there is no checkpoint in "
+        f"{root} to continue from. Lower optimizer.lr or raise optimizer.warmup_steps, or set "
+        "train.on_nonfinite=skip_step (drop such a step's update), or save before step 2 (train.checkpoint_every "
+        "below 2) so that rollback has a checkpoint; then run the command again: it starts from step 0"
+    )
+    assert checkpoint.latest(root) is None
+    first = halt_message(NonFiniteError(1), "train.on_nonfinite=halt", None, root)
+    assert "skip_step (drop such a step's update); then run" in first  # nothing can be saved before step 1
+    saved = halt_message(NonFiniteError(9), "train.on_nonfinite=halt", root / "step_00000008", root)
+    assert saved.endswith(
+        f"the newest valid checkpoint is {root / 'step_00000008'}. Lower optimizer.lr or raise "
+        "optimizer.warmup_steps, or set train.on_nonfinite=rollback / skip_step, then continue from "
+        "that checkpoint in the same run directory (train.resume=auto)"
+    )
+
+
 @pytest.mark.slow
 def test_train_py_on_a_corpus_cut_in_half_since_its_checkpoint_exits_2_naming_the_file_and_both_ways_on(
     tmp_path: Path,
