@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from hlat.config import ConfigError, TrackerConfig
@@ -533,6 +534,152 @@ def test_every_change_of_the_data_stream_is_named_with_the_setting_to_restore(ch
         match=r"version 1, this hlat reads version 2: resume with the hlat that wrote it, or start a new run",
     ):
         check_identity({**saved, "version": 1}, saved)
+
+
+def latin1_jsonl(path: Path, rows: int = 3) -> Path:
+    """A JSON Lines file written in Latin-1, as a Windows tool might: every document has an 'é' (byte 0xe9)."""
+    path.write_bytes(b"".join(b'{"text": "caf\xe9 number %d"}\n' % i for i in range(rows)))
+    return path
+
+
+def test_a_latin1_jsonl_names_the_line_and_byte_and_how_to_re_encode_it(tmp_path: Path) -> None:
+    from hlat.config import DataConfig
+    from hlat.data import build_loader, load_documents
+
+    path = latin1_jsonl(tmp_path / "corpus.jsonl")
+    with pytest.raises(ConfigError) as e:  # before any tokenizer is trained
+        build_loader(
+            DataConfig(path=str(path), cache_dir=str(tmp_path / "cache")),
+            vocab_size=512,
+            seq_len=8,
+            micro_batch_size=1,
+            seed=0,
+        )
+    offset = path.read_bytes().index(b"\xe9")
+    assert str(e.value) == (
+        f"data.path={path} holds no documents: every value of data.text_column='text' is null, blank or not UTF-8; "
+        f"line 1 of {path} (byte offset {offset}) is not UTF-8: re-encode the file to UTF-8, e.g. `iconv -f latin1 "
+        f"-t utf-8 {path} > {tmp_path / 'corpus.utf8.jsonl'}` for Latin-1 text, and point data.path at the result"
+    )
+    fixed = tmp_path / "corpus.utf8.jsonl"  # what the iconv command writes
+    fixed.write_bytes(path.read_bytes().decode("latin1").encode("utf-8"))
+    assert load_documents(fixed).texts == [f"caf\u00e9 number {i}" for i in range(3)]
+    assert not (tmp_path / "cache" / "tokenizers").exists()
+
+
+def test_other_text_that_is_not_utf8_is_named_with_its_fix(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from hlat.data.sources import TextSource
+
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": pa.array([None, b"caf\xe9"], pa.binary())}), parquet)
+    msg = str(TextSource(parquet).no_documents("every value"))
+    assert f"row 1 of {parquet} is not UTF-8: write data.text_column as UTF-8 text" in msg
+    utf16 = tmp_path / "docs.jsonl"
+    utf16.write_bytes('{"text": "hello"}\n'.encode("utf-16"))
+    with pytest.raises(
+        ConfigError,
+        match=r"docs\.jsonl is UTF-16 text, not the UTF-8 that JSON Lines is: re-encode "
+        r"it, e\.g\. `iconv -f utf-16 -t utf-8 ",
+    ):
+        TextSource(utf16)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": " "}\n{"text": null}\n')
+    assert str(TextSource(blank).no_documents("every value")).endswith(
+        "is null, blank or not UTF-8; point data.path / data.text_column at text"
+    )
+
+
+@pytest.mark.parametrize("vocab", ["-5", "0", "259"])
+def test_hlat_data_tokenizer_refuses_a_vocabulary_too_small_before_reading_the_data(
+    tmp_path: Path, capsys, vocab: str
+) -> None:
+    from hlat.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "data",
+                "tokenizer",
+                "--data",
+                str(tmp_path / "nowhere.jsonl"),
+                "--vocab-size",
+                vocab,
+                "--output",
+                str(tmp_path / "t.model"),
+            ]
+        )
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"hlat: error: --vocab-size={vocab} must be >= 260 to train a tokenizer (256 byte-fallback")
+    assert err.endswith("set it in that range, e.g. --vocab-size=4096 (LLaMA's is 32000)\n")
+    assert "INTERNAL" not in err and "nowhere" not in err  # sentencepiece never ran, the data was never read
+
+
+def test_a_vocabulary_below_what_the_data_needs_names_the_size_that_is_enough(tmp_path: Path, capsys) -> None:
+    from pydoc_data.topics import topics
+
+    from hlat.cli import main
+    from hlat.config import DataConfig
+    from hlat.data import load_or_train_tokenizer
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)[:30]))
+    argv = [
+        "data",
+        "tokenizer",
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "t.model"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--vocab-size",
+    ]
+    with pytest.raises(SystemExit):
+        main([*argv, "300"])
+    err = capsys.readouterr().err
+    needed = re.search(r"this data needs at least (\d+) pieces \(.*\); raise --vocab-size to \1 or more", err)
+    assert needed and "INTERNAL" not in err and "character_coverage" not in err, err
+    main([*argv, needed[1]])  # the size named is enough
+    assert f"{needed[1]}-piece bpe tokenizer" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"^model\.vocab_size=100 must be >= 260 to train a tokenizer"):
+        load_or_train_tokenizer(DataConfig(), ["a document"], 100, tmp_path / "cache")  # the training run's path
+
+
+def test_unreadable_data_and_tokenizer_files_say_what_to_do(tmp_path: Path) -> None:
+    from hlat.data.prepare import prepare
+    from hlat.data.sources import TextSource
+    from hlat.data.tokenizer import load_tokenizer
+
+    (tmp_path / "array.json").write_text('[{"text": "a JSON array is not JSON Lines"}]\n')
+    with pytest.raises(
+        ConfigError,
+        match=r"could not be read as JSON Lines .*: fix the file, or convert it with "
+        r"`hlat data prepare`, which skips the lines that are not JSON$",
+    ):
+        TextSource(tmp_path / "array.json")
+    (tmp_path / "x.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.tokenizer=.*x\.model is not a sentencepiece model .*; point it at "
+        r"a sentencepiece \.model file .* or set data\.tokenizer=null",
+    ):
+        load_tokenizer(tmp_path / "x.model", 512)
+    (tmp_path / "x.parquet").write_bytes(b"not parquet")
+    with pytest.raises(
+        ConfigError,
+        match=r"INPUT .*x\.parquet is not a Parquet file .*; if it holds JSON Lines or "
+        r"Arrow, give it that suffix",
+    ):
+        prepare([tmp_path / "x.parquet"], tmp_path / "out", progress=False)
+    with pytest.raises(
+        ConfigError,
+        match=r"^--shard-rows=0 must be >= 1 \(documents per shard\); e\.g\. "
+        r"--shard-rows=100000$",
+    ):
+        prepare([tmp_path / "x.parquet"], tmp_path / "out", shard_rows=0, progress=False)
 
 
 def test_a_halt_says_to_continue_only_from_a_checkpoint_that_exists(tmp_path: Path, cache_dir: Path) -> None:

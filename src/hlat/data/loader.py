@@ -180,10 +180,7 @@ class PackedStream:
         """Read, tokenize and pack the next few rows of this rank's stream."""
         if self.position >= self.per_epoch:
             if self.documents == 0:  # a whole epoch of this rank's rows and not one document
-                raise ConfigError(
-                    f"every row of data-parallel rank {self.spec.dp_rank}'s share of {self.spec.data_path} is null, "
-                    "blank or not UTF-8; check data.path and data.text_column"
-                )
+                raise self.source.no_documents(f"every value of data-parallel rank {self.spec.dp_rank}'s share")
             self.epoch, self.position = self.epoch + 1, 0
         hi = min(self.position + ENCODE_ROWS, self.per_epoch)
         texts, tags = [], []

@@ -355,7 +355,7 @@ def build_offline_loader(
     directory = pretokenize(source, tokenizer, cfg.cache_dir)
     meta = json.loads((directory / "meta.json").read_text())
     if meta["documents"] == 0:
-        raise ConfigError(f"{where} holds no documents: all {meta['skipped_rows']} rows are null, blank or not UTF-8")
+        raise source.no_documents(f"each of the {meta['skipped_rows']} values")
     if meta["tokens"] < seq_len + 1:
         raise ConfigError(f"{where} tokenizes to {meta['tokens']} tokens, {too_few}")
     log.info(
