@@ -682,6 +682,36 @@ def test_unreadable_data_and_tokenizer_files_say_what_to_do(tmp_path: Path) -> N
         prepare([tmp_path / "x.parquet"], tmp_path / "out", shard_rows=0, progress=False)
 
 
+def refusal(call) -> str:
+    """The message of the ConfigError or ValueError ``call()`` raises."""
+    with pytest.raises(ValueError) as e:  # ConfigError is a ValueError
+        call()
+    return str(e.value)
+
+
+def test_layout_resume_import_and_launch_refusals_say_what_to_do(tmp_path: Path) -> None:
+    from hlat.config import ModelConfig, ParallelismConfig, TrainConfig
+    from hlat.deploy.render import check_name
+    from hlat.hf_layout import model_config_from_hf
+    from hlat.parallel import ParallelDims
+    from hlat.train.weights import import_hf
+
+    six = ModelConfig(n_layers=6)
+    msg = refusal(lambda: ParallelDims.build(ParallelismConfig(pp=4), 4, six, TrainConfig()))
+    assert msg.endswith("set parallelism.pp to one of [1, 2, 3, 6]")
+    msg = refusal(lambda: checkpoint.resolve(str(tmp_path)))
+    assert msg.endswith(
+        "point train.resume at a checkpoint or a checkpoints directory that holds one, or use "
+        "train.resume=auto (this run's own checkpoints) or train.resume=never (start fresh)"
+    )
+    assert refusal(lambda: check_name("My_Run")).endswith("pass such a name with --name, e.g. --name hlat-7b")
+    msg = refusal(lambda: import_hf(tmp_path))
+    assert msg.endswith(
+        "give the directory that holds config.json and the *.safetensors weights (save_pretrained writes both)"
+    )
+    assert "import the directory of a Hugging Face LLaMA model" in refusal(lambda: model_config_from_hf({}, "x"))
+
+
 def test_a_halt_says_to_continue_only_from_a_checkpoint_that_exists(tmp_path: Path, cache_dir: Path) -> None:
     from hlat.state import HaltedError, NonFiniteError
     from hlat.train.resume import halt_message

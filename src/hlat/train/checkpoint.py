@@ -172,7 +172,11 @@ def resolve(path: str) -> Path:
         return p
     found = latest(p)
     if found is None:
-        raise ConfigError(f"train.resume={path}: no complete checkpoint there (a step_* directory with {MANIFEST})")
+        raise ConfigError(
+            f"train.resume={path}: no complete checkpoint there (a step_* directory with {MANIFEST}); point "
+            "train.resume at a checkpoint or a checkpoints directory that holds one, or use train.resume=auto "
+            "(this run's own checkpoints) or train.resume=never (start fresh)"
+        )
     return found
 
 
