@@ -712,6 +712,27 @@ def test_layout_resume_import_and_launch_refusals_say_what_to_do(tmp_path: Path)
     assert "import the directory of a Hugging Face LLaMA model" in refusal(lambda: model_config_from_hf({}, "x"))
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--size", "0"],
+            "--size=0 --seconds=1.0 --repeats=5: the size and the repeats must be >= 1 and the seconds > 0; "
+            "e.g. --size 2048 --seconds 1 --repeats 5",
+        ),
+        (["--dtypes", "float33"], "--dtypes: unknown torch dtype 'float33'; use a name such as 'float32'"),
+    ],
+)
+def test_hlat_bench_peak_refuses_bad_options_with_usage_not_a_traceback(tmp_path: Path, capsys, argv, message) -> None:
+    from hlat.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "peak", "--cache-dir", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"hlat bench peak: error: {message}" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing cached
+
+
 def test_a_halt_says_to_continue_only_from_a_checkpoint_that_exists(tmp_path: Path, cache_dir: Path) -> None:
     from hlat.state import HaltedError, NonFiniteError
     from hlat.train.resume import halt_message
