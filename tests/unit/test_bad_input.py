@@ -704,6 +704,9 @@ def test_layout_resume_import_and_launch_refusals_say_what_to_do(tmp_path: Path)
         "point train.resume at a checkpoint or a checkpoints directory that holds one, or use "
         "train.resume=auto (this run's own checkpoints) or train.resume=never (start fresh)"
     )
+    msg = refusal(lambda: checkpoint.resolve(str(tmp_path), key="eval.checkpoint"))  # hlat eval's setting
+    assert msg.endswith("point eval.checkpoint at a checkpoint or a checkpoints directory that holds one")
+    assert "train.resume" not in msg
     assert refusal(lambda: check_name("My_Run")).endswith("pass such a name with --name, e.g. --name hlat-7b")
     msg = refusal(lambda: import_hf(tmp_path))
     assert msg.endswith(
