@@ -29,7 +29,7 @@ def numeric_keys() -> list[tuple[str, type, str]]:
 
     keys = []
     for section in dataclasses.fields(RunConfig):
-        if section.name == "eval":  # the evaluation tasks' own checks (tests/unit/test_evaluate.py)
+        if section.name == "eval":  # EvalConfig words its checks with its tasks (hlat.config.ops), not this helper
             continue
         cls = section.default_factory
         numeric = [f.name for f in dataclasses.fields(cls) if f.type.split(" | ")[0] in ("int", "float")]
