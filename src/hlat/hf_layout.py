@@ -121,7 +121,10 @@ def model_config_from_hf(hf: dict[str, Any], name: str, *, untie_embeddings: boo
     """The hlat ModelConfig of a HF LLaMA ``config.json``; ConfigError for what hlat's model cannot express."""
     missing = [k for k in REQUIRED if k not in hf]
     if missing:
-        raise ConfigError(f"config.json of {name} lacks {missing}: not a LLaMA config")
+        raise ConfigError(
+            f"config.json of {name} lacks {missing}: not a LLaMA config; import the directory of a Hugging Face "
+            "LLaMA model (LlamaForCausalLM: its config.json and *.safetensors)"
+        )
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     n_heads = hf["num_attention_heads"]
@@ -140,7 +143,9 @@ def model_config_from_hf(hf: dict[str, Any], name: str, *, untie_embeddings: boo
     }  # fmt: skip
     bad = [k for k, v in refusals.items() if v]
     if bad:
-        raise ConfigError(f"cannot import this model into hlat: {'; '.join(bad)}")
+        raise ConfigError(
+            f"cannot import this model into hlat: {'; '.join(bad)}; only a plain LLaMA architecture can be imported"
+        )
     extra = hf.get("hlat", {})  # written by export_hf: the ModelConfig fields HF has no key for
     kv = hf.get("num_key_value_heads") or n_heads
     saved_kv = extra.get("n_kv_heads", kv)  # None (plain multi-head) and n_heads are the same model

@@ -47,7 +47,7 @@ class ParallelDims:
             )
         if model.n_layers % pp:
             raise ConfigError(
-                f"parallelism.pp={pp} must divide model.n_layers={model.n_layers}; valid: "
+                f"parallelism.pp={pp} must divide model.n_layers={model.n_layers}; set parallelism.pp to one of "
                 f"{[d for d in range(1, model.n_layers + 1) if model.n_layers % d == 0]}"
             )
         dp = world_size // (tp * pp)

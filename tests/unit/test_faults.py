@@ -23,8 +23,10 @@ def test_kill_steps_are_seeded_distinct_and_inside_the_run() -> None:
 
 
 def test_bad_fault_steps_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match=r"fault: steps must be >= 1"):
-        FaultConfig(kill_at=[0])
+    with pytest.raises(
+        ConfigError, match=r"^fault\.kill_at=\[0, 3\] holds a step below 1: .* e\.g\. fault\.kill_at=\[3\]$"
+    ):
+        FaultConfig(kill_at=[0, 3])
     assert not FaultConfig().active and FaultConfig(corrupt_at=3).active
 
 

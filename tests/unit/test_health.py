@@ -357,7 +357,7 @@ def test_presets_and_auto_mode() -> None:
 
 
 def test_the_hang_fault_validates_its_rank_and_step(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"fault: steps must be >= 1"):
+    with pytest.raises(ConfigError, match=r"fault\.hang_at=0 must be >= 1 or null"):
         FaultConfig(hang_at=0)
     assert FaultConfig(hang_at=3).active
     with pytest.raises(ConfigError, match=r"fault.hang_rank=1 is not a rank of this 1-rank job"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
@@ -57,3 +58,46 @@ def _check(cond: bool, msg: str) -> None:
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{key}={value!r} is not one of {list(choices)}; set {key} to one of them")
+
+
+_RULE = re.compile(r"^(?:(>=|>) (\S+)|([\[(])(\S+), (\S+)([\])]))$")
+
+
+def within(value: float, rule: str) -> bool:
+    """Whether ``value`` satisfies ``rule``: ``>= 1``, ``> 0``, or an interval such as ``[0, 1)`` or ``(0, 1]``."""
+    m = _RULE.match(rule)
+    assert m, f"not a range rule: {rule!r}"
+    op, bound, left, low, high, right = m.groups()
+    if op:
+        return value >= float(bound) if op == ">=" else value > float(bound)
+    above = value >= float(low) if left == "[" else value > float(low)
+    below = value <= float(high) if right == "]" else value < float(high)
+    return above and below
+
+
+def show(value: object) -> str:
+    """A value as an override writes it: null, true/false, numbers as they are."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _check_range(
+    obj: object, key: str, rule: str, *, null: str | None = None, note: str = "", example: object = None
+) -> None:
+    """Refuse the field ``key`` (``section.field``) of ``obj`` outside ``rule`` (see :func:`within`).
+
+    The message names the key, the value, the valid range and a value to set: ``example``, else the field's
+    default. ``null``: what null means, where the field may be null; ``note``: what a special value means.
+    """
+    name = key.rpartition(".")[2]
+    value = getattr(obj, name)
+    if (value is None and null is not None) or (value is not None and within(value, rule)):  # NaN: within no rule
+        return
+    allowed = f"{'lie in' if rule[0] in '[(' else 'be'} {rule}" + (f" or null ({null})" if null else "")
+    if example is None:
+        example = next(f.default for f in dataclasses.fields(obj) if f.name == name)  # type: ignore[arg-type]
+    note = f" {note}" if note else ""
+    raise ConfigError(f"{key}={show(value)} must {allowed}{note}; set it in that range, e.g. {key}={show(example)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hlat.config.base import _check, _check_choice, _Frozen
+from hlat.config.base import _check_choice, _check_range, _Frozen
 
 PREFLIGHT_MODES = ("auto", "on", "off")
 
@@ -80,29 +80,23 @@ class HealthConfig(_Frozen):
 
     def __post_init__(self) -> None:
         _check_choice("health.preflight", self.preflight, PREFLIGHT_MODES)
-        _check(self.matmul_size is None or self.matmul_size >= 16,
-               f"health.matmul_size={self.matmul_size} must be >= 16 or null (by device)")  # fmt: skip
-        _check(self.matmul_seconds > 0, f"health.matmul_seconds={self.matmul_seconds} must be > 0")
-        _check(self.matmul_repeats >= 1, f"health.matmul_repeats={self.matmul_repeats} must be >= 1")
+        _check_range(self, "health.matmul_size", ">= 16", null="by device", example=1024)
+        _check_range(self, "health.matmul_seconds", "> 0", note="(seconds)")
+        _check_range(self, "health.matmul_repeats", ">= 1")
         for key in ("min_matmul_fraction", "min_relative_fraction", "min_bandwidth_fraction"):
-            value = getattr(self, key)
-            _check(0 <= value <= 1, f"health.{key}={value} must lie in [0, 1] (0 turns the check off)")
-        _check(self.collective_mib > 0, f"health.collective_mib={self.collective_mib} must be > 0")
-        _check(self.collective_iters >= 1, f"health.collective_iters={self.collective_iters} must be >= 1")
+            _check_range(self, f"health.{key}", "[0, 1]", note="(0 turns the check off)")
+        _check_range(self, "health.collective_mib", "> 0")
+        _check_range(self, "health.collective_iters", ">= 1")
         for key in ("expected_busbw_gbps_intra", "expected_busbw_gbps_world"):
-            value = getattr(self, key)
-            _check(value is None or value > 0, f"health.{key}={value} must be > 0 or null (no absolute check)")
-        _check(self.watchdog_factor > 1, f"health.watchdog_factor={self.watchdog_factor} must be > 1")
+            _check_range(self, f"health.{key}", "> 0", null="no absolute check")
+        _check_range(self, "health.watchdog_factor", "> 1", note="(times the median step)")
         for key in ("watchdog_floor_s", "watchdog_first_step_s", "collective_timeout_s"):
-            value = getattr(self, key)
-            _check(value > 0, f"health.{key}={value} must be > 0 seconds")
-        _check(self.watchdog_grace_s >= 0, f"health.watchdog_grace_s={self.watchdog_grace_s} must be >= 0")
-        _check(self.straggler_every >= 0, f"health.straggler_every={self.straggler_every} must be >= 0 (0: off)")
-        _check(self.straggler_warn_ratio >= 1, f"health.straggler_warn_ratio={self.straggler_warn_ratio} must be >= 1")
-        _check(self.inject_slow_rank is None or self.inject_slow_rank >= 0,
-               f"health.inject_slow_rank={self.inject_slow_rank} must be a rank (>= 0) or null")  # fmt: skip
-        _check(0 < self.inject_slow_factor <= 1,
-               f"health.inject_slow_factor={self.inject_slow_factor} must lie in (0, 1]")  # fmt: skip
+            _check_range(self, f"health.{key}", "> 0", note="(seconds)")
+        _check_range(self, "health.watchdog_grace_s", ">= 0", note="(seconds)")
+        _check_range(self, "health.straggler_every", ">= 0", note="(0: off)")
+        _check_range(self, "health.straggler_warn_ratio", ">= 1")
+        _check_range(self, "health.inject_slow_rank", ">= 0", null="no slow rank", note="(a rank of the job)")
+        _check_range(self, "health.inject_slow_factor", "(0, 1]")
         self._freeze()
 
     def preflight_enabled(self, world_size: int) -> bool:

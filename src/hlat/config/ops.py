@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hlat.config.base import _check, _check_choice, _Frozen
+from hlat.config.base import _check, _check_choice, _check_range, _Frozen, show
 
 
 @dataclass
@@ -99,39 +99,25 @@ class ClusterConfig(_Frozen):
             f"cluster.nxd_cpu_mode=true runs NxD on CPU tensors: it needs cluster.backend=neuron and "
             f"cluster.pjrt_device=CPU (got {self.backend}, {self.pjrt_device}); use cluster=nxd_cpu",
         )
-        _check(
-            self.num_threads is None or self.num_threads > 0,
-            f"cluster.num_threads={self.num_threads} must be positive or null",
-        )
-        _check(0 < self.memory_fraction <= 1, f"cluster.memory_fraction={self.memory_fraction} must lie in (0, 1]")
-        _check(self.peak_tflops is None or self.peak_tflops > 0, f"cluster.peak_tflops={self.peak_tflops} must be > 0")
-        _check(self.devices_per_node >= 1, f"cluster.devices_per_node={self.devices_per_node} must be >= 1")
-        _check(
-            self.price_per_hour is None or self.price_per_hour >= 0,
-            f"cluster.price_per_hour={self.price_per_hour} must be >= 0 or null",
-        )
-        _check(self.nproc_per_node >= 1, f"cluster.nproc_per_node={self.nproc_per_node} must be >= 1")
-        _check(
-            self.device_memory_gib is None or self.device_memory_gib > 0,
-            f"cluster.device_memory_gib={self.device_memory_gib} must be > 0 or null",
-        )
-        _check(self.nodes >= 1, f"cluster.nodes={self.nodes} must be >= 1")
-        _check(
-            self.cpus_per_task is None or self.cpus_per_task >= 1,
-            f"cluster.cpus_per_task={self.cpus_per_task} must be >= 1 or null (every CPU of the node)",
-        )
-        _check(self.efa_devices >= 0, f"cluster.efa_devices={self.efa_devices} must be >= 0")
-        _check(self.max_restarts >= 0, f"cluster.max_restarts={self.max_restarts} must be >= 0 (0: no supervision)")
+        _check_range(self, "cluster.num_threads", ">= 1", null="torch's default", example=8)
+        _check_range(self, "cluster.memory_fraction", "(0, 1]")
+        _check_range(self, "cluster.peak_tflops", "> 0", null="looked up or measured")
+        _check_range(self, "cluster.devices_per_node", ">= 1")
+        _check_range(self, "cluster.price_per_hour", ">= 0", null="no cost metric")
+        _check_range(self, "cluster.nproc_per_node", ">= 1")
+        _check_range(self, "cluster.device_memory_gib", "> 0", null="this host's memory", example=16)
+        _check_range(self, "cluster.nodes", ">= 1")
+        _check_range(self, "cluster.cpus_per_task", ">= 1", null="every CPU of the node", example=128)
+        _check_range(self, "cluster.efa_devices", ">= 0", note="(0: no EFA)")
+        _check_range(self, "cluster.max_restarts", ">= 0", note="(0: no supervision)")
         for key in ("intra_node_gb_s", "inter_node_gbit_s", "memory_gb_s"):
-            v = getattr(self, key)
-            _check(v is None or v > 0, f"cluster.{key}={v} must be > 0 or null")
-        for key in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
-            v = getattr(self, key)
-            _check(v is None or 0 < v <= 1, f"cluster.{key}={v} must lie in (0, 1] (an achieved fraction)")
-        _check(
-            0 <= self.grad_reduce_overlap <= 1,
-            f"cluster.grad_reduce_overlap={self.grad_reduce_overlap} must lie in [0, 1]",
+            _check_range(self, f"cluster.{key}", "> 0", null="no step-time model")
+        _check_range(
+            self, "cluster.compute_efficiency", "(0, 1]", null="no step-time model", note="(an achieved fraction)"
         )
+        for key in ("intra_node_efficiency", "inter_node_efficiency"):
+            _check_range(self, f"cluster.{key}", "(0, 1]", note="(an achieved fraction)")
+        _check_range(self, "cluster.grad_reduce_overlap", "[0, 1]")
         self._freeze()
 
 
@@ -172,11 +158,11 @@ class TrackerConfig(_Frozen):
 
     def __post_init__(self) -> None:
         _check_choice("tracker.kind", self.kind, ("mlflow", "console"))
-        _check(self.flush_every_s >= 0, f"tracker.flush_every_s={self.flush_every_s} must be >= 0")
-        _check(self.spike_window >= 1, f"tracker.spike_window={self.spike_window} must be >= 1")
-        _check(self.spike_threshold >= 0, f"tracker.spike_threshold={self.spike_threshold} must be >= 0")
-        _check(self.layer_grad_norms_every >= 0, "tracker.layer_grad_norms_every must be >= 0 (0 turns it off)")
-        _check(self.spike_summary_every >= 0, f"tracker.spike_summary_every={self.spike_summary_every} must be >= 0")
+        _check_range(self, "tracker.flush_every_s", ">= 0", note="(seconds; 0: send at once)")
+        _check_range(self, "tracker.spike_window", ">= 1")
+        _check_range(self, "tracker.spike_threshold", ">= 0")
+        _check_range(self, "tracker.layer_grad_norms_every", ">= 0", note="(0: off)")
+        _check_range(self, "tracker.spike_summary_every", ">= 0", note="(0: only at the end)")
         self._freeze()
 
 
@@ -214,12 +200,18 @@ class FaultConfig(_Frozen):
     that a test signalling a running job from outside cannot lose the race to a fast machine (0: off)."""
 
     def __post_init__(self) -> None:
-        steps = [*self.kill_at, *self.nonfinite_at]
-        steps += [s for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at) if s is not None]
-        _check(all(s >= 1 for s in steps), f"fault: steps must be >= 1, got {sorted(steps)}")
-        _check(self.hang_rank >= 0, f"fault.hang_rank={self.hang_rank} must be a rank (>= 0)")
-        _check(self.kill_random >= 0, f"fault.kill_random={self.kill_random} must be >= 0")
-        _check(self.min_step_s >= 0, f"fault.min_step_s={self.min_step_s} must be >= 0 seconds (0: off)")
+        for key in ("kill_at", "nonfinite_at"):
+            steps = list(getattr(self, key))
+            _check(
+                all(s >= 1 for s in steps),
+                f"fault.{key}={show(steps)} holds a step below 1: steps count from 1 (the first optimizer step); "
+                f"keep the steps >= 1, e.g. fault.{key}={show([s for s in steps if s >= 1] or [1])}",
+            )
+        for key in ("crash_in_save_at", "corrupt_at", "disk_full_at", "hang_at"):
+            _check_range(self, f"fault.{key}", ">= 1", null="no such fault", example=1)
+        _check_range(self, "fault.hang_rank", ">= 0", note="(a rank of the job)")
+        _check_range(self, "fault.kill_random", ">= 0", note="(0: no random kills)")
+        _check_range(self, "fault.min_step_s", ">= 0", note="(seconds; 0: off)", example=0.1)
         self._freeze()
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hlat.config.base import DTYPES, _check, _check_choice, _Frozen
+from hlat.config.base import DTYPES, _check, _check_choice, _check_range, _Frozen
 
 
 @dataclass
@@ -42,14 +42,20 @@ class ModelConfig(_Frozen):
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-            _check(getattr(self, key) > 0, f"model.{key}={getattr(self, key)} must be positive")
+            _check_range(self, f"model.{key}", ">= 1")
+        _check_range(self, "model.n_kv_heads", ">= 1", null="as many as model.n_heads")
+        _check_range(self, "model.norm_eps", ">= 0")
+        _check_range(self, "model.rope_theta", "> 0")
+        _check_range(self, "model.init_std", "> 0")
+        _check_range(self, "model.mask_leak", ">= 0", note="(0: causal attention, the only setting for real training)")
         _check(
             self.dim % self.n_heads == 0,
             f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; choose n_heads that divides dim",
         )
         _check(
             (self.dim // self.n_heads) % 2 == 0,
-            f"head_dim = model.dim / model.n_heads = {self.dim // self.n_heads} must be even for rotary embeddings",
+            f"head_dim = model.dim / model.n_heads = {self.dim // self.n_heads} must be even for rotary embeddings; "
+            "choose model.n_heads so that model.dim / model.n_heads is even (e.g. 64 or 128)",
         )
         kv = self.kv_heads
         _check(
@@ -57,8 +63,6 @@ class ModelConfig(_Frozen):
             f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv}; "
             "n_kv_heads must divide n_heads (or be null for multi-head attention)",
         )
-        _check(self.init_std > 0, f"model.init_std={self.init_std} must be positive")
-        _check(self.mask_leak >= 0, f"model.mask_leak={self.mask_leak} must be >= 0 (0: causal attention)")
         self._freeze()
 
     @property
@@ -101,22 +105,21 @@ class OptimizerConfig(_Frozen):
 
     def __post_init__(self) -> None:
         _check_choice("optimizer.name", self.name, ("adamw",))
-        _check(self.lr > 0, f"optimizer.lr={self.lr} must be positive")
-        _check(
-            0 <= self.min_lr <= self.lr,
-            f"optimizer.min_lr={self.min_lr} must lie in [0, optimizer.lr={self.lr}]",
+        _check_range(self, "optimizer.lr", "> 0")
+        _check_range(
+            self,
+            "optimizer.min_lr",
+            f"[0, {self.lr}]",
+            note="(0 up to optimizer.lr)",
+            example=min(self.lr, OptimizerConfig.min_lr),
         )
         for key in ("beta1", "beta2"):
-            v = getattr(self, key)
-            _check(0 <= v < 1, f"optimizer.{key}={v} must lie in [0, 1)")
-        _check(self.eps > 0, f"optimizer.eps={self.eps} must be positive")
-        _check(self.weight_decay >= 0, f"optimizer.weight_decay={self.weight_decay} must be >= 0")
-        _check(self.warmup_steps >= 0, f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
-        _check(
-            self.decay_steps is None or self.decay_steps > 0,
-            f"optimizer.decay_steps={self.decay_steps} must be positive or null",
-        )
-        _check(self.clip_grad_norm >= 0, f"optimizer.clip_grad_norm={self.clip_grad_norm} must be >= 0 (0 disables)")
+            _check_range(self, f"optimizer.{key}", "[0, 1)")
+        _check_range(self, "optimizer.eps", "> 0")
+        _check_range(self, "optimizer.weight_decay", ">= 0", note="(0: no weight decay)")
+        _check_range(self, "optimizer.warmup_steps", ">= 0", note="(0: no warmup)")
+        _check_range(self, "optimizer.decay_steps", ">= 1", null="decay until train.steps")
+        _check_range(self, "optimizer.clip_grad_norm", ">= 0", note="(0: no clipping)")
         self._freeze()
 
 
@@ -221,8 +224,12 @@ class DataConfig(_Frozen):
         _check_choice("data.tokenizer_type", self.tokenizer_type, ("bpe", "unigram"))
         _check_choice("data.loader", self.loader, ("online", "offline_packed"))
         _check_choice("data.worker", self.worker, ("thread", "process", "none"))
-        _check(self.prefetch >= 1, f"data.prefetch={self.prefetch} must be >= 1")
-        _check(bool(self.text_column), "data.text_column must not be empty")
+        _check_range(self, "data.prefetch", ">= 1")
+        _check(
+            bool(self.text_column),
+            "data.text_column is empty; set it to the column (or JSONL key) that holds the "
+            "documents, e.g. data.text_column=text",
+        )
         self._freeze()
 
 
@@ -253,7 +260,8 @@ class ParallelismConfig(_Frozen):
     than full, less recomputation."""
 
     def __post_init__(self) -> None:
-        _check(self.tp >= 1 and self.pp >= 1, f"parallelism.tp={self.tp} and parallelism.pp={self.pp} must be >= 1")
+        _check_range(self, "parallelism.tp", ">= 1", note="(1: no tensor parallelism)")
+        _check_range(self, "parallelism.pp", ">= 1", note="(1: no pipeline parallelism)")
         _check_choice("parallelism.activation_checkpointing", self.activation_checkpointing,
                       ("none", "full", "selective"))  # fmt: skip
         _check(
@@ -331,14 +339,12 @@ class TrainConfig(_Frozen):
 
     def __post_init__(self) -> None:
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
-            _check(getattr(self, key) > 0, f"train.{key}={getattr(self, key)} must be positive")
-        _check(
-            self.progress_every is None or self.progress_every > 0,
-            f"train.progress_every={self.progress_every} must be positive (or null: every train.log_every steps)",
-        )
-        for key in ("checkpoint_every", "keep_last", "keep_every"):
-            _check(getattr(self, key) >= 0, f"train.{key}={getattr(self, key)} must be >= 0")
-        _check(bool(self.resume), "train.resume must be auto, never or a checkpoint path")
+            _check_range(self, f"train.{key}", ">= 1")
+        _check_range(self, "train.progress_every", ">= 1", null="every train.log_every steps")
+        _check_range(self, "train.checkpoint_every", ">= 0", note="(0: only after the last step)")
+        _check_range(self, "train.keep_last", ">= 0", note="(0: keep all)")
+        _check_range(self, "train.keep_every", ">= 0", note="(0: none kept permanently)")
+        _check(bool(self.resume), "train.resume is empty; set train.resume=auto, never or a checkpoint path")
         _check_choice("train.on_nonfinite", self.on_nonfinite, ("halt", "rollback", "skip_step"))
-        _check(self.preempt_grace_s > 0, f"train.preempt_grace_s={self.preempt_grace_s} must be positive (seconds)")
+        _check_range(self, "train.preempt_grace_s", "> 0", note="(seconds)")
         self._freeze()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from hlat.config import ConfigError, DataConfig
+from hlat.config import DataConfig
 from hlat.data.builtin import builtin_corpus_path
 from hlat.data.loader import PackedStream, StreamSpec, tokenizer_sample
 from hlat.data.sources import TextSource
@@ -44,8 +44,7 @@ def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, micro_batch_
     if tokenizer is None:
         sample = tokenizer_sample(source)
         if not sample:
-            raise ConfigError(f"data.path={path} holds no documents: every value of data.text_column={column!r} "
-                              "is null, blank or not UTF-8; point data.path / data.text_column at text")  # fmt: skip
+            raise source.no_documents("every value")
         tokenizer = load_or_train_tokenizer(cfg, sample, vocab_size, cache_dir)
     log.info("data: %d rows from %s (%d files), tokenizer %s (%d pieces), loader %s",
              len(source), path, len(source.files), tokenizer.path.name, tokenizer.vocab_size, cfg.loader)  # fmt: skip

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hlat.config import ConfigError
+from hlat.config.base import show
 from hlat.data.order import Permutation
 from hlat.data.packing import Packer
 from hlat.data.sources import TextSource
@@ -55,24 +56,86 @@ def stream_identity(spec: StreamSpec, source: TextSource, tokenizer: Tokenizer) 
             "data": source.fingerprint, "tokenizer": tokenizer.fingerprint}  # fmt: skip
 
 
-_IDENTITY_KEYS = {
-    "seed": "train.seed",
-    "shuffle": "data.shuffle",
-    "dp_rank": "the data-parallel rank",
-    "dp_size": "the data-parallel size",
-    "data": "the data (data.path / data.text_column)",
-    "tokenizer": "the tokenizer (data.tokenizer / model.vocab_size)",
-}
+_SETTINGS = {"loader": "data.loader", "seed": "train.seed", "shuffle": "data.shuffle", "seq_len": "train.seq_len"}
+"""Identity entries that are one config key each (the others: the data, the tokenizer, the rank layout)."""
+CHECKPOINT = "<the checkpoint>"
+"""Stands for the checkpoint in :func:`check_identity`'s message; ``hlat.train.resume.restore`` puts in its path."""
+IDENTITY_KEYS = ("loader", "seed", "shuffle", "dp_rank", "dp_size", "data", "tokenizer")
+"""What the online loader's saved position is only valid for (the offline one adds ``seq_len``)."""
 
 
-def check_identity(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse to resume a stream whose data, tokenizer, seed or rank layout changed."""
-    if saved.get("version") != STATE_VERSION:
-        raise ConfigError(f"data loader state has version {saved.get('version')}, expected {STATE_VERSION}")
-    diffs = [f"{what} was {saved[key]!r} when the checkpoint was saved but is {current[key]!r} now"
-             for key, what in _IDENTITY_KEYS.items() if saved.get(key) != current[key]]  # fmt: skip
-    if diffs:
-        raise ConfigError("cannot resume the data stream exactly: " + "; ".join(diffs))
+def check_identity(
+    saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...] = IDENTITY_KEYS, version: int = STATE_VERSION
+) -> None:
+    """Refuse to resume a stream whose loader, data, tokenizer, seed or rank layout changed.
+
+    One line: each change in words (the data's files and rows, not its fingerprint), then the two ways on: resume
+    with what the checkpoint was saved with, or start a new run.
+    """
+    saved, current = {"loader": "online", **saved}, {"loader": "online", **current}  # older states have no loader
+    changes, restore = [], []
+    for key in keys:
+        old, new = saved.get(key), current[key]
+        if old == new or (key == "dp_rank" and saved.get("dp_size") != current["dp_size"]):
+            continue
+        if key == "data":
+            changes.append(describe_change(old, new))
+            restore.append("the data as it was")
+        elif key == "tokenizer":
+            changes.append(
+                "the tokenizer is not the one the checkpoint was trained with (data.tokenizer / model.vocab_size; "
+                "a tokenizer trained on the data changes with the data)"
+            )
+            restore.append("the same tokenizer")
+        elif key in ("dp_rank", "dp_size"):
+            what = "data-parallel size" if key == "dp_size" else "data-parallel rank of this process"
+            changes.append(f"the {what} was {old}, is {new} now")
+            restore.append(f"the same {what} (world size / (parallelism.tp x parallelism.pp))")
+        else:
+            changes.append(f"{_SETTINGS[key]} was {show(old)}, is {show(new)} now")
+            restore.append(f"{_SETTINGS[key]}={show(old)}")
+    new_run = f"start a new run (a new hydra.run.dir; train.init_from={CHECKPOINT} keeps its trained weights)"
+    if changes:
+        raise ConfigError(
+            f"cannot resume the data stream exactly: {'; '.join(changes)}. Resume with {' and '.join(restore)}, "
+            f"or {new_run}"
+        )
+    if saved.get("version") != version:
+        raise ConfigError(
+            f"the checkpoint's data loader state has version {saved.get('version')}, this hlat reads version "
+            f"{version}: resume with the hlat that wrote it, or {new_run}"
+        )
+
+
+def describe_change(saved: str | None, current: str) -> str:
+    """How the data of fingerprint ``saved`` (:attr:`TextSource.fingerprint`) differs from ``current``, in words.
+
+    ``the data (data.path) changed since the checkpoint was saved: corpus.jsonl has 481,794 bytes now, 963,588
+    then, 1,500 rows now, 3,000 then``. Files are named by their name, as the fingerprint records them.
+    """
+    try:
+        (old_rows, old_files), (new_rows, new_files) = _parse_fingerprint(saved or ""), _parse_fingerprint(current)
+    except ValueError:  # not a fingerprint of this format: show both as they are
+        return f"the data (data.path) was {saved!r} when the checkpoint was saved but is {current!r} now"
+    changes = [f"{name} is gone" for name in old_files if name not in new_files]
+    changes += [f"{name} is new" for name in new_files if name not in old_files]
+    for name, size in new_files.items():
+        if old_files.get(name, size) != size:
+            changes.append(f"{name} has {size:,} bytes now, {old_files[name]:,} then")
+    if len(changes) > 3:
+        changes = [*changes[:3], f"{len(changes) - 3} more files differ"]
+    if new_rows != old_rows:
+        changes.append(f"{new_rows:,} rows now, {old_rows:,} then")
+    return "the data (data.path) changed since the checkpoint was saved: " + ", ".join(changes or ["its files"])
+
+
+def _parse_fingerprint(fingerprint: str) -> tuple[int, dict[str, int]]:
+    rows, *parts = fingerprint.split("|")
+    files = {}
+    for part in parts:
+        name, _, size = part.rpartition(":")
+        files[name] = int(size)
+    return int(rows), files
 
 
 def rows_per_rank(num_rows: int, dp_rank: int, dp_size: int) -> int:
@@ -117,10 +180,7 @@ class PackedStream:
         """Read, tokenize and pack the next few rows of this rank's stream."""
         if self.position >= self.per_epoch:
             if self.documents == 0:  # a whole epoch of this rank's rows and not one document
-                raise ConfigError(
-                    f"every row of data-parallel rank {self.spec.dp_rank}'s share of {self.spec.data_path} is null, "
-                    "blank or not UTF-8; check data.path and data.text_column"
-                )
+                raise self.source.no_documents(f"every value of data-parallel rank {self.spec.dp_rank}'s share")
             self.epoch, self.position = self.epoch + 1, 0
         hi = min(self.position + ENCODE_ROWS, self.per_epoch)
         texts, tags = [], []

@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from hlat.config import ConfigError, DataConfig
+from hlat.data.loader import check_identity
 from hlat.data.sources import TextSource
 from hlat.data.tokenizer import Tokenizer
 
@@ -45,12 +46,8 @@ _STATE_VERSION = 1
 ENCODE_BATCH_ROWS = 1024  # documents per tokenizer call while pre-tokenizing
 _CACHED_EPOCHS = 3  # epochs of index arrays kept in memory (a window may reach into the next epoch)
 
-# state_dict entries that must match on resume, and the setting a user would have changed.
-_IDENTITY_KEYS = {
-    "loader": "data.loader", "seed": "train.seed", "shuffle": "data.shuffle", "seq_len": "train.seq_len",
-    "dp_rank": "the data-parallel rank", "dp_size": "the data-parallel size",
-    "data": "the data (data.path / data.text_column)", "tokenizer": "the tokenizer (data.tokenizer / model.vocab_size)",
-}  # fmt: skip
+IDENTITY_KEYS = ("loader", "seed", "shuffle", "seq_len", "dp_rank", "dp_size", "data", "tokenizer")
+"""state_dict entries that must match on resume (``hlat.data.loader.check_identity`` words a change)."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -302,17 +299,7 @@ class OfflinePackedLoader:
             ConfigError: The state comes from the online loader, another seed, shuffle setting,
                 seq_len, rank layout, data or tokenizer.
         """
-        state = {"loader": "online", **state}  # the online loader's state has no "loader" entry
-        current = self.state_dict()
-        diffs = [
-            f"{what} was {state.get(key)!r} when the checkpoint was saved but is {current[key]!r} now"
-            for key, what in _IDENTITY_KEYS.items()
-            if state.get(key) != current[key]
-        ]
-        if diffs:
-            raise ConfigError("cannot resume the offline_packed data stream exactly: " + "; ".join(diffs))
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"data loader state has version {state.get('version')}, expected {_STATE_VERSION}")
+        check_identity(state, self.state_dict(), IDENTITY_KEYS, _STATE_VERSION)
         self.samples_consumed = int(state["samples_consumed"])
         self.batches_produced = int(state["batches_produced"])
 
@@ -368,7 +355,7 @@ def build_offline_loader(
     directory = pretokenize(source, tokenizer, cfg.cache_dir)
     meta = json.loads((directory / "meta.json").read_text())
     if meta["documents"] == 0:
-        raise ConfigError(f"{where} holds no documents: all {meta['skipped_rows']} rows are null, blank or not UTF-8")
+        raise source.no_documents(f"each of the {meta['skipped_rows']} values")
     if meta["tokens"] < seq_len + 1:
         raise ConfigError(f"{where} tokenizes to {meta['tokens']} tokens, {too_few}")
     log.info(

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from hlat.config import ConfigError, DataConfig
 from hlat.data.sources import ARROW_SUFFIXES, JSON_SUFFIXES, PARQUET_SUFFIXES, check_column, open_ipc
-from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from hlat.data.tokenizer import Tokenizer, check_trainable_vocab, load_or_train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,10 @@ def _open_parquet(path: Path, column: str) -> pq.ParquetFile:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as err:
-        raise ConfigError(f"INPUT {path} is not a Parquet file ({err})") from err
+        raise ConfigError(
+            f"INPUT {path} is not a Parquet file ({err}); if it holds JSON Lines or Arrow, give it that suffix "
+            "(.jsonl, .arrow); if it is damaged, write it again"
+        ) from err
     check_column(path, pf.schema_arrow, column, key="--text-column")
     return pf
 
@@ -283,7 +286,7 @@ def prepare(
             already holds shards, or no document at all.
     """
     if shard_rows <= 0:
-        raise ConfigError(f"--shard-rows={shard_rows} must be positive")
+        raise ConfigError(f"--shard-rows={shard_rows} must be >= 1 (documents per shard); e.g. --shard-rows=100000")
     start, out = time.perf_counter(), Path(output).expanduser()
     files = input_files(inputs)
     for path in files:
@@ -346,9 +349,14 @@ def train_tokenizer(
     from hlat.data.loader import tokenizer_sample  # the run's sample: same cache key, bounded memory
     from hlat.data.sources import TextSource
 
+    check_trainable_vocab(vocab_size)  # before any data is read
     cfg = DataConfig(path=str(data), text_column=text_column, tokenizer=None, tokenizer_type=model_type,
                      cache_dir=str(cache_dir))  # fmt: skip
-    tok = load_or_train_tokenizer(cfg, tokenizer_sample(TextSource(data, text_column)), vocab_size, cache_dir)
+    source = TextSource(data, text_column)
+    sample = tokenizer_sample(source)
+    if not sample:
+        raise source.no_documents("every value")
+    tok = load_or_train_tokenizer(cfg, sample, vocab_size, cache_dir)
     out = Path(output).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")

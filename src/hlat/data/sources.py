@@ -31,6 +31,7 @@ SUPPORTED_SUFFIXES = ARROW_SUFFIXES + PARQUET_SUFFIXES + JSON_SUFFIXES
 # are JSON but not documents, and reading them would fail the text-column check.
 _METADATA_FILES = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
 
+_FIX_TEXT = "point data.path / data.text_column at text"
 _FIX_PATH = (
     "point data.path at an Arrow (.arrow/.feather/.ipc), Parquet (.parquet) or JSONL (.jsonl/.json) file or directory"
 )
@@ -136,9 +137,18 @@ def _read_jsonl(path: Path, text_column: str) -> pa.Table:
     try:
         table = pajson.read_json(path)
     except pa.ArrowInvalid as err:
+        with open(path, "rb") as fh:
+            head = fh.read(64)
+        if head.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in head:  # a byte-order mark, or NUL bytes
+            raise ConfigError(
+                f"data.path: {path} is UTF-16 text, not the UTF-8 that JSON Lines is: re-encode it, e.g. "
+                f"`iconv -f utf-16 -t utf-8 {path} > {path.with_name(f'{path.stem}.utf8{path.suffix}')}`, and "
+                "point data.path at the result"
+            ) from err
         raise ConfigError(
             f"data.path: {path} could not be read as JSON Lines ({err}); a .json/.jsonl file must hold one "
-            f"JSON object per line with the documents under the key data.text_column={text_column!r}"
+            f"JSON object per line with the documents under the key data.text_column={text_column!r}: fix the "
+            "file, or convert it with `hlat data prepare`, which skips the lines that are not JSON"
         ) from err
     check_column(path, table.schema, text_column)
     return table.select([text_column])
@@ -237,6 +247,7 @@ class TextSource:
         self.column = pa.chunked_array([a for c in chunks for a in c.cast(target).chunks], type=target)
         # Row -> chunk lookup: `take` on a many-chunk column rebuilds it on every call (~5 ms for 43 chunks).
         self._chunk_starts = np.cumsum([0] + [len(c) for c in self.column.chunks])
+        self._file_starts = np.cumsum([0] + [len(c) for c in chunks])  # row -> file, for messages
         if len(self.column) == self.column.null_count:
             raise ConfigError(
                 f"data.path={self.path} holds no documents: all {len(self.column)} values of "
@@ -248,7 +259,10 @@ class TextSource:
 
     @property
     def fingerprint(self) -> str:
-        """Identity of the data for resume checks: files, sizes and row count (not a content hash)."""
+        """Identity of the data for resume checks: files, sizes and row count (not a content hash).
+
+        ``<rows>|<file name>:<bytes>|...``; ``hlat.data.loader.describe_change`` words how two of them differ.
+        """
         parts = [f"{f.name}:{f.stat().st_size}" for f in self.files]
         return f"{len(self)}|" + "|".join(parts)
 
@@ -273,9 +287,67 @@ class TextSource:
         for lo in range(start, len(self), batch_rows):
             yield self.get(range(lo, min(lo + batch_rows, len(self))))
 
+    def no_documents(self, what: str) -> ConfigError:
+        """The error for data that yields no document: ``what`` (``every value``...) is null, blank or not UTF-8.
+
+        Where values are not UTF-8 it names the first one (file, line and byte offset for JSONL) and how to
+        re-encode the file; otherwise it points at ``data.path`` and ``data.text_column``.
+        """
+        where = f"data.path={self.path} holds no documents: {what} of data.text_column={self.text_column!r}"
+        return ConfigError(f"{where} is null, blank or not UTF-8; {self.encoding_problem() or _FIX_TEXT}")
+
+    def encoding_problem(self) -> str | None:
+        """The first value that is not valid UTF-8 and how to re-encode its file; None if every value is UTF-8."""
+        row = self._first_not_utf8()
+        if row is None:
+            return None
+        i = int(np.searchsorted(self._file_starts, row, side="right")) - 1
+        path, in_file = self.files[i], row - int(self._file_starts[i])
+        if path.suffix.lower() not in JSON_SUFFIXES:
+            return (
+                f"row {in_file} of {path} is not UTF-8: write data.text_column as UTF-8 text (decode the values "
+                "from their encoding first), or point data.path at UTF-8 data"
+            )
+        at = _first_bad_line(path)
+        where = f"line {at[0]} of {path} (byte offset {at[1]})" if at else f"row {in_file} of {path}"
+        utf8 = path.with_name(f"{path.stem}.utf8{path.suffix}")
+        return (
+            f"{where} is not UTF-8: re-encode the file to UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > "
+            f"{utf8}` for Latin-1 text, and point data.path at the result"
+        )
+
+    def _first_not_utf8(self) -> int | None:
+        for start, chunk in zip(self._chunk_starts.tolist(), self.column.chunks, strict=False):
+            raw = chunk.cast(pa.large_binary())
+            try:
+                raw.cast(pa.large_string())  # validates UTF-8 in C: the Python scan below runs on one chunk only
+                continue
+            except pa.ArrowInvalid:
+                pass
+            for j, value in enumerate(raw.to_pylist()):
+                try:
+                    if value is not None:
+                        value.decode("utf-8")
+                except UnicodeDecodeError:
+                    return start + j
+        return None
+
     def total_chars(self) -> int:
         """Total bytes of text (cheap: Arrow keeps value offsets)."""
         return int(pc.sum(pc.binary_length(self.column)).as_py() or 0)
+
+
+def _first_bad_line(path: Path) -> tuple[int, int] | None:
+    """``(line number, byte offset)`` of the first bytes of ``path`` that are not UTF-8; None if there are none."""
+    offset = 0
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return number, offset + e.start
+            offset += len(line)
+    return None
 
 
 def load_documents(path: Path | str, text_column: str = "text") -> Documents:

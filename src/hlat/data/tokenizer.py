@@ -37,6 +37,19 @@ _MAX_LINE_CHARS = _MAX_SENTENCE_BYTES // 4
 # Cap on the training text; beyond it documents are taken at an even stride (deterministic, unlike
 # sentencepiece's random sentence sampling). Tens of MB already give a stable vocabulary.
 MAX_TRAIN_CHARS = 32_000_000
+MIN_TRAINED_VOCAB = 256 + 3 + 1
+"""The smallest vocabulary hlat can train: 256 byte-fallback pieces, <unk>, <s>, </s>, and one piece of text (the
+data's characters raise sentencepiece's minimum further; :func:`_train` names it)."""
+
+
+def check_trainable_vocab(vocab_size: int) -> None:
+    """Refuse, before any data is read, a ``model.vocab_size`` too small for any trained tokenizer."""
+    if vocab_size < MIN_TRAINED_VOCAB:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} must be >= {MIN_TRAINED_VOCAB} to train a tokenizer (256 byte-fallback "
+            "pieces, <unk>, <s> and </s>, and at least one piece of text; the data's characters may need more); "
+            "set it in that range, e.g. model.vocab_size=4096 (LLaMA's is 32000)"
+        )
 
 
 def _default_threads() -> int:
@@ -142,7 +155,11 @@ def _train(docs: Sequence[str], vocab_size: int, model_type: str) -> bytes:
     except RuntimeError as err:
         # Drop sentencepiece's "INTERNAL: file.cc(744) [check] " prefix; the sentence after it is the news.
         msg = re.sub(r"^.*?\] ", "", str(err).strip()).rstrip(".")
-        if "too high" in msg:
+        needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", msg)
+        if needed:  # sentencepiece's own advice there (character_coverage) is not a setting of hlat
+            msg = f"this data needs at least {needed[1]} pieces (the byte pieces, the special pieces, every character)"
+            hint = f"raise model.vocab_size to {needed[1]} or more"
+        elif "too high" in msg:
             hint = "the training text is too small for that many pieces; lower model.vocab_size"
         else:
             hint = "adjust model.vocab_size"
@@ -188,14 +205,20 @@ def load_tokenizer(path: Path | str, vocab_size: int) -> Tokenizer:
     try:
         tok = Tokenizer(path)
     except (RuntimeError, OSError) as err:
-        raise ConfigError(f"data.tokenizer={path} is not a sentencepiece model ({err})") from err
+        raise ConfigError(
+            f"data.tokenizer={path} is not a sentencepiece model ({err}); point it at a sentencepiece .model file "
+            "(`hlat data tokenizer` trains one) or set data.tokenizer=null to train one on the data"
+        ) from err
     if tok.vocab_size != vocab_size:
         raise ConfigError(
             f"data.tokenizer={path} has {tok.vocab_size} pieces but model.vocab_size={vocab_size}; "
             f"set model.vocab_size={tok.vocab_size} or use a tokenizer with {vocab_size} pieces"
         )
     if tok.eos_id < 0:
-        raise ConfigError(f"data.tokenizer={path} has no EOS piece; packing needs one to separate documents")
+        raise ConfigError(
+            f"data.tokenizer={path} has no EOS piece; packing needs one to separate documents: use a tokenizer "
+            "with one (`hlat data tokenizer` trains one) or set data.tokenizer=null to train one on the data"
+        )
     return tok
 
 
@@ -221,6 +244,7 @@ def load_or_train_tokenizer(
     """
     if cfg.tokenizer is not None:
         return load_tokenizer(cfg.tokenizer, vocab_size)
+    check_trainable_vocab(vocab_size)
     if isinstance(texts_or_corpus_path, (str, Path)):
         from hlat.data.sources import load_documents
 

@@ -183,7 +183,7 @@ def prepare(args: argparse.Namespace, command: str) -> tuple[RunConfig, str, lis
                 "Use a trn1 cluster"
             )
         if steps < 1:
-            raise UsageError(f"--steps={steps} must be >= 1")
+            raise UsageError(f"--steps={steps} must be >= 1 (the steps the compile run traces); e.g. --steps 10")
         if args.run and args.target != "torchrun":
             raise UsageError("--run runs the compile on this node; with --target slurm submit the script with sbatch")
     if not 0 < args.port < 65536:

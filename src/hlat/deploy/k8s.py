@@ -75,7 +75,10 @@ def pytorchjob(
     check_name(name)
     pod = f"{name}-worker-{c.nodes - 1}"
     if len(pod) > 63:
-        raise ValueError(f"job name {name!r} is too long: its pod name {pod!r} passes Kubernetes' 63 characters")
+        raise ValueError(
+            f"job name {name!r} is too long: its pod name {pod!r} passes Kubernetes' 63 characters; pass a name of "
+            f"at most {63 - len(pod) + len(name)} characters with --name"
+        )
     labels = {"app.kubernetes.io/name": "hlat", "app.kubernetes.io/instance": name}
     command = torchrun_argv(cfg, overrides, endpoint=f"{name}-worker-0:{port}", rdzv_id=name)
     container: dict[str, Any] = {

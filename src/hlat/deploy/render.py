@@ -125,7 +125,7 @@ def check_name(name: str) -> None:
     if not _NAME.match(name) or len(name) > 63:
         raise ValueError(
             f"job name {name!r} must be 1-63 lower-case letters, digits and '-', starting with a letter and not "
-            "ending with '-' (a Kubernetes DNS-1035 label)"
+            "ending with '-' (a Kubernetes DNS-1035 label); pass such a name with --name, e.g. --name hlat-7b"
         )
 
 

@@ -49,7 +49,7 @@ def checkpoints_of(path: str, every: bool) -> list[Path]:
     """
     p = Path(path).expanduser()
     if checkpoint.manifest(p) is not None or not every:
-        return [checkpoint.resolve(str(p))]
+        return [checkpoint.resolve(str(p), key="eval.checkpoint")]
     found = [d for d in sorted(p.glob("step_*")) if not checkpoint.problems(d)]
     if not found:
         raise ConfigError(f"eval.checkpoint={path}: no complete checkpoint there (step_* directories with manifests)")

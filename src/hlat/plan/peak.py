@@ -240,6 +240,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype names, bfloat16_emulated included (default: float32 and bf16 as this host's "
                              "precision.bf16_matmul=auto runs it)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.size < 1 or args.repeats < 1 or not args.seconds > 0:
+        parser.error(
+            f"--size={args.size} --seconds={args.seconds} --repeats={args.repeats}: the size and the repeats must be "
+            ">= 1 and the seconds > 0; e.g. --size 2048 --seconds 1 --repeats 5"
+        )
+    for name in args.dtypes or ():
+        try:
+            _dtype(name)
+        except ValueError as e:
+            parser.error(f"--dtypes: {e}")
 
     dtypes = args.dtypes
     if dtypes is None:  # bf16 the way training runs it here: native or emulated, whichever the probe found faster

@@ -75,7 +75,10 @@ def adapt_layout(cfg: RunConfig, world: int) -> tuple[RunConfig, str]:
                 continue
             return new, (f"tp {par.tp} x pp {par.pp} needs {par.tp * par.pp} ranks per replica and this world has "
                          f"{world}: planned with tp {tp} x pp {pp} instead")  # fmt: skip
-    raise ConfigError(f"no tp x pp layout up to tp {par.tp} x pp {par.pp} fits a world of {world}")
+    raise ConfigError(
+        f"no tp x pp layout up to tp {par.tp} x pp {par.pp} fits a world of {world} ranks: set parallelism.tp and "
+        f"parallelism.pp so that tp x pp divides {world}, or change cluster.nodes / cluster.nproc_per_node"
+    )
 
 
 def make_plan(cfg: RunConfig, *, adapt: bool = False, hint: bool = True) -> Plan:

@@ -233,7 +233,7 @@ def _select(
         if not runs:
             total = len(_search_all(client, [exp.experiment_id], ""))
             state = f"no {status} runs ({total} in other states{status_hint})" if status and total else "no runs"
-            raise ValueError(f"MLflow experiment {experiment!r} at {uri} has {state}")
+            raise ValueError(f"MLflow experiment {experiment!r} at {uri} has {state}; check --experiment and --uri")
         return [_load(client, run) for run in runs]
 
     if run_ids is not None:

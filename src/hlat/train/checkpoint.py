@@ -158,8 +158,12 @@ def newest_complete(root: Path) -> Path | None:
     return None
 
 
-def resolve(path: str) -> Path:
-    """A checkpoint directory, or the latest valid one under a checkpoints root; ConfigError if none."""
+def resolve(path: str, key: str = "train.resume") -> Path:
+    """A checkpoint directory, or the latest valid one under a checkpoints root; ConfigError if none.
+
+    ``key``: the setting that named ``path`` (``train.resume``, or ``eval.checkpoint`` for ``hlat eval``), for the
+    messages.
+    """
     p = Path(path).expanduser()
     if (manifest(p) or {}).get("weights_only"):
         raise ConfigError(f"train.resume={path} holds weights only (written by hlat import), no optimizer or data "
@@ -167,12 +171,16 @@ def resolve(path: str) -> Path:
     if (p / MANIFEST).exists():  # the user named one checkpoint: it must be intact (its manifest too)
         bad = problems(p, checksums=True)
         if bad:
-            raise ConfigError(f"train.resume={path}: this checkpoint is damaged ({'; '.join(bad)}); "
-                              f"point train.resume at its parent directory to use the newest intact one")  # fmt: skip
+            raise ConfigError(f"{key}={path}: this checkpoint is damaged ({'; '.join(bad)}); "
+                              f"point {key} at its parent directory to use the newest intact one")  # fmt: skip
         return p
     found = latest(p)
     if found is None:
-        raise ConfigError(f"train.resume={path}: no complete checkpoint there (a step_* directory with {MANIFEST})")
+        others = ", or use train.resume=auto (this run's own checkpoints) or train.resume=never (start fresh)"
+        raise ConfigError(
+            f"{key}={path}: no complete checkpoint there (a step_* directory with {MANIFEST}); point {key} at a "
+            f"checkpoint or a checkpoints directory that holds one{others if key == 'train.resume' else ''}"
+        )
     return found
 
 

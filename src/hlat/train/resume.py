@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from hlat import attempt
-from hlat.config import RunConfig
+from hlat.config import ConfigError, RunConfig
+from hlat.data.loader import CHECKPOINT
 from hlat.state import HaltedError, NonFiniteError, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
 from hlat.train import checkpoint
@@ -74,7 +75,10 @@ def restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) 
         The saved progress, and the job record (MLflow run id, uptime accounting; empty in older checkpoints).
     """
     extra = backend.load(path, model, optimizer)
-    data.load_state_dict(extra["data"])
+    try:
+        data.load_state_dict(extra["data"])
+    except ConfigError as e:  # the loader cannot know which checkpoint it was given: name it, and in the fix
+        raise ConfigError(f"{path}: {e}".replace(CHECKPOINT, str(path))) from None
     if "spikes" in extra:
         spikes.load_state_dict(extra["spikes"])
     torch.set_rng_state(extra["rng"])
@@ -139,6 +143,30 @@ MAX_DISCARDS_PER_STEP = 3
 """Rollbacks that may discard a batch at the same step before the run halts (the instability is not one batch)."""
 
 
+def halt_message(e: NonFiniteError, why: str, ckpt: Path | None, root: Path) -> str:
+    """The one line of a halt on a non-finite step: what happened, what was saved, and the way on from there.
+
+    With a checkpoint the run continues from it once the cause is fixed; without one there is nothing to continue,
+    so the same command starts again from step 0 (and rollback has nothing to go back to before a first save).
+    """
+    if ckpt is not None:
+        return (
+            f"{e} ({why}); nothing non-finite was checkpointed and the newest valid checkpoint is {ckpt}. Lower "
+            "optimizer.lr or raise optimizer.warmup_steps, or set train.on_nonfinite=rollback / skip_step, then "
+            "continue from that checkpoint in the same run directory (train.resume=auto)"
+        )
+    earlier = (  # a checkpoint before the step that failed, for rollback to go back to; none precedes step 1
+        f", or save before step {e.step} (train.checkpoint_every below {e.step}) so that rollback has a checkpoint"
+        if e.step > 1
+        else ""
+    )
+    return (
+        f"{e} ({why}); there is no checkpoint in {root} to continue from. Lower optimizer.lr or raise "
+        f"optimizer.warmup_steps, or set train.on_nonfinite=skip_step (drop such a step's update){earlier}; then run "
+        "the command again: it starts from step 0"
+    )
+
+
 def rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoint.Checkpointer, root: Path,
              logger: MetricsLogger, uptime: Uptime,
              restore: Callable[..., tuple[TrainState, dict]]) -> TrainState:  # fmt: skip
@@ -150,7 +178,6 @@ def rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoin
     """
     saver.wait()
     ckpt = checkpoint.latest(root)
-    where = f"the newest valid checkpoint is {ckpt}" if ckpt else f"there is no checkpoint in {root}"
     why = None
     if policy == "halt":
         why = "train.on_nonfinite=halt"
@@ -159,9 +186,7 @@ def rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoin
     elif state.discarded_batches.count(e.step) >= MAX_DISCARDS_PER_STEP:
         why = f"{MAX_DISCARDS_PER_STEP} batches in a row went non-finite at this step: the run is unstable"
     if why is not None:
-        raise HaltedError(f"{e} ({why}); nothing non-finite was checkpointed and {where}. Lower optimizer.lr or raise "
-                     "optimizer.warmup_steps, or set train.on_nonfinite=rollback / skip_step, then continue from "
-                     "that checkpoint in the same run directory (train.resume=auto)") from None  # fmt: skip
+        raise HaltedError(halt_message(e, why, ckpt, root)) from None
     restored, job = restore(ckpt)
     restored.discarded_batches = [*state.discarded_batches, e.step]
     restored.rollbacks = state.rollbacks + 1

@@ -102,7 +102,10 @@ def run_config(path: Path) -> RunConfig:
     try:
         return _build(RunConfig, saved)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"checkpoint {path}: the config in its {ckpt.MANIFEST} is not valid now ({e})") from e
+        raise ConfigError(
+            f"checkpoint {path}: the config in its {ckpt.MANIFEST} is not valid now ({e}); use the hlat version "
+            "that wrote it"
+        ) from e
 
 
 def model_config(path: Path) -> ModelConfig:
@@ -289,7 +292,10 @@ def import_hf(hf_dir: Path, *, untie_embeddings: bool = False) -> tuple[ModelCon
     """
     hf_dir = Path(hf_dir).expanduser()
     if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
+        raise ConfigError(
+            f"{hf_dir} has no config.json: not a Hugging Face model directory; give the directory that holds "
+            "config.json and the *.safetensors weights (save_pretrained writes both)"
+        )
     hf_cfg = json.loads((hf_dir / "config.json").read_text())
     cfg = model_config_from_hf(hf_cfg, hf_dir.resolve().name, untie_embeddings=untie_embeddings)
     tensors = read_safetensors(hf_dir)
