@@ -60,8 +60,8 @@ test-cluster: install-dev
 	bash tests/cluster/install.sh
 	HLAT_CLUSTER_LANE=1 $(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 
-# The README lane: every command of README.md, run as written in a fresh shell after `make demo` (tiny overrides where
-# a command trains; tests/readme/test_readme.py lists the few that cannot run here and why).
+# The README lane: every command of README.md and docs/*.md, run as written in a fresh shell after `make demo` (tiny
+# overrides where a command trains; tests/readme/commands.py lists the few that cannot run here and why).
 test-readme: install-dev
 	HLAT_README_LANE=1 $(PY) -m pytest -q -p no:cacheprovider tests/readme $(ARGS)
 

@@ -1,10 +1,11 @@
-"""The README's shell commands, and what the README lane does with each (``make test-readme``).
+"""The shell commands of the README and the docs, and what the README lane does with each (``make test-readme``).
 
-Every command of every fenced ``bash`` block of README.md is listed here in order, with a :class:`Policy`: run it as
-written, run it with tiny training overrides (``train.steps=2 ...``) where it trains, start it as a server and query
-it, or skip it with the reason it cannot run on this machine. A README command without a policy, or an exception
-whose command left the README, fails ``tests/unit/test_readme_commands.py`` in the main suite, so the README and
-this list cannot drift apart.
+Every command of every fenced ``bash`` block of README.md, ARCHITECTURE.md and docs/*.md is listed here in order,
+with a :class:`Policy`: run it as written, run it with tiny training overrides (``train.steps=2 ...``) where it
+trains, start it as a server and query it, or skip it with the reason it cannot run on this machine. A command
+without a policy, or an exception whose command left every file, fails ``tests/unit/test_readme_commands.py`` in the
+main suite, so the docs and this list cannot drift apart. Each file's commands run in order in a checkout of their
+own, so a command may rely on the commands before it in its file, never on another file's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+DOCS = ROOT / "docs"
 ACTIVATE = "source .venv/bin/activate"
 """The README's convention: once per shell after ``make demo``; the lane runs every later command after it."""
 
@@ -32,11 +35,17 @@ TINY = (
 
 @dataclass(frozen=True)
 class Command:
-    """One shell command of the README: its text (continuations joined, comment removed) and where it is."""
+    """One shell command of a doc: its text (continuations joined, comment removed) and where it is."""
 
     text: str
     line: int
     section: str
+    file: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        """``file:line``, as an error message or a test id names it."""
+        return f"{self.file}:{self.line}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,11 @@ EXCEPTIONS: dict[str, Policy] = {
     "make demo": Policy("make_tiny", "the first command: the lane runs it with tiny ARGS (the venv exists already)"),
     "make test": Policy("skip", "the main suite: .ci/run runs it before this lane"),
     "make test-neuron": Policy("skip", "the NxD lane: .ci/run runs it before this lane (it builds .venv-neuron)"),
+    "make test-slow": Policy("skip", "the slow suite: .ci/run runs it before this lane"),
+    "make test-cluster": Policy(
+        "skip", "the cluster lane: .ci/run runs it before this lane (root, network namespaces)"
+    ),
+    "make test-readme": Policy("skip", "this lane itself"),
     "mlflow ui --backend-store-uri sqlite:///mlflow.db": Policy(
         "serve",
         "a server: started, asked for the experiments the commands before it made, stopped",
@@ -90,6 +104,27 @@ EXCEPTIONS: dict[str, Policy] = {
     ),
     "docker build --target trn1 -t 123456789012.dkr.ecr.us-east-1.amazonaws.com/hlat:trn1 .": Policy(
         "skip", "no Docker engine here: tests/unit/test_dockerfile.py lints the Dockerfile and replays its installs"
+    ),
+    "docker build --target cpu -t hlat:cpu .": Policy("skip", "no Docker engine here"),
+    'docker run --rm -v "$PWD/outputs:/opt/hlat/outputs" hlat:cpu model=small train.steps=10': Policy(
+        "skip", "no Docker engine here (the image runs `python train.py`, which the lane runs)"
+    ),
+    "docker push 123456789012.dkr.ecr.us-east-1.amazonaws.com/hlat:trn1": Policy("skip", "no image, no registry"),
+    "kubectl apply -f job.yaml": Policy("skip", "no Kubernetes cluster here (the PyTorchJob is schema-checked)"),
+    "hlat doctor cluster=gpu_8x health.expected_busbw_gbps_intra=150": Policy(
+        "run", "needs 8 CUDA GPUs: here it must stop at once and say why", returncode=2, output="no CUDA device"
+    ),
+    "torchrun --nnodes 4 --nproc-per-node 32 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 -m hlat.health.doctor "
+    "cluster=trn1_x4": Policy("skip", "needs 4 trn1 nodes (the cluster lane runs torchrun across two hosts)"),
+    "hlat compile --run cluster=trn1_1node experiment=hlat_7b": Policy(
+        "run",
+        "needs a trn1 host: here it must refuse and say where to run it",
+        returncode=2,
+        output="neuron_parallel_compile is not on PATH",
+    ),
+    "python -m pytest -q tests/unit/test_plan_model.py tests/unit/test_plan_paper.py "
+    "tests/unit/test_plan_cli.py": Policy(
+        "run", "the planner's tests (the lane's venv has the dev tools: make test-readme installs them)"
     ),
     "hlat eval checkpoint=outputs/myrun/checkpoints tasks=hlat_suite": Policy(
         "skip", "the paper's suite downloads its datasets from the Hugging Face Hub (nothing downloads in tests)"
@@ -115,7 +150,7 @@ def _default(text: str) -> Policy | None:
         return Policy("tiny")
     if words[:2] == [".venv-neuron/bin/python", "train.py"]:
         return Policy("run", "the NxD lane's environment, built by `make test-neuron` before this lane")
-    if trains or words[0] == "hlat" or words[:3] == ["python", "-m", "hlat.eval.harness"]:
+    if trains or words[0] == "hlat" or (words[:2] == ["python", "-m"] and words[2].startswith("hlat.")):
         return Policy("run")
     return None
 
@@ -129,7 +164,7 @@ def policy(command: Command) -> Policy:
     """
     found = EXCEPTIONS.get(command.text) or _default(command.text)
     if found is None:
-        raise LookupError(f"README.md:{command.line}: no policy for {command.text!r}: add it to EXCEPTIONS in "
+        raise LookupError(f"{command.where}: no policy for {command.text!r}: add it to EXCEPTIONS in "
                           f"{Path(__file__).relative_to(ROOT)}")  # fmt: skip
     return found
 
@@ -147,8 +182,18 @@ def _strip_comment(line: str) -> str:
     return line.strip()
 
 
+def sources() -> list[Path]:
+    """The files whose commands the lane runs: README.md, then ARCHITECTURE.md, then docs/*.md by name."""
+    return [README, *([ARCHITECTURE] if ARCHITECTURE.is_file() else []), *sorted(DOCS.glob("*.md"))]
+
+
+def _name(path: Path) -> str:
+    """``path`` relative to the checkout (``docs/trn1.md``); a file elsewhere (a test's) by its name."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
 def commands(readme: Path = README) -> list[Command]:
-    """Every command of the README's fenced ``bash`` blocks, in order.
+    """Every command of the fenced ``bash`` blocks of one file (the README by default), in order.
 
     Continuation lines (``\\`` at the end) are joined, comments and blank lines dropped.
     """
@@ -160,14 +205,19 @@ def commands(readme: Path = README) -> list[Command]:
         if block is None and re.fullmatch(r"```(bash|sh|shell)", line.strip()):
             block, start = [], number
         elif block is not None and line.strip() == "```":
-            found += _block_commands(block, start, section)
+            found += _block_commands(block, start, section, _name(readme))
             block = None
         elif block is not None:
             block.append(line)
     return found
 
 
-def _block_commands(lines: list[str], start: int, section: str) -> list[Command]:
+def all_commands() -> list[Command]:
+    """Every command of every file of :func:`sources`, file by file, in order."""
+    return [c for path in sources() for c in commands(path)]
+
+
+def _block_commands(lines: list[str], start: int, section: str, file: str) -> list[Command]:
     out, pending, first = [], "", 0
     for offset, raw in enumerate(lines, 1):
         if not pending:
@@ -179,7 +229,7 @@ def _block_commands(lines: list[str], start: int, section: str) -> list[Command]
         full = _strip_comment(pending + text)
         pending = ""
         if full and not full.startswith("#"):
-            out.append(Command(" ".join(full.split()), first, section))
+            out.append(Command(" ".join(full.split()), first, section, file))
     return out
 
 
@@ -190,8 +240,7 @@ class Plan:
     items: list[tuple[Command, Policy]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, readme: Path = README) -> Plan:
-        """Every README command after the activation line, with its policy."""
-        cmds = commands(readme)
-        after = [c for c in cmds if c.text != ACTIVATE]
-        return cls([(c, policy(c)) for c in after])
+    def of(cls, files: list[Path] | None = None) -> Plan:
+        """Every command of ``files`` (default: :func:`sources`) but the activation line, with its policy."""
+        cmds = [c for path in (files or sources()) for c in commands(path)]
+        return cls([(c, policy(c)) for c in cmds if c.text != ACTIVATE])

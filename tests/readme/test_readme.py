@@ -1,10 +1,10 @@
-"""Every README command, run as a new user would: in a fresh shell after ``make demo`` and the README's
-``source .venv/bin/activate``, in order, in a copy of the checkout (``tests/readme/commands.py`` says how each
-command is run, or why it cannot run here).
+"""Every command of the README and the docs, run as a new user would: in a fresh shell after ``make demo`` and the
+README's ``source .venv/bin/activate``, in order, each file's commands in a copy of the checkout of their own
+(``tests/readme/commands.py`` says how each command is run, or why it cannot run here).
 
 The shell starts from an empty environment (``env -i``: only ``PATH=/usr/local/bin:/usr/bin:/bin``, a fresh
-``HOME``, ``LANG``), so a command that works only with the developer's activated venv, exported variables or caches
-fails here.
+``HOME`` that the files share, as one user's machine would, ``LANG``), so a command that works only with the
+developer's activated venv, exported variables or caches fails here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,21 +42,29 @@ def _copy_checkout(dest: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A copy of the checkout that every command of the README runs in, in order, and a fresh HOME."""
+def workdirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """For each file, a copy of the checkout that its commands run in, in order (made at its first command); one
+    fresh HOME for all."""
     root = tmp_path_factory.mktemp("readme")
-    work = root / "hlat"
-    work.mkdir()
-    _copy_checkout(work)
     (root / "home").mkdir()
-    up_to_date = subprocess.run(["make", "-q", ".venv/.installed"], cwd=work, check=False)
-    if up_to_date.returncode != 0:  # make demo would reinstall into the shared venv from this copy
-        pytest.fail("the venv is older than pyproject.toml/constraints.txt: run `make install` first")
-    yield work
+    made: dict[str, Path] = {}
+
+    def workdir(file: str) -> Path:
+        if file not in made:
+            work = root / file.replace("/", "-").removesuffix(".md") / "hlat"
+            work.mkdir(parents=True)
+            _copy_checkout(work)
+            up_to_date = subprocess.run(["make", "-q", ".venv/.installed"], cwd=work, check=False)
+            if up_to_date.returncode != 0:  # make demo would reinstall into the shared venv from this copy
+                pytest.fail("the venv is older than pyproject.toml/constraints.txt: run `make install` first")
+            made[file] = work
+        return made[file]
+
+    yield workdir
 
 
 def _env(work: Path) -> dict[str, str]:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work.parent / "home"), "LANG": "C.UTF-8"}
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work.parents[1] / "home"), "LANG": "C.UTF-8"}
 
 
 def _shell(text: str, cwd: Path, work: Path, log: Path) -> subprocess.CompletedProcess[str]:
@@ -117,10 +125,11 @@ def _serve(text: str, policy: Policy, work: Path, log: Path) -> str:
         proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize(("command", "policy"), PLAN.items, ids=[f"L{c.line}" for c, _ in PLAN.items])
-def test_readme_command(command: Command, policy: Policy, workdir: Path) -> None:
+@pytest.mark.parametrize(("command", "policy"), PLAN.items, ids=[c.where for c, _ in PLAN.items])
+def test_readme_command(command: Command, policy: Policy, workdirs: Callable[[str], Path]) -> None:
     if policy.action == "skip":
-        pytest.skip(f"README.md:{command.line} `{command.text}`: {policy.why}")
+        pytest.skip(f"{command.where} `{command.text}`: {policy.why}")
+    workdir = workdirs(command.file)
     log = workdir.parent / f"L{command.line}.log"
     if policy.setup:
         SETUPS[policy.setup](workdir)
@@ -138,8 +147,8 @@ def test_readme_command(command: Command, policy: Policy, workdir: Path) -> None
     t0 = time.monotonic()
     done = _shell(text, cwd, workdir, log)
     output = log.read_text(errors="replace")
-    print(f"README.md:{command.line} ({time.monotonic() - t0:.0f} s): {text}")
+    print(f"{command.where} ({time.monotonic() - t0:.0f} s): {text}")
     assert done.returncode == policy.returncode, (
-        f"README.md:{command.line} `{text}` exited {done.returncode} (expected {policy.returncode}):\n"
+        f"{command.where} `{text}` exited {done.returncode} (expected {policy.returncode}):\n"
         f"{output[-4000:]}")  # fmt: skip
     assert policy.output in output, f"`{text}` did not print {policy.output!r}:\n{output[-3000:]}"

@@ -1,4 +1,4 @@
-"""The seams of the design (README, "Where things live"), checked on the import graph with ast."""
+"""The seams of the design (ARCHITECTURE.md, "The layers"), checked on the import graph with ast."""
 
 from __future__ import annotations
 
