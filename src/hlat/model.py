@@ -77,7 +77,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per kv head
         self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
-        self.core = attention_core(cfg, gqa=self.n_rep > 1)
+        self.core = attention_core(cfg, gqa=self.n_rep > 1)  # q, k, v -> y: replaceable (hlat.attention)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
