@@ -3,8 +3,9 @@
 The packages are the layers, bottom to top (each may import only from the layers below it or its own):
 
 - ``config``: the typed schemas, composing ``conf/``, the job's rank and stamp.
-- the core, directly in ``hlat/``: ``model``, ``parallel``, ``precision``, ``optim``, ``sizing``, ``layouts``,
-  ``recompute``, ``bf16_matmul``, ``host``, ``state``, ``attempt``, ``safe_load``, ``hf_layout``, ``logs``.
+- the core, directly in ``hlat/``: ``model``, ``attention``, ``parallel``, ``precision``, ``optim``, ``sizing``,
+  ``layouts``, ``recompute``, ``bf16_matmul``, ``host``, ``state``, ``attempt``, ``safe_load``, ``hf_layout``,
+  ``logs``; and ``experiments``, what experiments change in the model (the information leak's attention).
 - ``plan``: memory, step time, MFU and cost, without a device.
 - ``data``, ``backends``, ``track``: batches, devices, and what a run reports.
 - ``health``: the checks and monitors a run carries.

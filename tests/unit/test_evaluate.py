@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hlat.attention import AttentionCore
 from hlat.config import ConfigError, ModelConfig
 from hlat.model import Transformer
 
@@ -25,6 +26,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from hlat.eval.harness import HlatLM, evaluate  # noqa: E402
 from hlat.eval.inference import greedy, greedy_batch, load  # noqa: E402
+from hlat.eval.kv_cache import decode, new_cache  # noqa: E402
 from hlat.eval.tasks import TASKS, task_manager  # noqa: E402
 from tests.conftest import compose_cfg  # noqa: E402
 from tests.timeouts import hang_guard  # noqa: E402
@@ -73,28 +75,30 @@ def test_cached_decoding_matches_full_forwards() -> None:
     model = small_model()
     tokens = torch.randint(0, 50, (2, 20))
     full = model(tokens)  # (2, 20, V): the training path
-    cache = model.new_cache(32)
-    prefill = model(tokens[:, :8], cache)
+    cache = new_cache(model, 32)
+    prefill = decode(model, tokens[:, :8], cache)
     assert torch.equal(prefill, model(tokens[:, :8]))  # from position 0: the very same causal kernel as training
     torch.testing.assert_close(prefill, full[:, :8], atol=1e-5, rtol=0)
-    chunk = model(tokens[:, 8:12], cache)  # several new positions after cached ones: the explicit mask
+    chunk = decode(model, tokens[:, 8:12], cache)  # several new positions after cached ones: the explicit mask
     torch.testing.assert_close(chunk, full[:, 8:12], atol=1e-5, rtol=0)
     for t in range(12, 20):  # one position at a time
-        torch.testing.assert_close(model(tokens[:, t : t + 1], cache), full[:, t : t + 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(decode(model, tokens[:, t : t + 1], cache), full[:, t : t + 1], atol=1e-5, rtol=0)
     assert cache.pos == 20
     cache.reset()
-    assert cache.pos == 0 and torch.equal(model(tokens[:, :5], cache), model(tokens[:, :5]))
+    assert cache.pos == 0 and torch.equal(decode(model, tokens[:, :5], cache), model(tokens[:, :5]))
 
 
 def test_cache_limits_are_clear_errors() -> None:
     model = small_model()
-    cache = model.new_cache(8)
+    cache = new_cache(model, 8)
     with torch.no_grad():
-        model(torch.zeros(1, 6, dtype=torch.long), cache)
+        decode(model, torch.zeros(1, 6, dtype=torch.long), cache)
         with pytest.raises(ValueError, match="holds 8 positions"):
-            model(torch.zeros(1, 3, dtype=torch.long), cache)
+            decode(model, torch.zeros(1, 3, dtype=torch.long), cache)
+        # the error came from inside decode's swap of the attention cores: the model is back as it was
+        assert all(type(layer.attn.core) is AttentionCore for layer in model.layers)
         with pytest.raises(ValueError, match="max_seq_len"):
-            model(torch.zeros(1, 65, dtype=torch.long), model.new_cache(100))
+            decode(model, torch.zeros(1, 65, dtype=torch.long), new_cache(model, 100))
 
 
 def test_greedy_with_and_without_cache_agree() -> None:
@@ -119,7 +123,7 @@ def test_batched_greedy_matches_one_prompt_at_a_time() -> None:
     assert greedy_batch(model, prompts, 20, eos_id=eos) == want
     assert want[0] == alone[0][:4] and any(len(w) == 20 for w in want)
     # A per-row stop condition, and a reused cache (sized for the batch, reset first).
-    cache = model.new_cache(40)
+    cache = new_cache(model, 40)
     got = greedy_batch(model, prompts, 20, stop=lambda row, new: len(new) == row + 2, cache=cache)
     assert got == [a[: i + 2] for i, a in enumerate(alone)]
     assert greedy_batch(model, prompts[1:2], 5, cache=cache) == [alone[1][:5]]

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hlat.config import ModelConfig
+from hlat.eval.kv_cache import decode, new_cache
 from hlat.model import Transformer, count_params
 from tests.conftest import compose_cfg
 
@@ -102,6 +103,19 @@ def test_mask_leak_lets_each_position_see_exactly_that_many_future_tokens() -> N
             assert not torch.allclose(out[:, t], base[:, t])
 
 
+def test_leaky_core_with_no_leak_is_the_causal_model() -> None:
+    # held_out.py scores a leaky model "with causal attention" by setting its cores' leak to 0: that must be
+    # exactly the causal model's forward, not an approximation of it.
+    causal, leaky = build(), build(dataclasses.replace(TINY, mask_leak=1))
+    leaky.load_state_dict(causal.state_dict())
+    tokens = torch.randint(0, TINY.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert not torch.allclose(leaky(tokens), causal(tokens))
+        for layer in leaky.layers:
+            layer.attn.core.leak = 0
+        assert torch.equal(leaky(tokens), causal(tokens))
+
+
 def test_left_padded_batch_with_mask_matches_each_row_alone() -> None:
     model = build()
     lengths = [11, 4, 7, 1]
@@ -112,11 +126,11 @@ def test_left_padded_batch_with_mask_matches_each_row_alone() -> None:
     for i, row in enumerate(rows):
         tokens[i, width - len(row) :], mask[i, width - len(row) :] = row, True
     with torch.no_grad():
-        cache = model.new_cache(width + 3)
-        batched = model(tokens, cache, mask)  # (B, width, V)
+        cache = new_cache(model, width + 3)
+        batched = decode(model, tokens, cache, mask)  # (B, width, V)
         assert not batched.isnan().any()  # pad queries attend to themselves: no empty mask row
         nxt = torch.randint(0, TINY.vocab_size, (len(rows), 3))
-        steps = [model(nxt[:, t : t + 1], cache) for t in range(3)]  # decoding extends the mask with True
+        steps = [decode(model, nxt[:, t : t + 1], cache) for t in range(3)]  # decoding extends the mask with True
         assert cache.key_mask is not None and cache.key_mask[:, : width + 3].sum(1).tolist() == [n + 3 for n in lengths]
         for i, row in enumerate(rows):
             alone = model(torch.cat([row, nxt[i]])[None])[0]  # (n + 3, V): unpadded, from position 0
@@ -124,9 +138,7 @@ def test_left_padded_batch_with_mask_matches_each_row_alone() -> None:
             for t in range(3):
                 torch.testing.assert_close(steps[t][i, 0], alone[len(row) + t], atol=1e-5, rtol=0)
         cache.reset()  # a fresh unpadded sequence afterwards: no mask left over
-        assert cache.key_mask is None and torch.equal(model(tokens[:1], cache), model(tokens[:1]))
-    with pytest.raises(ValueError, match="needs a KV cache"):
-        model(tokens, mask=mask)
+        assert cache.key_mask is None and torch.equal(decode(model, tokens[:1], cache), model(tokens[:1]))
 
 
 def test_gqa_shapes() -> None:

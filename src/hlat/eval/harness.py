@@ -4,7 +4,7 @@
 ``hlat.eval.inference.load`` (a ``step_N`` directory, or the newest intact one under a run's ``checkpoints/``) and
 answers the three request types of lm-eval: ``loglikelihood`` (batched, longest first, contexts cut from the left to
 ``max_length``), ``loglikelihood_rolling`` (disjoint windows of ``max_length`` tokens) and ``generate_until`` (greedy,
-batched: left-padded prompts with the pads masked, through the model's KV cache). Documents were separated by EOS in
+batched: left-padded prompts with the pads masked, through ``hlat.eval.kv_cache``). Documents were separated by EOS in
 training, so EOS is the "start of text" token that every context begins with (the role BOS plays for LLaMA in
 lm-eval).
 
@@ -37,6 +37,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from hlat.eval.inference import decode_continuation, describe, greedy_batch, load
+from hlat.eval.kv_cache import new_cache
 from hlat.eval.tasks import TASKS_DIR, task_manager
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class HlatLM(TemplateLM):
         self.max_length = int(max_length) if max_length is not None else self.loaded.context_len
         if not 1 <= self.max_length <= longest:
             raise ValueError(f"max_length={self.max_length} must be between 1 and model.max_seq_len={longest}")
-        self._cache = self.model.new_cache(self.max_length)
+        self._cache = new_cache(self.model, self.max_length)
         self._warned_sampling = False
         if kwargs:
             log.debug("ignoring model arguments %s", kwargs)

@@ -30,7 +30,8 @@ import torch
 from hlat.bf16_matmul import apply_auto_policy
 from hlat.config import DTYPES, ConfigError, ModelConfig, RunConfig
 from hlat.data.tokenizer import Tokenizer
-from hlat.model import KVCache, Transformer
+from hlat.eval.kv_cache import KVCache, decode, new_cache
+from hlat.model import Transformer
 from hlat.train import checkpoint as ckpt
 from hlat.train.weights import (
     check_torch_backend,
@@ -134,17 +135,17 @@ def greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, *, eo
     device = model.embed.weight.device
     tokens = torch.tensor([list(prompt)], dtype=torch.long, device=device)  # (1, T)
     if use_cache:
-        cache = cache or model.new_cache(len(prompt) + max_new_tokens)
+        cache = cache or new_cache(model, len(prompt) + max_new_tokens)
         cache.reset()
     out: list[int] = []
-    logits = model(tokens, cache) if use_cache else model(tokens)
+    logits = decode(model, tokens, cache) if use_cache else model(tokens)
     while len(out) < max_new_tokens:
         nxt = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
         out.append(int(nxt))
         if out[-1] == eos_id or (stop is not None and stop(out)) or len(out) == max_new_tokens:
             break
         if use_cache:
-            logits = model(nxt, cache)
+            logits = decode(model, nxt, cache)
         else:
             tokens = torch.cat([tokens, nxt], dim=1)
             logits = model(tokens)
@@ -157,7 +158,7 @@ def greedy_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
                  cache: KVCache | None = None, pad_id: int | None = None) -> list[list[int]]:  # fmt: skip
     """Greedy continuations of several prompts decoded together: each row's new token ids, as ``greedy`` gives.
 
-    The prompts are left-padded to the longest and the pads masked out of attention (``Transformer.forward``'s
+    The prompts are left-padded to the longest and the pads masked out of attention (``kv_cache.decode``'s
     ``mask``), so each row attends only to its own tokens; with rotary embeddings the shared column positions give
     every row what it would get alone (up to float rounding). A row is done after ``eos_id`` (kept in its result)
     or when ``stop`` says so; done rows are fed ``pad_id`` and their outputs dropped, and decoding ends when every
@@ -185,11 +186,11 @@ def greedy_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
     for row, p in enumerate(prompts):
         tokens[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
         mask[row, width - len(p) :] = True
-    cache = cache or model.new_cache(width + max_new_tokens)
+    cache = cache or new_cache(model, width + max_new_tokens)
     cache.reset()
     out: list[list[int]] = [[] for _ in prompts]
     done = [max_new_tokens <= 0] * B
-    logits = model(tokens.to(device), cache, mask.to(device))
+    logits = decode(model, tokens.to(device), cache, mask.to(device))
     while not all(done):
         nxt = logits[:, -1].argmax(-1)  # (B,)
         for row, tok in enumerate(nxt.tolist()):
@@ -201,7 +202,7 @@ def greedy_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
         if all(done):
             break
         feed = torch.tensor([pad if d else o[-1] for d, o in zip(done, out, strict=True)], dtype=torch.long)
-        logits = model(feed.to(device)[:, None], cache)
+        logits = decode(model, feed.to(device)[:, None], cache)
     return out
 
 

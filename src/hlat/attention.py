@@ -1,0 +1,36 @@
+"""The attention core, ``softmax(QK^T / sqrt(D)) V`` without projections: the seam for attention implementations.
+
+``hlat.model.Attention`` projects, rotates and calls its ``core`` module; what happens between q, k, v and the
+output is the core's. ``hlat.recompute`` recomputes cores in the backward pass, ``hlat.bf16_matmul`` sets their
+kernel, the information-leak experiment (``hlat.experiments.information_leak``) brings a core of its own, and
+generation (``hlat.eval.kv_cache``) swaps in one that reads and extends a KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class AttentionCore(nn.Module):
+    """Causal attention without projections, ``softmax(QK^T / sqrt(D)) V``; no parameters.
+
+    A module of its own so that ``hlat.recompute`` can recompute just this part in the backward pass (selective
+    activation checkpointing, Korthikanti et al. 2022): a kernel that materializes the (B, H, T, T) softmax keeps
+    the only activations that grow with T^2 here, for a small share of the FLOPs.
+    """
+
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+    """The attention kernel; ``hlat.bf16_matmul`` sets an instance's to its fp32-emulated bf16 version."""
+
+    def __init__(self, gqa: bool) -> None:
+        super().__init__()
+        self.gqa = gqa
+        """Whether kv heads are shared by several query heads (``enable_gqa`` of the kernel)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` (B, H, T, D), ``k`` and ``v`` (B, G, T, D) with G dividing H -> (B, H, T, D)."""
+        # Causality comes from is_causal: the mask is built inside the kernel, never passed as an input
+        # (a leaky input mask sent HLAT's loss to ~0, slides p.28). enable_gqa lets kv heads be shared.
+        return self.sdpa(q, k, v, is_causal=True, enable_gqa=self.gqa)
