@@ -394,7 +394,7 @@ def test_a_failed_preflight_is_final_and_a_hang_is_named_when_restarts_run_out(t
     # The agent maps a worker's final error back by its class name: a PreflightError must not be retried.
     assert next(t for t in launch.FINAL_ERRORS if t.__name__ == "PreflightError") is PreflightError
     assert launch._exit_text(HANG_EXIT_CODE, tmp_path) == (
-        f"exit code 75 (a hang: the watchdog's stack dumps are in {tmp_path / 'hang'})"
+        f"exit code 75 (a hang; the watchdog's report and stack dumps are in {tmp_path / 'hang'})"  # no report yet
     )
     assert launch._exit_text(1, tmp_path) == "exit code 1"
 
