@@ -364,6 +364,10 @@ def test_the_hang_fault_validates_its_rank_and_step(tmp_path: Path) -> None:
         FaultInjector(FaultConfig(hang_at=3, hang_rank=1), steps=10, markers=tmp_path)
     cfg = to_run_config(compose_cfg("fault=hang")).fault
     assert (cfg.hang_at, cfg.hang_rank) == (100, 1)
+    cfg = to_run_config(compose_cfg("fault=sigstop")).fault
+    assert (cfg.sigstop_at, cfg.hang_at, cfg.hang_rank, cfg.active) == (100, None, 1, True)
+    with pytest.raises(ConfigError, match=r"fault: steps must be >= 1"):
+        FaultConfig(sigstop_at=0)
 
 
 # --- the trainer's side -----------------------------------------------------------------------------------------------

@@ -207,12 +207,16 @@ class FaultConfig(_Frozen):
     hang_at: int | None = None
     """After this step, rank ``hang_rank`` enters an all-reduce that no other rank joins: every rank blocks in a
     collective (exercises the hang watchdog, ``health.watchdog*``). A one-process run blocks on a wait instead."""
+    sigstop_at: int | None = None
+    """After this step, rank ``hang_rank`` stops itself with SIGSTOP, as a frozen host or a paused container would: the
+    other ranks block in the next collective, and their watchdogs must name the stopped rank from its heartbeat."""
     hang_rank: int = 1
-    """The rank that hangs at ``hang_at`` (must be a rank of the job: 0 in a one-process run)."""
+    """The rank that hangs at ``hang_at`` or stops at ``sigstop_at`` (a rank of the job: 0 in a one-process run)."""
 
     def __post_init__(self) -> None:
         steps = [*self.kill_at, *self.nonfinite_at]
-        steps += [s for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at) if s is not None]
+        once = (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at, self.sigstop_at)
+        steps += [s for s in once if s is not None]
         _check(all(s >= 1 for s in steps), f"fault: steps must be >= 1, got {sorted(steps)}")
         _check(self.hang_rank >= 0, f"fault.hang_rank={self.hang_rank} must be a rank (>= 0)")
         _check(self.kill_random >= 0, f"fault.kill_random={self.kill_random} must be >= 0")
@@ -222,7 +226,8 @@ class FaultConfig(_Frozen):
     def active(self) -> bool:
         """Whether anything is injected."""
         return bool(self.kill_at or self.kill_random or self.nonfinite_at) or any(
-            s is not None for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at)
+            s is not None
+            for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at, self.sigstop_at)
         )
 
 
