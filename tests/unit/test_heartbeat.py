@@ -256,3 +256,26 @@ def test_the_watchdog_of_the_waiting_rank_names_the_stopped_one_and_the_launcher
 def test_a_report_cut_short_falls_back_to_the_previous_one(tmp_path: Path) -> None:
     (tmp_path / "report.jsonl").write_text(json.dumps({"verdict": "rank 3 stopped"}) + '\n{"verdict": "rank 4 st')
     assert last_verdict(tmp_path) == "rank 3 stopped"
+
+
+def test_under_a_short_threshold_the_report_waits_until_a_stopped_rank_s_beat_is_stale(tmp_path: Path) -> None:
+    """Real clocks and threads: rank 1 beat once when the step began and never again. The watchdog fires after 0.3 s,
+    before that beat is older than the staleness bound (5 beats of 0.1 s): it waits until it is, then names rank 1."""
+    board = FileBoard(tmp_path / "heartbeat", world_size=2)
+    board.publish(Heartbeat(1).beat())
+    fired, codes = threading.Event(), []
+    cfg = HealthConfig(watchdog_first_step_s=0.3, watchdog_grace_s=0)
+    wd = HangWatchdog(
+        cfg,
+        tmp_path / "hang",
+        0,
+        last_step=10,
+        heartbeat=Heartbeat(0, board, every_s=0.1),
+        exit_fn=lambda c: (codes.append(c), fired.set()),
+    ).start()
+    try:
+        assert fired.wait(hang_guard(120)), "the watchdog thread never fired"
+    finally:
+        wd.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "hang" / "report.jsonl").read_text().splitlines()]
+    assert record["suspects"] == [{"rank": 1, "why": "stopped"}] and codes == [HANG_EXIT_CODE]

@@ -154,7 +154,7 @@ class HangWatchdog:
                f"{'n/a' if median is None else f'{median:.3f}s'}, health.watchdog_floor_s="
                f"{self.cfg.watchdog_floor_s:g}) or health.watchdog_first_step_s={self.cfg.watchdog_first_step_s:g} "
                "for the first steps)")  # fmt: skip
-        said, report = self.report(step, why, limit)
+        said, report = self.report(step, why, limit, elapsed)
         try:
             dump_stacks(path, f"rank {self.rank}, pid {os.getpid()}: {why}")
         except OSError as e:  # a full or unreachable disk must not stop the exit that lets elastic restart us
@@ -171,12 +171,17 @@ class HangWatchdog:
         self._stop.wait(grace)  # the heartbeat goes on: this rank is alive, waiting
         self.exit_fn(HANG_EXIT_CODE)
 
-    def report(self, step: int, why: str, limit: float) -> tuple[str, Path | str]:
+    def report(self, step: int, why: str, limit: float, elapsed: float) -> tuple[str, Path | str]:
         """The verdict drawn from every rank's heartbeat, appended to ``<dump dir>/report.txt``; it and the file."""
         hb = self.heartbeat
+        stale_s = blame.stale_after(limit, hb.every_s)
+        if hb.board is not None:  # other ranks to judge
+            # A rank that stopped when this step began has a beat about `elapsed` old: under a short threshold, wait
+            # until it is older than the staleness bound (plus a beat period, for the live ranks to beat again).
+            self._stop.wait(max(0.0, stale_s + hb.every_s - elapsed))
         beats, unread = hb.read()
         now = hb.wall()
-        v = blame.judge(beats, self.rank, now, blame.stale_after(limit, hb.every_s), unread)
+        v = blame.judge(beats, self.rank, now, stale_s, unread)
         header = f"rank {self.rank} on {hb.host} (pid {hb.pid}): {why}"
         extra = {"rank": self.rank, "host": hb.host, "attempt": hb.attempt, "step": step}
         try:
