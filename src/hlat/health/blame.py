@@ -5,8 +5,9 @@ whether it waits for a stopped peer. Their heartbeats (:mod:`hlat.health.heartbe
 
 - a rank whose beat is older than :func:`stale_after` stopped (SIGSTOP, a frozen host, a dead heartbeat thread), and
   a rank with no beat in this attempt never got going; those are the suspects;
-- otherwise every rank is alive, and the ones furthest behind (an earlier step or phase) are the suspects: they are
-  stuck outside the collective that the others wait in (a data worker, a deadlock). The firing rank may be one;
+- otherwise every rank is alive, and the ones behind the furthest (an earlier step, or phase of it) are the
+  suspects: stuck outside the collective that the others wait in (a data worker, a deadlock). The firing rank may be
+  one;
 - otherwise every rank is alive at the same point: a collective that all entered does not complete, or they wait in
   different ones; nobody is blamed and the stack dumps tell.
 
