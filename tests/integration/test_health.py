@@ -1,15 +1,18 @@
-"""Cluster health end to end on two gloo ranks: ``hlat doctor``, the trainer's pre-flight check, a hang recovered.
+"""Cluster health end to end on two gloo ranks: ``hlat doctor``, the trainer's pre-flight check, hangs recovered.
 
 The oracles: the injected slow rank (``health.inject_slow_rank``) is the one named, and nothing else; a hang injected
 in a collective (``fault=hang``) ends with stack dumps of both ranks, exit code 75, a restart from the checkpoint
-before the hang, and a run that finishes every step in one MLflow run.
+before the hang, and a run that finishes every step in one MLflow run; a rank frozen by SIGSTOP (``fault=sigstop``)
+is named, with its host, by the rank that waits for it, never the other way round, and the restart finishes the run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -154,8 +157,14 @@ def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path
     assert r.returncode == 0, out[-5000:]
 
     log = (run_dir / "train.log").read_text()
-    found = re.search(r"hang detected on rank \d: step 7 has run ([\d.]+)s, more than the watchdog's ([\d.]+)s", log)
+    found = re.search(r"Seen by rank \d on \S+: step 7 has run ([\d.]+)s, more than the watchdog's ([\d.]+)s", log)
     assert found, log[-5000:]
+    # Both ranks are alive and level after step 6 (rank 1 in the injected all-reduce, rank 0 in the stop agreement):
+    # no rank is blamed, the stacks tell.
+    reports = [json.loads(x) for x in (run_dir / "hang" / "report.jsonl").read_text().splitlines()]
+    assert sorted(r["rank"] for r in reports) == [0, 1] and all(r["suspects"] == [] for r in reports)
+    level = "no rank stopped: every rank's heartbeat is fresh and at the same point (after step 6)"
+    assert all(r["verdict"].startswith(level) for r in reports), reports
     elapsed, limit = map(float, found.groups())
     assert elapsed >= limit and limit < first_step_s  # the steady-state threshold, not the first-step allowance
     dumps = {p.name: p.read_text() for p in (run_dir / "hang").glob("rank*.txt")}
@@ -177,3 +186,50 @@ def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path
     slowest = client.get_metric_history(run.info.run_id, "health/slowest_rank")
     assert slowest and {m.value for m in slowest} <= {0.0, 1.0}
     assert "preflight.md" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_rank_is_named_by_the_rank_that_waits_for_it(tmp_path: Path, cache_dir: Path, stopped: int) -> None:
+    """Issue 33: rank ``stopped`` freezes (SIGSTOP, every thread) after step 6; the other rank blocks in the next
+    collective. Only the healthy rank's watchdog can fire, and it must name the stopped rank and its host from the
+    heartbeats (torch elastic's store, in the agent), not itself; torch elastic then kills the frozen rank and the
+    restart from step 4 finishes the run."""
+    run_dir, healthy = tmp_path / "run", 1 - stopped
+    # The watchdog's limits are hang guards too; the floor also keeps half the threshold (the staleness bound) far
+    # above a live rank's beat period.
+    r = train_in_own_group(
+        *common(cache_dir, tmp_path),
+        "train.steps=10",
+        "cluster.max_restarts=1",
+        "fault=sigstop",
+        "fault.sigstop_at=6",
+        f"fault.hang_rank={stopped}",
+        "health.watchdog_factor=5",
+        f"health.watchdog_floor_s={hang_guard(20):g}",
+        f"health.watchdog_first_step_s={hang_guard(300):g}",
+        "health.watchdog_grace_s=1",
+        "health.straggler_every=0",
+        "health.min_relative_fraction=0.05",
+        cwd=tmp_path,
+        timeout=hang_guard(1200),
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-5000:]
+    log = (run_dir / "train.log").read_text()
+    host = socket.gethostname()
+    (line,) = [x for x in log.splitlines() if "hang: " in x]  # one report: the stopped rank cannot write one
+    assert re.search(
+        rf"hang: rank {stopped} on {re.escape(host)} \(pid \d+\) stopped: last heartbeat [\d.]+s ago, "
+        rf".*; rank {healthy} waits .*\. Seen by rank {healthy} on {re.escape(host)}: step 7 has run",
+        line,
+    )
+    assert f"rank {healthy} on {host} (pid" not in line  # the waiting rank is not blamed
+    (record,) = [json.loads(x) for x in (run_dir / "hang" / "report.jsonl").read_text().splitlines()]
+    assert record["rank"] == healthy and record["suspects"] == [{"rank": stopped, "why": "stopped"}]
+    beats = record["beats"]
+    assert beats[str(stopped)]["host"] == host and beats[str(stopped)]["step"] <= 6  # its last beat, before the stop
+    assert (beats[str(healthy)]["step"], beats[str(healthy)]["phase"]) == (6, "step end")  # in the stop agreement
+    assert beats[str(stopped)]["pid"] != beats[str(healthy)]["pid"]
+    assert {p.name for p in (run_dir / "hang").glob("rank*.txt")} == {f"rank{healthy}.txt"}
+    assert "restart 1 of this job" in out + log and "step_00000004 at step 4" in log
+    assert (run_dir / "checkpoints" / "step_00000010" / "manifest.json").exists()

@@ -1,16 +1,23 @@
-"""Fault injection: seeded kill steps, once-per-job markers, the save faults, NaN gradients."""
+"""Fault injection: seeded kill steps, once-per-job markers, the save faults, NaN gradients, SIGSTOP."""
 
 from __future__ import annotations
 
 import errno
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from hlat.config import ConfigError, FaultConfig
 from hlat.state import TrainState
 from hlat.train.faults import FaultInjector, kill_steps
+from tests.timeouts import hang_guard
 
 
 def test_kill_steps_are_seeded_distinct_and_inside_the_run() -> None:
@@ -69,3 +76,37 @@ def test_min_step_s_sleeps_what_the_step_left_of_it(tmp_path: Path, monkeypatch:
     assert slept == pytest.approx([0.7, 0.0, 0.0])
     with pytest.raises(ConfigError, match=r"fault.min_step_s=-1.0 must be >= 0"):
         FaultConfig(min_step_s=-1.0)
+
+
+def test_sigstop_freezes_the_chosen_rank_once_per_job(tmp_path: Path) -> None:
+    """A real process runs the hook after steps 1-3 with ``sigstop_at=2``: the kernel reports it stopped after step 2,
+    it goes on when continued, and a restarted job that replays step 2 is not stopped again (the marker)."""
+    code = (
+        "from pathlib import Path; from hlat.config import FaultConfig; from hlat.train.faults import FaultInjector\n"
+        "class S: step = 0\n"
+        f"inj = FaultInjector(FaultConfig(sigstop_at=2, hang_rank=0), steps=5, markers=Path({str(tmp_path)!r}))\n"
+        "for s in (1, 2, 3):\n"
+        "    S.step = s; print('before', s, flush=True); inj(S, None)\n"
+        "print('done', flush=True)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert [proc.stdout.readline().strip() for _ in range(2)] == ["before 1", "before 2"]
+        deadline = time.monotonic() + hang_guard(60)
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.stdout.read().splitlines() == ["before 3", "done"]
+        assert proc.wait(timeout=hang_guard(60)) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    again = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=hang_guard(120)
+    )
+    assert again.returncode == 0 and again.stdout.splitlines() == ["before 1", "before 2", "before 3", "done"]
+    with pytest.raises(ConfigError, match=r"fault.hang_rank=1 is not a rank of this 1-rank job"):
+        FaultInjector(FaultConfig(sigstop_at=3), steps=10, markers=tmp_path)

@@ -364,6 +364,10 @@ def test_the_hang_fault_validates_its_rank_and_step(tmp_path: Path) -> None:
         FaultInjector(FaultConfig(hang_at=3, hang_rank=1), steps=10, markers=tmp_path)
     cfg = to_run_config(compose_cfg("fault=hang")).fault
     assert (cfg.hang_at, cfg.hang_rank) == (100, 1)
+    cfg = to_run_config(compose_cfg("fault=sigstop")).fault
+    assert (cfg.sigstop_at, cfg.hang_at, cfg.hang_rank, cfg.active) == (100, None, 1, True)
+    with pytest.raises(ConfigError, match=r"fault\.sigstop_at=0 must be >= 1 or null"):
+        FaultConfig(sigstop_at=0)
 
 
 # --- the trainer's side -----------------------------------------------------------------------------------------------
@@ -394,7 +398,7 @@ def test_a_failed_preflight_is_final_and_a_hang_is_named_when_restarts_run_out(t
     # The agent maps a worker's final error back by its class name: a PreflightError must not be retried.
     assert next(t for t in launch.FINAL_ERRORS if t.__name__ == "PreflightError") is PreflightError
     assert launch._exit_text(HANG_EXIT_CODE, tmp_path) == (
-        f"exit code 75 (a hang: the watchdog's stack dumps are in {tmp_path / 'hang'})"
+        f"exit code 75 (a hang; the watchdog's report and stack dumps are in {tmp_path / 'hang'})"  # no report yet
     )
     assert launch._exit_text(1, tmp_path) == "exit code 1"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -17,10 +18,12 @@ import torch.distributed as dist
 from hlat.backends.base import Env
 from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group
 from hlat.config import ClusterConfig, FaultConfig, HealthConfig, OptimizerConfig, RunConfig
+from hlat.health.heartbeat import FileBoard, Heartbeat, PhaseMarks
 from hlat.health.preflight import preflight
 from hlat.health.report import PreflightError
 from hlat.health.stragglers import StragglerMonitor
 from hlat.health.watchdog import HANG_EXIT_CODE, HangWatchdog
+from hlat.state import NULL_TIMER
 from hlat.train.faults import FaultInjector
 from tests.timeouts import hang_guard
 
@@ -43,15 +46,21 @@ def join(rank: int, port: int, timeout_s: float | None = None) -> None:
     init_process_group(Ranks.from_env(), torch.device("cpu"), timeout_s)
 
 
-def run_two(target, *args, timeout: float | None = None) -> list[int | None]:
-    """Run ``target(rank, port, *args)`` in two spawned processes; their exit codes. ``timeout``: a hang guard
-    (default ``hang_guard(300)``), after which the processes still alive are killed (exit code None)."""
-    timeout = hang_guard(300) if timeout is None else timeout
+def start_two(target, *args) -> list[multiprocessing.Process]:
+    """Start ``target(rank, port, *args)`` in two spawned processes."""
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(WORLD)]
     for p in procs:
         p.start()
+    return procs
+
+
+def run_two(target, *args, timeout: float | None = None) -> list[int | None]:
+    """Run ``target(rank, port, *args)`` in two spawned processes; their exit codes. ``timeout``: a hang guard
+    (default ``hang_guard(300)``), after which the processes still alive are killed (exit code None)."""
+    timeout = hang_guard(300) if timeout is None else timeout
+    procs = start_two(target, *args)
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
@@ -167,6 +176,60 @@ def test_a_hang_in_a_collective_is_caught_by_every_rank(tmp_path: Path) -> None:
     assert "in _hang" in dumps[1] and "faults.py" in dumps[1]  # rank 1: in the injected all-reduce
     assert "in _hang\n" not in dumps[0] and "in _hang_worker" in dumps[0]  # rank 0: in the next step's all-reduce
     assert (tmp_path / "faults" / "hang-3.rank1").exists()  # once per job: a restart runs past it
+
+
+# --- a rank stopped from outside --------------------------------------------------------------------------------------
+
+
+def _beating_worker(rank: int, port: int, tmp: str) -> None:
+    """Steps of one all-reduce each, for ever, with the watchdog and its heartbeat (files: plain env://)."""
+    join(rank, port)
+    # The floor is a hang guard, and keeps half the threshold (the staleness bound) far above the beat period.
+    limits = {"watchdog_floor_s": hang_guard(20), "watchdog_first_step_s": hang_guard(60)}
+    cfg = HealthConfig(watchdog_factor=5, watchdog_grace_s=1.0, **limits)
+    heartbeat = Heartbeat(rank, FileBoard(Path(tmp) / "heartbeat", WORLD))
+    watchdog = HangWatchdog(cfg, Path(tmp) / "hang", rank, last_step=1 << 30, heartbeat=heartbeat).start()
+    marks = PhaseMarks(NULL_TIMER, heartbeat)
+
+    class State:
+        step = 0
+
+    state = State()
+    while True:  # until the test stops one rank: the other's watchdog ends it, the test kills the stopped one
+        with marks.phase("all-reduce"):
+            dist.all_reduce(torch.ones(4))
+        time.sleep(0.02)
+        state.step += 1
+        watchdog(state)
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_the_rank_that_waits_names_the_rank_stopped_from_outside(tmp_path: Path, stopped: int) -> None:
+    """SIGSTOP from outside, to each rank in turn (rank 0 hosts the job's store here): the other rank's watchdog
+    fires, and its report names the stopped rank, its host and pid from the heartbeat files, not itself."""
+    procs, healthy = start_two(_beating_worker, str(tmp_path)), 1 - stopped
+    board = FileBoard(tmp_path / "heartbeat", WORLD)
+    try:
+        deadline = time.monotonic() + hang_guard(300)
+        while not all(b is not None and b.step >= 5 for b in board.read().values()):
+            assert time.monotonic() < deadline, f"the ranks did not reach step 5: {board.read()}"
+            time.sleep(0.05)
+        os.kill(procs[stopped].pid, signal.SIGSTOP)
+        procs[healthy].join(hang_guard(300))
+        assert procs[healthy].exitcode == HANG_EXIT_CODE
+    finally:
+        for p in procs:
+            p.kill()  # SIGKILL ends a stopped process too
+            p.join()
+    (record,) = [json.loads(x) for x in (tmp_path / "hang" / "report.jsonl").read_text().splitlines()]
+    assert record["rank"] == healthy and record["suspects"] == [{"rank": stopped, "why": "stopped"}]
+    host = socket.gethostname()
+    assert record["verdict"].startswith(f"rank {stopped} on {host} (pid {procs[stopped].pid}) stopped: last heartbeat")
+    assert f"; rank {healthy} waits in step " in record["verdict"] and "(all-reduce)" in record["verdict"]
+    assert record["beats"][str(healthy)]["pid"] == procs[healthy].pid
+    report = (tmp_path / "hang" / "report.txt").read_text()
+    assert f"rank {healthy} on {host} (pid {procs[healthy].pid}): step " in report and report.count("=== ") == 1
+    assert not (tmp_path / "hang" / f"rank{stopped}.txt").exists()
 
 
 # --- stragglers -------------------------------------------------------------------------------------------------------

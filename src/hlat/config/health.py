@@ -49,9 +49,10 @@ class HealthConfig(_Frozen):
     min_bandwidth_fraction: float = 0.5
     """A node (intra-node figure) or the job (world figure) fails below this fraction of the expected bandwidth."""
     watchdog: bool = True
-    """Hang watchdog: a thread that dumps every thread's stack into ``<run dir>/hang/rank<N>.txt`` and exits the
-    trainer with code 75 (``hlat.health.watchdog.HANG_EXIT_CODE``) when a step takes far longer than usual, so that
-    torch elastic restarts it from the newest checkpoint (``cluster.max_restarts``)."""
+    """Hang watchdog: when a step takes far longer than usual, a thread names the rank(s) the hang is about from every
+    rank's heartbeat (``<run dir>/hang/report.txt``), dumps every thread's stack into ``<run dir>/hang/rank<N>.txt``
+    and exits the trainer with code 75 (``hlat.health.watchdog.HANG_EXIT_CODE``), so that torch elastic restarts it
+    from the newest checkpoint (``cluster.max_restarts``)."""
     watchdog_factor: float = 10.0
     """A step hangs when it runs longer than this many times the median of the recent steps (or the floor)."""
     watchdog_floor_s: float = 600.0

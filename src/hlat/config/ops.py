@@ -193,8 +193,11 @@ class FaultConfig(_Frozen):
     hang_at: int | None = None
     """After this step, rank ``hang_rank`` enters an all-reduce that no other rank joins: every rank blocks in a
     collective (exercises the hang watchdog, ``health.watchdog*``). A one-process run blocks on a wait instead."""
+    sigstop_at: int | None = None
+    """After this step, rank ``hang_rank`` stops itself with SIGSTOP, as a frozen host or a paused container would: the
+    other ranks block in the next collective, and their watchdogs must name the stopped rank from its heartbeat."""
     hang_rank: int = 1
-    """The rank that hangs at ``hang_at`` (must be a rank of the job: 0 in a one-process run)."""
+    """The rank that hangs at ``hang_at`` or stops at ``sigstop_at`` (a rank of the job: 0 in a one-process run)."""
     min_step_s: float = 0.0
     """Every step lasts at least this many seconds (a sleep after it): a stand-in for a real model's step time, so
     that a test signalling a running job from outside cannot lose the race to a fast machine (0: off)."""
@@ -207,7 +210,7 @@ class FaultConfig(_Frozen):
                 f"fault.{key}={show(steps)} holds a step below 1: steps count from 1 (the first optimizer step); "
                 f"keep the steps >= 1, e.g. fault.{key}={show([s for s in steps if s >= 1] or [1])}",
             )
-        for key in ("crash_in_save_at", "corrupt_at", "disk_full_at", "hang_at"):
+        for key in ("crash_in_save_at", "corrupt_at", "disk_full_at", "hang_at", "sigstop_at"):
             _check_range(self, f"fault.{key}", ">= 1", null="no such fault", example=1)
         _check_range(self, "fault.hang_rank", ">= 0", note="(a rank of the job)")
         _check_range(self, "fault.kill_random", ">= 0", note="(0: no random kills)")
@@ -218,7 +221,8 @@ class FaultConfig(_Frozen):
     def active(self) -> bool:
         """Whether anything is injected."""
         return bool(self.kill_at or self.kill_random or self.nonfinite_at or self.min_step_s) or any(
-            s is not None for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at)
+            s is not None
+            for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at, self.sigstop_at)
         )
 
 

@@ -7,6 +7,9 @@
   failing node is named before any model is built.
 - :mod:`hlat.health.watchdog`: a thread fed by a loop hook; a step far slower than the running median dumps every
   thread's stack into ``<run dir>/hang/`` and exits with a code torch elastic restarts from the newest checkpoint.
+- :mod:`hlat.health.heartbeat` and :mod:`hlat.health.blame`: every rank's step, phase and time, published where the
+  other ranks read them, and the verdict a firing watchdog draws from them: the rank that stopped, not the ones
+  waiting for it.
 - :mod:`hlat.health.stragglers`: every N steps, each rank's step time and local (forward + data wait) time gathered,
   the slowest rank and its lag logged.
 

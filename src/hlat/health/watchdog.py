@@ -1,4 +1,4 @@
-"""The hang watchdog: a step that takes far longer than usual dumps every thread's stack and ends the trainer.
+"""The hang watchdog: a step far slower than usual is reported, naming the rank it is about, and ends the trainer.
 
 A hung collective (a rank that never arrives), a stuck data worker or a deadlock do not raise: the job just stops
 making progress until torch.distributed's timeout, 30 minutes by default. :class:`HangWatchdog` is a loop hook that
@@ -6,17 +6,21 @@ records when each step ends, and a daemon thread that wakes a few times per thre
 longer than ``max(health.watchdog_factor x median recent step, health.watchdog_floor_s)`` (the first two steps of a
 process get ``health.watchdog_first_step_s``: compilation, the restore), it
 
-1. appends the stacks of all threads (``faulthandler``), and ``py-spy dump`` of the process when py-spy is on the
+1. reads every rank's heartbeat (:mod:`hlat.health.heartbeat`) and names the rank(s) the hang is about
+   (:mod:`hlat.health.blame`): the ones that stopped, else the ones behind; the healthy ranks that wait for them in a
+   collective fire too, and are not blamed. What every rank was doing goes to ``<run dir>/hang/report.txt``;
+2. appends the stacks of all threads (``faulthandler``), and ``py-spy dump`` of the process when py-spy is on the
    PATH, to ``<run dir>/hang/rank<N>.txt``;
-2. logs one line naming the step, the time and the file;
-3. waits ``max(health.watchdog_grace_s, 2 x median step)``, so that the other ranks, blocked in the same collective,
-   dump their stacks too before torch elastic stops them;
-4. exits with :data:`HANG_EXIT_CODE` (``os._exit``: the main thread is stuck and cannot unwind). Torch elastic treats
+3. logs one line: the verdict, this rank's step and time, the files;
+4. waits ``max(health.watchdog_grace_s, 2 x median step)``, so that the other ranks, blocked in the same collective,
+   report and dump their stacks too before torch elastic stops them;
+5. exits with :data:`HANG_EXIT_CODE` (``os._exit``: the main thread is stuck and cannot unwind). Torch elastic treats
    a non-zero exit as a failure and restarts the workers (``cluster.max_restarts``), which resume from the newest
    checkpoint.
 
 The thread needs the GIL: a hang inside C code that holds it (rare; collectives and sleeps release it) is not seen
-here, and the collective timeout (``health.collective_timeout_s``) is the backstop.
+here, and the collective timeout (``health.collective_timeout_s``) is the backstop. Such a rank's heartbeat stops
+too, so the other ranks' watchdogs name it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from hlat.config import HealthConfig
+from hlat.health import blame
+from hlat.health.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +63,17 @@ class HangWatchdog:
         rank: This process's global rank.
         last_step: ``train.steps``: after that step the watchdog stands down (the final save, plots and evaluations
             that follow are not steps).
+        heartbeat: This rank's heartbeat, published for the others (default: one that publishes nothing; the report
+            then knows this rank only).
         exit_fn: What ends the process (``os._exit``; tests pass a recorder).
         clock: Monotonic seconds (tests pass a fake one).
     """
 
     def __init__(self, cfg: HealthConfig, dump_dir: Path, rank: int, last_step: int, *,
-                 exit_fn: Callable[[int], Any] = os._exit,
+                 heartbeat: Heartbeat | None = None, exit_fn: Callable[[int], Any] = os._exit,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.cfg, self.dump_dir, self.rank, self.last_step = cfg, Path(dump_dir), rank, last_step
+        self.heartbeat = heartbeat if heartbeat is not None else Heartbeat(rank)
         self.exit_fn, self.clock = exit_fn, clock
         self.durations: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.beats = 0
@@ -75,10 +84,14 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> HangWatchdog:
-        """Start the watching thread; the clock of the first step starts now. Returns self."""
+    def start(self, step: int = 0) -> HangWatchdog:
+        """Start the watching thread and the heartbeat; training resumes after ``step``, whose clock starts now.
+
+        Returns self.
+        """
         with self._lock:
-            self.last_beat = self.clock()
+            self.step, self.last_beat = step, self.clock()
+        self.heartbeat.start(step)
         self._thread = threading.Thread(target=self._run, name="hlat-hang-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -86,6 +99,7 @@ class HangWatchdog:
     def close(self) -> None:
         """Stop the thread (idempotent); call it when training ends, however it ends."""
         self._stop.set()
+        self.heartbeat.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
@@ -97,6 +111,7 @@ class HangWatchdog:
                 self.durations.append(now - self.last_beat)
             self.beats += 1
             self.step, self.last_beat = state.step, now
+        self.heartbeat.stepped(state.step)
         if state.step >= self.last_step:
             self.close()
 
@@ -130,7 +145,7 @@ class HangWatchdog:
                 return
 
     def fire(self, step: int, elapsed: float, limit: float) -> None:
-        """Dump the stacks, say what happened, wait for the other ranks to dump theirs, then exit."""
+        """Name the rank(s) the hang is about, dump the stacks, say it, wait for the other ranks, then exit."""
         self.fired = True
         path = self.dump_dir / f"rank{self.rank}.txt"
         median = self.median()
@@ -139,18 +154,41 @@ class HangWatchdog:
                f"{'n/a' if median is None else f'{median:.3f}s'}, health.watchdog_floor_s="
                f"{self.cfg.watchdog_floor_s:g}) or health.watchdog_first_step_s={self.cfg.watchdog_first_step_s:g} "
                "for the first steps)")  # fmt: skip
+        said, report = self.report(step, why, limit, elapsed)
         try:
             dump_stacks(path, f"rank {self.rank}, pid {os.getpid()}: {why}")
         except OSError as e:  # a full or unreachable disk must not stop the exit that lets elastic restart us
             log.error("could not write the stacks to %s: %s", path, e)
-        log.error("hang detected on rank %d: %s; stacks of every thread in %s. Exiting with code %d so that torch "
-                  "elastic restarts the job from its newest checkpoint (cluster.max_restarts)",
-                  self.rank, why, path, HANG_EXIT_CODE)  # fmt: skip
+        message = (
+            f"hang: {said}. Seen by rank {self.rank} on {self.heartbeat.host}: {why}. What every rank was "
+            f"doing: {report}; this rank's stacks: {path}. Exiting with code {HANG_EXIT_CODE} so that torch "
+            "elastic restarts the job from its newest checkpoint (cluster.max_restarts)"
+        )
+        log.error("%s", message)
         for h in logging.getLogger().handlers:
             h.flush()
         grace = max(self.cfg.watchdog_grace_s, 2 * (median or 0.0))
-        self._stop.wait(grace)
+        self._stop.wait(grace)  # the heartbeat goes on: this rank is alive, waiting
         self.exit_fn(HANG_EXIT_CODE)
+
+    def report(self, step: int, why: str, limit: float, elapsed: float) -> tuple[str, Path | str]:
+        """The verdict drawn from every rank's heartbeat, appended to ``<dump dir>/report.txt``; it and the file."""
+        hb = self.heartbeat
+        stale_s = blame.stale_after(limit, hb.every_s)
+        if hb.board is not None:  # other ranks to judge
+            # A rank that stopped when this step began has a beat about `elapsed` old: under a short threshold, wait
+            # until it is older than the staleness bound (plus a beat period, for the live ranks to beat again).
+            self._stop.wait(max(0.0, stale_s + hb.every_s - elapsed))
+        beats, unread = hb.read()
+        now = hb.wall()
+        v = blame.judge(beats, self.rank, now, stale_s, unread)
+        header = f"rank {self.rank} on {hb.host} (pid {hb.pid}): {why}"
+        extra = {"rank": self.rank, "host": hb.host, "attempt": hb.attempt, "step": step}
+        try:
+            return v.said, blame.write_report(self.dump_dir, header, v, extra)
+        except OSError as e:
+            log.error("could not write the hang report to %s: %s", self.dump_dir, e)
+            return v.said, "(not written)"
 
 
 def dump_stacks(path: Path, header: str) -> None:

@@ -1,10 +1,11 @@
 """Fault injection (``conf/fault/``): the failures HLAT's automatic recovery had to survive, on demand.
 
 A killed process (SIGKILL after a step), a crash in the middle of a checkpoint write, a corrupted newest
-checkpoint, a full disk (ENOSPC) while saving, non-finite gradients, and a hang in a collective (one rank enters an
-all-reduce the others never join, so every rank blocks: what the health watchdog must catch). Each fault fires once
-per job: before firing, a marker file is written under ``<checkpoint dir>/faults/``, so the restarted process (which
-replays the steps since the last checkpoint) runs past it.
+checkpoint, a full disk (ENOSPC) while saving, non-finite gradients, a hang in a collective (one rank enters an
+all-reduce the others never join, so every rank blocks: what the health watchdog must catch), and a rank stopped by
+SIGSTOP (the others block in the next collective; their watchdogs must name it). Each fault fires once per job:
+before firing, a marker file is written under ``<checkpoint dir>/faults/``, so the restarted process (which replays
+the steps since the last checkpoint) runs past it.
 """
 
 from __future__ import annotations
@@ -59,21 +60,24 @@ class FaultInjector:
         if cfg.active:
             log.warning(
                 "fault injection (fault=%s): kill after steps %s, crash in save %s, corrupt %s, disk full %s, NaN "
-                "gradients at %s, hang at %s on rank %d, steps of at least %gs",
+                "gradients at %s, hang at %s / SIGSTOP at %s on rank %d, steps of at least %gs",
                 *(cfg.name, sorted(self.kills), cfg.crash_in_save_at, cfg.corrupt_at, cfg.disk_full_at),
-                *(cfg.nonfinite_at, cfg.hang_at, cfg.hang_rank, cfg.min_step_s),
+                *(cfg.nonfinite_at, cfg.hang_at, cfg.sigstop_at, cfg.hang_rank, cfg.min_step_s),
             )
 
     @staticmethod
     def _hang_group(cfg: FaultConfig) -> dist.ProcessGroup | None:
-        """A gloo group of its own for the hang (collective: every rank builds the injector at the same point)."""
-        if cfg.hang_at is None:
+        """A gloo group of its own for the hang (collective: every rank builds the injector at the same point).
+
+        Checks ``hang_rank`` for the hang and the SIGSTOP.
+        """
+        if cfg.hang_at is None and cfg.sigstop_at is None:
             return None
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if cfg.hang_rank >= world:
             raise ConfigError(f"fault.hang_rank={cfg.hang_rank} is not a rank of this {world}-rank job; set "
                               "fault.hang_rank below the world size (0 in a one-process run)")  # fmt: skip
-        return dist.new_group(backend="gloo") if world > 1 else None
+        return dist.new_group(backend="gloo") if world > 1 and cfg.hang_at is not None else None
 
     def _once(self, name: str) -> bool:
         """True the first time ``name`` is asked for in this job (a marker file makes it durable)."""
@@ -93,14 +97,24 @@ class FaultInjector:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __call__(self, state: TrainState, out: StepOutput) -> None:
-        """Loop hook (the last one, after the checkpoint hook): pace the step, kill or hang after the chosen steps."""
+        """Loop hook (the last, after the checkpoint hook): pace the step; kill, hang or stop after the chosen steps."""
         if self.cfg.min_step_s:
             time.sleep(max(0.0, self.cfg.min_step_s - (time.monotonic() - self.step_ended)))
             self.step_ended = time.monotonic()
         if state.step in self.kills and self._once(f"kill-{state.step}"):
             self._kill(f"after step {state.step}")
-        if state.step == self.cfg.hang_at and self.rank == self.cfg.hang_rank and self._once(f"hang-{state.step}"):
+        mine = self.rank == self.cfg.hang_rank
+        if mine and state.step == self.cfg.hang_at and self._once(f"hang-{state.step}"):
             self._hang(state.step)
+        if mine and state.step == self.cfg.sigstop_at and self._once(f"sigstop-{state.step}"):
+            self._sigstop(state.step)
+
+    def _sigstop(self, step: int) -> None:
+        """Freeze this process, every thread with it (its heartbeat too): only SIGCONT or SIGKILL ends that."""
+        log.warning("fault injection: rank %d stops itself with SIGSTOP after step %d", self.rank, step)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     def _hang(self, step: int) -> None:
         """Block for good: in an all-reduce no other rank joins (they block in the next step's), or on a wait."""

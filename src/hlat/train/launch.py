@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.config.resolvers import global_rank, under_elastic
+from hlat.health.blame import last_verdict
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
 from hlat.state import HaltedError
@@ -177,9 +178,12 @@ def _run_agent(launch: Any, container: dict[str, Any], run_dir: Path) -> dict[in
 
 
 def _exit_text(exitcode: int, run_dir: Path) -> str:
-    """A worker's exit code, and what it means when hlat chose it (the hang watchdog's)."""
+    """A worker's exit code, and what it means when hlat chose it (the hang watchdog's: its newest verdict)."""
     if exitcode == HANG_EXIT_CODE:
-        return f"exit code {exitcode} (a hang: the watchdog's stack dumps are in {run_dir / 'hang'})"
+        hang = run_dir / "hang"
+        verdict = last_verdict(hang)
+        said = f": {verdict}" if verdict else ""
+        return f"exit code {exitcode} (a hang{said}; the watchdog's report and stack dumps are in {hang})"
     return f"exit code {exitcode}"
 
 

@@ -88,7 +88,8 @@ class Trainer:
 
     def _fit_function(self, tokens_per_step: int) -> Any:
         """``fit`` with every argument but the state bound: the hooks in their order, the LR schedule, the policy."""
-        cfg, t, faults, timer = self.cfg, self.cfg.train, self.faults, self.timer
+        cfg, t, faults = self.cfg, self.cfg.train, self.faults
+        timer = self.monitors.marking(self.timer)  # the heartbeat learns each phase of the step from it
         hooks = [self.tracking.progress, timed_hook(timer, "logging", self.logger), self._guard,
                  timed_hook(timer, "checkpoint", self.saver), *self.monitors.hooks, faults, self.stop]  # fmt: skip
         return functools.partial(
@@ -141,7 +142,7 @@ class Trainer:
         status, stopped = "FAILED", None
         with self.flag:  # SIGTERM, SIGINT, SIGUSR1/2 stop training at the next step boundary, with a checkpoint
             try:
-                self.monitors.start()
+                self.monitors.start(state.step)
                 self.logger.start(psutil.Process().create_time())
                 state = self._fit_with_rollback(state)
                 self.saver.close()
