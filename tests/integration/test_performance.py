@@ -61,7 +61,7 @@ def test_compiled_blocks_compute_what_eager_blocks_compute() -> None:
     for compiled in (False, True):
         c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=compiled))
         backend = TorchBackend(c)
-        backend.setup(c.cluster, c.precision, seed=0)  # the same seed: the same initial weights
+        backend.setup()  # the same seed: the same initial weights
         dims = ParallelDims.build(c.parallelism, 1, c.model, c.train)
         models[compiled] = (backend, backend.build_model(functools.partial(Transformer, c.model), dims))
     (eager_backend, eager), (_, compiled) = models[False], models[True]
