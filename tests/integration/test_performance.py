@@ -20,14 +20,14 @@ from hlat.model import Transformer
 from hlat.parallel import ParallelDims
 from hlat.state import PHASES
 from hlat.train.run import main
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, run_config
 from tests.integration.test_train import SMALL_RUN
 
 pytestmark = pytest.mark.slow
 
 
 def run(tmp_path: Path, cache_dir: Path, *overrides: str):
-    cfg = compose_cfg(*SMALL_RUN, "train.steps=6", "train.log_every=2", "train.checkpoint_every=2",
+    cfg = run_config(*SMALL_RUN, "train.steps=6", "train.log_every=2", "train.checkpoint_every=2",
                       "train.async_checkpoint=false", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}",
                       "tracker=console", "health=off", *overrides)  # fmt: skip
     return main(cfg, run_dir=tmp_path / "run")
