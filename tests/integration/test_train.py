@@ -148,7 +148,7 @@ def test_dry_run_prints_the_paper_recipe(tmp_path: Path, capsys) -> None:
 def test_cli_shows_override_and_rejects_typos(tmp_path: Path) -> None:
     """One process for ``--cfg job``; a typo through the command line (exit 2, did you mean) is test_bad_input.py's
     test_train_py_misspellings_say_did_you_mean_and_exit_2[modle=tiny], a bad value is refused naming its key."""
-    from hlat.train.run import to_run_config
+    from hlat.config import to_run_config
 
     shown = cli("optimizer.beta2=0.99", "--cfg", "job", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
