@@ -45,10 +45,10 @@ def build(model: str, mode: str, policy: str):
     with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
     backend = TorchBackend(cfg)
-    env = backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+    env = backend.setup()
     assert env.bf16_matmul in (None, policy), (env.bf16_matmul, policy)
     net = backend.build_model(functools.partial(Transformer, cfg.model), ParallelDims(1, 1, 1, 1))
-    opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer), cfg.optimizer)
+    opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer))
     return backend, net, opt
 
 

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from hlat.backends.torch import TorchBackend
-from hlat.config import ClusterConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from hlat.config import ModelConfig, OptimizerConfig, RunConfig, TrainConfig
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
@@ -42,10 +42,11 @@ def preset(name: str) -> ModelConfig:
 
 def build(model_cfg: ModelConfig) -> tuple[TorchBackend, torch.nn.Module, torch.optim.Optimizer]:
     """The torch backend's fp32 model and AdamW, as a run builds them."""
-    backend = TorchBackend()
-    backend.setup(ClusterConfig(), PrecisionConfig(), seed=0)
+    optimizer = OptimizerConfig(warmup_steps=0)  # the schema's AdamW; a run of the default 200 steps warms up less
+    backend = TorchBackend(RunConfig(optimizer=optimizer, train=TrainConfig(seed=0)))
+    backend.setup()
     model = backend.build_model(functools.partial(Transformer, model_cfg), ParallelDims(1, 1, 1, 1))
-    opt = backend.build_optimizer(model, param_groups(model, OptimizerConfig()), OptimizerConfig())
+    opt = backend.build_optimizer(model, param_groups(model, optimizer))
     return backend, model, opt
 
 

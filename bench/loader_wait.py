@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from hlat.config import register_configs
+from hlat.config import register_configs, to_run_config
 from hlat.train.run import main
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -32,7 +32,7 @@ def measure(model: str, worker: str, steps: int, log_every: int, run_dir: Path) 
         "tracker=console", "optimizer.warmup_steps=1", "train.checkpoint_every=0", "train.keep_last=1",
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+        cfg = to_run_config(compose(config_name="config", overrides=overrides))
     history = main(cfg, run_dir=run_dir).history
     rows = [row for _, row in history.rows if "perf/step_time_s" in row][1:]
     step = sum(r["perf/step_time_s"] for r in rows) / len(rows)

@@ -38,10 +38,10 @@ def build(mode: str, model: str):
     """Backend, model and optimizer of ``python train.py model=<model> precision=<mode>``."""
     with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="config", overrides=[f"model={model}", f"precision={mode}"]))
-    backend = TorchBackend()
-    backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+    backend = TorchBackend(cfg)
+    backend.setup()
     net = backend.build_model(functools.partial(Transformer, cfg.model), ParallelDims(1, 1, 1, 1))
-    opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer), cfg.optimizer)
+    opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer))
     return cfg, backend, net, opt
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from hlat.config import register_configs
+from hlat.config import register_configs, to_run_config
 from hlat.track import trackers
 from hlat.train.run import main as run_main
 
@@ -50,7 +50,7 @@ def one_run(kind: str, args: argparse.Namespace, workdir: Path) -> tuple[list[fl
             "train.checkpoint_every=0", "tracker.plots=false", f"tracker.uri=sqlite:///{workdir / 'mlflow.db'}",
         ]  # fmt: skip
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+            cfg = to_run_config(compose(config_name="config", overrides=overrides))
         result = run_main(cfg, run_dir=workdir / f"{kind}-{time.time_ns()}")
     finally:
         trackers.MultiTracker.log_metrics = real

@@ -165,10 +165,10 @@ def draw_batches(cfg: RunConfig, n: int) -> list[Batch]:
 def build_hlat(cfg: RunConfig) -> Contender:
     """Backend, model and optimizer of hlat as ``train.py`` builds them, trained through ``hlat.train.loop.fit``."""
     backend = TorchBackend(cfg)
-    env = backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+    env = backend.setup()
     dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, cfg.train)
-    net = backend.build_model(functools.partial(Transformer, cfg.model), dims, cfg.parallelism)
-    opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer), cfg.optimizer)
+    net = backend.build_model(functools.partial(Transformer, cfg.model), dims)
+    opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer))
     state = TrainState()
     t = cfg.train
     lr_fn = functools.partial(lr_at, cfg=cfg.optimizer, total_steps=t.steps)
@@ -180,8 +180,7 @@ def build_hlat(cfg: RunConfig) -> Contender:
             losses.append(out.loss)
 
         fit(state, net, opt, iter(batches), backend, steps=state.step + len(batches), grad_accum=1,
-            clip_grad_norm=cfg.optimizer.clip_grad_norm, tokens_per_step=t.micro_batch_size * t.seq_len,
-            lr_fn=lr_fn, hooks=[keep_loss], skip_nonfinite=t.on_nonfinite == "skip_step")  # fmt: skip
+            tokens_per_step=t.micro_batch_size * t.seq_len, lr_fn=lr_fn, hooks=[keep_loss])  # fmt: skip
         return losses
 
     n_params = sum(p.numel() for p in net.parameters())

@@ -18,13 +18,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from hlat.config import register_configs
+from hlat.config import OptimizerConfig, RunConfig, TrainConfig, register_configs, to_run_config
 from tests.timeouts import hang_guard
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -37,6 +38,17 @@ def compose_cfg(*overrides: str) -> DictConfig:
     """Compose conf/config.yaml with ``overrides``, exactly as ``python train.py`` would."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def run_config(*overrides: str) -> RunConfig:
+    """The typed, validated config ``python train.py`` would train with those overrides (what ``run.main`` takes)."""
+    return to_run_config(compose_cfg(*overrides))
+
+
+def backend_config(*, seed: int = 0, **groups: Any) -> RunConfig:
+    """The run config of a backend built by hand: the schema's defaults with ``groups`` (``cluster=``, ``precision=``,
+    ``parallelism=``, ``optimizer=`` ...) and ``train.seed``; no warm-up unless ``optimizer`` says otherwise."""
+    return RunConfig(**{"train": TrainConfig(seed=seed), "optimizer": OptimizerConfig(warmup_steps=0), **groups})
 
 
 @pytest.fixture(autouse=True)

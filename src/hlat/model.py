@@ -212,10 +212,3 @@ def attention_core(cfg: ModelConfig, gqa: bool) -> AttentionCore:
 
         return LeakyAttentionCore(gqa, cfg.mask_leak)
     return AttentionCore(gqa)
-
-
-def warn_mask_leak(cfg: ModelConfig) -> None:
-    """``hlat.experiments.information_leak.warn_mask_leak``, where ``hlat.train.run`` still looks for it."""
-    from hlat.experiments.information_leak import warn_mask_leak as warn
-
-    warn(cfg)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hlat.train.run import main
-from tests.conftest import compose_cfg
+from tests.conftest import run_config
 
 # Small enough that the native bf16 kernels (~1 GFLOP/s on an AVX2-only CPU) finish in seconds.
 MICRO = [
@@ -37,7 +37,7 @@ def test_bf16_sr_trains_the_same_curve_with_either_policy(tmp_path: Path, cache_
     for policy in ("native", "emulated"):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hlat.plan.memory"):  # the summary line before a run
-            result = main(compose_cfg(*MICRO, "precision=bf16_sr", f"precision.bf16_matmul={policy}",
+            result = main(run_config(*MICRO, "precision=bf16_sr", f"precision.bf16_matmul={policy}",
                                       f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0"),
                           run_dir=tmp_path / policy)  # fmt: skip
         assert f"bf16 matmuls {policy} (precision.bf16_matmul={policy})" in caplog.text  # the summary line
@@ -62,7 +62,7 @@ def test_a_bf16_run_says_which_policy_it_used(tmp_path: Path, cache_dir: Path, m
 
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.INFO):  # the summary line, whichever hlat module logs it
-        result = main(compose_cfg(*MICRO, "train.steps=2", "optimizer.warmup_steps=1", "precision=bf16_sr",
+        result = main(run_config(*MICRO, "train.steps=2", "optimizer.warmup_steps=1", "precision=bf16_sr",
                                   "precision.bf16_matmul=emulated",
                                   f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0"),
                       run_dir=tmp_path / "bf16")  # fmt: skip
@@ -76,7 +76,7 @@ def test_fp32_runs_are_tagged_without_a_bf16_policy(tmp_path: Path, cache_dir: P
     from mlflow import MlflowClient
 
     monkeypatch.chdir(tmp_path)
-    result = main(compose_cfg(*MICRO, "train.steps=4", f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0"),
+    result = main(run_config(*MICRO, "train.steps=4", f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0"),
                   run_dir=tmp_path / "fp32")  # fmt: skip
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert client.get_run(result.mlflow_run_id).data.tags["precision.bf16_matmul"] == "n/a"

@@ -16,6 +16,7 @@ from hlat.config import ClusterConfig, ModelConfig, OptimizerConfig, Parallelism
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
+from tests.conftest import backend_config
 from tests.timeouts import hang_guard
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=128, max_seq_len=64)
@@ -34,11 +35,18 @@ def train(rank: int, world: int, zero1: bool, precision: PrecisionConfig) -> dic
 
     Returns the final weights, and the first step's (reduced, clipped) gradients under ``grad.<name>``.
     """
-    backend = TorchBackend()
-    backend.setup(ClusterConfig(num_threads=1), precision, seed=0)
+    backend = TorchBackend(
+        backend_config(
+            cluster=ClusterConfig(num_threads=1),
+            precision=precision,
+            parallelism=ParallelismConfig(zero1=zero1),
+            optimizer=OPT,
+        )
+    )
+    backend.setup()
     dims = ParallelDims(world_size=world, tp=1, pp=1, dp=world)
-    model = backend.build_model(functools.partial(Transformer, TINY), dims, ParallelismConfig(zero1=zero1))
-    opt = backend.build_optimizer(model, param_groups(model, OPT), OPT)
+    model = backend.build_model(functools.partial(Transformer, TINY), dims)
+    opt = backend.build_optimizer(model, param_groups(model, OPT))
     grads = {}
     for step in range(STEPS):
         b = batches(step).chunk(world)[rank]
@@ -111,7 +119,7 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
     from mlflow import MlflowClient
 
     from hlat.train.run import main
-    from tests.conftest import compose_cfg
+    from tests.conftest import run_config
     from tests.integration.test_train import SMALL_RUN, cli
 
     run_dir, db = tmp_path / "dp2", tmp_path / "mlflow.db"
@@ -131,7 +139,7 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     dp2_loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     assert sorted(dp2_loss) == list(range(1, 13))
-    one = main(compose_cfg(*common, "train.steps=12", "tracker=console"), run_dir=tmp_path / "dp1")
+    one = main(run_config(*common, "train.steps=12", "tracker=console"), run_dir=tmp_path / "dp1")
     dp1_loss = dict(one.history.series("train/loss"))
     # Each rank reads its own share of the corpus, so the batches differ from one process's: same curve, not same bits.
     late = range(9, 13)
@@ -172,15 +180,22 @@ MASTER = PrecisionConfig(name="master_weights", param_dtype="bfloat16", compute_
 def train_accumulating(rank: int, world: int, zero1: bool) -> dict[str, torch.Tensor]:
     """STEPS steps of precision=master_weights through the loop's backend calls (forward_backward, update); the
     global batch is 2 micro-batches of 2 sequences: both on one rank, or one on each of two ranks."""
-    backend = TorchBackend()
-    backend.setup(ClusterConfig(num_threads=1), MASTER, seed=0)
+    backend = TorchBackend(
+        backend_config(
+            cluster=ClusterConfig(num_threads=1),
+            precision=MASTER,
+            parallelism=ParallelismConfig(zero1=zero1),
+            optimizer=OPT,
+        )
+    )
+    backend.setup()
     dims = ParallelDims(world_size=world, tp=1, pp=1, dp=world)
-    model = backend.build_model(functools.partial(Transformer, TINY), dims, ParallelismConfig(zero1=zero1))
-    opt = backend.build_optimizer(model, param_groups(model, OPT), OPT)
+    model = backend.build_model(functools.partial(Transformer, TINY), dims)
+    opt = backend.build_optimizer(model, param_groups(model, OPT))
     for step in range(STEPS):
         micro = batches(step).chunk(2)[rank::world]
         backend.forward_backward(model, ((b[:, :-1], b[:, 1:]) for b in micro), len(micro))
-        backend.update(model, opt, 1.0, skip_nonfinite=False)
+        backend.update(model, opt)  # clips to optimizer.clip_grad_norm=1.0
         opt.zero_grad(set_to_none=True)
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 

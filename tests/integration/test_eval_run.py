@@ -8,7 +8,7 @@ import pytest
 
 from hlat.cli import main as cli_main
 from hlat.train.run import main
-from tests.conftest import compose_cfg
+from tests.conftest import run_config
 from tests.integration.test_train import SMALL_RUN
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ def test_checkpoints_are_evaluated_along_training_and_afterwards(tmp_path: Path,
     run = [*SMALL_RUN, "train.steps=8", "train.checkpoint_every=4", f"data.cache_dir={cache_dir}", f"tracker.uri={uri}",
            "tracker.plots=false", "tracker.system_metrics=false", "tracker.flush_every_s=0", "health=off"]  # fmt: skip
     # 16 x 64 = 1,024 tokens per step: every 4,096 tokens is every checkpoint (steps 4 and 8)
-    result = main(compose_cfg(*run, "eval=local", "eval.every_tokens=4096", "eval.limit=4"), run_dir=tmp_path / "r")
+    result = main(run_config(*run, "eval=local", "eval.every_tokens=4096", "eval.limit=4"), run_dir=tmp_path / "r")
     client = MlflowClient(tracking_uri=uri)
     history = client.get_metric_history(result.mlflow_run_id, "eval/hlat_local_mc/acc")
     assert [m.step for m in sorted(history, key=lambda m: m.step)] == [4, 8]

@@ -16,7 +16,7 @@ from hlat.state import HaltedError
 from hlat.train import checkpoint
 from hlat.train.checkpoint import CheckpointError
 from hlat.train.run import main
-from tests.conftest import compose_cfg
+from tests.conftest import run_config
 from tests.integration.test_train import SMALL_RUN, cli
 from tests.timeouts import hang_guard
 
@@ -53,7 +53,7 @@ def assert_same(a, b, path: str = "") -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[dict, dict[int, float]]:
     """The uninterrupted run: its final checkpoint's state and its loss per step."""
     tmp = tmp_path_factory.mktemp("reference")
-    result = main(compose_cfg(*common(cache_dir, tmp / "mlflow.db")), run_dir=tmp / "run")
+    result = main(run_config(*common(cache_dir, tmp / "mlflow.db")), run_dir=tmp / "run")
     final = state_of(tmp / "run" / "checkpoints" / f"step_{STEPS:08d}", tmp)
     return final, dict(result.history.series("train/loss"))
 
@@ -102,7 +102,7 @@ def test_restarts_that_die_in_start_up_are_counted(tmp_path: Path, cache_dir: Pa
 
     cfg = [*common(cache_dir, tmp_path / "mlflow.db"), "tracker=console", "train.steps=4", "train.log_every=4"]
     run_dir = tmp_path / "run"
-    first = main(compose_cfg(*cfg), run_dir=run_dir)
+    first = main(run_config(*cfg), run_dir=run_dir)
     assert first.history.series("uptime/restarts") == [(4, 0.0)]
     more = [*cfg[:-2], "train.steps=6", "train.log_every=2"]  # the job goes on from its step-4 checkpoint
     for where, error in (("preflight", PreflightError("injected")), ("build_loader", RuntimeError("injected"))):
@@ -113,8 +113,8 @@ def test_restarts_that_die_in_start_up_are_counted(tmp_path: Path, cache_dir: Pa
         with monkeypatch.context() as m:
             m.setattr(hlat.train.run, where, fail)
             with pytest.raises(type(error), match="injected"):
-                main(compose_cfg(*more), run_dir=run_dir)
-    resumed = main(compose_cfg(*more), run_dir=run_dir)
+                main(run_config(*more), run_dir=run_dir)
+    resumed = main(run_config(*more), run_dir=run_dir)
     assert resumed.state.step == 6 and resumed.history.series("uptime/restarts") == [(6, 3.0)]
     assert checkpoint.read_job(run_dir / "checkpoints")["uptime"]["restarts"] == 3
 
@@ -140,10 +140,10 @@ def test_a_full_disk_stops_with_a_clear_error_and_the_rerun_loses_nothing(tmp_pa
     cfg = [*common(cache_dir, tmp_path / "mlflow.db"), "fault=disk_full", "fault.disk_full_at=8"]
     with pytest.raises(CheckpointError, match=r"no space left on the device writing checkpoint step_00000008 .* "
                                               r"earlier checkpoints are intact \(step_00000004\)"):  # fmt: skip
-        main(compose_cfg(*cfg), run_dir=tmp_path / "run")
+        main(run_config(*cfg), run_dir=tmp_path / "run")
     root = tmp_path / "run" / "checkpoints"
     assert checkpoint.latest(root) == root / "step_00000004" and not list(root.glob("*.tmp"))
-    result = main(compose_cfg(*cfg), run_dir=tmp_path / "run")  # the same command again: resume=auto
+    result = main(run_config(*cfg), run_dir=tmp_path / "run")  # the same command again: resume=auto
     assert result.state.step == STEPS
     final = state_of(root / f"step_{STEPS:08d}", tmp_path)
     assert_same(strip_job(final), strip_job(reference[0]))
@@ -164,10 +164,10 @@ def check_nonfinite_policy(cfg: list[str], run_dir: Path, policy: str, at: int, 
     if policy == "halt":
         with pytest.raises(HaltedError, match=rf"step {at}: the loss or the gradient norm is not finite .* newest "
                                               rf"valid checkpoint is .*step_{saved:08d}"):  # fmt: skip
-            main(compose_cfg(*cfg), run_dir=run_dir)
+            main(run_config(*cfg), run_dir=run_dir)
         assert sorted(p.name for p in root.glob("step_*")) == [f"step_{saved:08d}"]  # nothing non-finite was saved
         return None
-    result = main(compose_cfg(*cfg), run_dir=run_dir)
+    result = main(run_config(*cfg), run_dir=run_dir)
     state = result.state
     assert state is not None and state.step == steps
     if policy == "rollback":

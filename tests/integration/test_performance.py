@@ -20,14 +20,14 @@ from hlat.model import Transformer
 from hlat.parallel import ParallelDims
 from hlat.state import PHASES
 from hlat.train.run import main
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, run_config
 from tests.integration.test_train import SMALL_RUN
 
 pytestmark = pytest.mark.slow
 
 
 def run(tmp_path: Path, cache_dir: Path, *overrides: str):
-    cfg = compose_cfg(*SMALL_RUN, "train.steps=6", "train.log_every=2", "train.checkpoint_every=2",
+    cfg = run_config(*SMALL_RUN, "train.steps=6", "train.log_every=2", "train.checkpoint_every=2",
                       "train.async_checkpoint=false", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}",
                       "tracker=console", "health=off", *overrides)  # fmt: skip
     return main(cfg, run_dir=tmp_path / "run")
@@ -61,7 +61,7 @@ def test_compiled_blocks_compute_what_eager_blocks_compute() -> None:
     for compiled in (False, True):
         c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=compiled))
         backend = TorchBackend(c)
-        backend.setup(c.cluster, c.precision, seed=0)  # the same seed: the same initial weights
+        backend.setup()  # the same seed: the same initial weights
         dims = ParallelDims.build(c.parallelism, 1, c.model, c.train)
         models[compiled] = (backend, backend.build_model(functools.partial(Transformer, c.model), dims))
     (eager_backend, eager), (_, compiled) = models[False], models[True]

@@ -21,7 +21,7 @@ import pytest
 from hlat.train import checkpoint
 from hlat.train.preempt import MARKER, PREEMPTED_EXIT_CODE
 from hlat.train.run import main
-from tests.conftest import compose_cfg
+from tests.conftest import run_config
 from tests.integration.test_fault_recovery import assert_same, state_of, strip_job
 from tests.integration.test_train import ROOT, SMALL_RUN, cli
 from tests.timeouts import hang_guard
@@ -42,7 +42,7 @@ def common(cache_dir: Path, db: Path) -> list[str]:
 def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict:
     """The final state of the same run, never stopped."""
     tmp = tmp_path_factory.mktemp("reference")
-    main(compose_cfg(*common(cache_dir, tmp / "mlflow.db")), run_dir=tmp / "run")
+    main(run_config(*common(cache_dir, tmp / "mlflow.db")), run_dir=tmp / "run")
     return state_of(tmp / "run" / "checkpoints" / f"step_{STEPS:08d}", tmp)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hlat.train.run import main
-from tests.conftest import compose_cfg
+from tests.conftest import run_config
 from tests.integration.test_fault_recovery import check_nonfinite_policy
 
 MICRO = [
@@ -37,7 +37,7 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(t
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "mlflow.db"
     common = [*MICRO, f"data.cache_dir={cache_dir}", f"tracker.uri=sqlite:///{db}"]
-    full = main(compose_cfg(*common, "train.steps=6"), run_dir=tmp_path / "full")
+    full = main(run_config(*common, "train.steps=6"), run_dir=tmp_path / "full")
     assert full.state is not None and full.state.step == 6 and full.state.tokens_seen == 6 * 4 * 32
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     run = client.get_run(full.mlflow_run_id)
@@ -56,9 +56,9 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(t
     assert {"config.yaml", "provenance.json", "training.png", "spikes.json"} <= artifacts
 
     # The same job in two legs: steps 1-3, then resumed to 6 from the step-3 checkpoint.
-    first = main(compose_cfg(*common, "train.steps=3"), run_dir=tmp_path / "first")
+    first = main(run_config(*common, "train.steps=3"), run_dir=tmp_path / "first")
     assert (tmp_path / "first" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
-    second = main(compose_cfg(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
+    second = main(run_config(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
                   run_dir=tmp_path / "second")  # fmt: skip
     assert first.history.series("train/loss") == full.history.series("train/loss")[:3]  # deterministic
     assert second.history.series("train/loss") == full.history.series("train/loss")[3:]  # resumed bit for bit

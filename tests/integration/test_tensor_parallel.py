@@ -15,6 +15,7 @@ from hlat.backends.torch_dist import gate_up_in_model_order
 from hlat.config import ClusterConfig, ParallelismConfig, PrecisionConfig
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims
+from tests.conftest import backend_config
 from tests.integration.test_data_parallel import TINY, batches, free_port
 from tests.timeouts import hang_guard
 
@@ -23,10 +24,10 @@ pytestmark = pytest.mark.slow
 
 def forward_backward(tp: int, sp: bool) -> dict[str, torch.Tensor]:
     """Logits, loss and every gradient (gathered whole, gate_up rows in the model's [gate; up] order)."""
-    backend = TorchBackend()
-    backend.setup(ClusterConfig(num_threads=1), PrecisionConfig(), seed=0)
     par = ParallelismConfig(tp=tp, sequence_parallel=sp)
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(tp, tp, 1, 1), par)
+    backend = TorchBackend(backend_config(cluster=ClusterConfig(num_threads=1), parallelism=par))
+    backend.setup()
+    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(tp, tp, 1, 1))
     b = batches(0)
     logits = model(b[:, :-1])
     loss = backend.loss(model, b[:, :-1], b[:, 1:])
@@ -68,7 +69,7 @@ def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path:
     from mlflow import MlflowClient
 
     from hlat.train.run import main
-    from tests.conftest import compose_cfg
+    from tests.conftest import run_config
     from tests.integration.test_train import SMALL_RUN, cli
 
     common = [*SMALL_RUN, "train.global_batch_size=8", "train.micro_batch_size=4", "train.checkpoint_every=4",
@@ -84,7 +85,7 @@ def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path:
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     tp_loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
-    one = dict(main(compose_cfg(*common, "train.steps=8", "tracker=console"), run_dir=tmp_path / "one")
+    one = dict(main(run_config(*common, "train.steps=8", "tracker=console"), run_dir=tmp_path / "one")
                .history.series("train/loss"))  # fmt: skip
     assert sorted(tp_loss) == list(range(1, 9))
     for step, value in one.items():
@@ -96,11 +97,13 @@ def train_tp(tp: int, precision: PrecisionConfig, sp: bool = True) -> dict[str, 
     from hlat.optim import param_groups
     from tests.integration.test_data_parallel import OPT, STEPS
 
-    backend = TorchBackend()
-    backend.setup(ClusterConfig(num_threads=1), precision, seed=0)
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(tp, tp, 1, 1),
-                                ParallelismConfig(tp=tp, sequence_parallel=sp and tp > 1))  # fmt: skip
-    opt = backend.build_optimizer(model, param_groups(model, OPT), OPT)
+    par = ParallelismConfig(tp=tp, sequence_parallel=sp and tp > 1)
+    backend = TorchBackend(
+        backend_config(cluster=ClusterConfig(num_threads=1), precision=precision, parallelism=par, optimizer=OPT)
+    )
+    backend.setup()
+    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(tp, tp, 1, 1))
+    opt = backend.build_optimizer(model, param_groups(model, OPT))
     losses = []
     for step in range(STEPS):
         b = batches(step)
@@ -164,11 +167,11 @@ def _tp_dp_worker(rank: int, port: int, out: str) -> None:
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "4",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
-    backend = TorchBackend()
-    backend.setup(ClusterConfig(num_threads=1), PrecisionConfig(), seed=0)
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(4, 2, 1, 2),
-                                ParallelismConfig(tp=2, sequence_parallel=True, zero1=True))  # fmt: skip
-    opt = backend.build_optimizer(model, param_groups(model, OPT), OPT)
+    par = ParallelismConfig(tp=2, sequence_parallel=True, zero1=True)
+    backend = TorchBackend(backend_config(cluster=ClusterConfig(num_threads=1), parallelism=par, optimizer=OPT))
+    backend.setup()
+    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(4, 2, 1, 2))
+    opt = backend.build_optimizer(model, param_groups(model, OPT))
     losses = []
     for step in range(STEPS):
         b = batches(step).chunk(2)[rank // 2]

@@ -14,7 +14,7 @@ import pytest
 
 from hlat.config import ConfigError
 from hlat.train.run import main
-from tests.conftest import compose_cfg, lock_held_elsewhere
+from tests.conftest import backend_config, compose_cfg, lock_held_elsewhere, run_config
 from tests.timeouts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_short_run_loss_falls_and_lands_in_mlflow(tmp_path: Path, cache_dir: Pat
     from mlflow import MlflowClient
 
     monkeypatch.chdir(tmp_path)
-    cfg = compose_cfg(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0")
+    cfg = run_config(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0")
     result = main(cfg, run_dir=tmp_path / "run")
     assert result.state is not None and result.state.step == 80
     assert result.state.tokens_seen == 80 * 16 * 64
@@ -89,7 +89,7 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
     from tests.unit.test_telemetry import brute_force_spikes
 
     monkeypatch.chdir(tmp_path)
-    cfg = compose_cfg(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0", "train.steps=60",
+    cfg = run_config(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0", "train.steps=60",
                       "tracker.spike_window=4", "tracker.spike_threshold=0.02", "tracker.spike_summary_every=20",
                       "cluster.peak_tflops=0.5", "cluster.price_per_hour=2.0",
                       "tracker.layer_grad_norms_every=20")  # fmt: skip
@@ -133,13 +133,13 @@ def test_7b_is_refused_before_allocation(tmp_path: Path, monkeypatch) -> None:
     """In-process: the command line's exit 2 and one clean line for a ConfigError are test_bad_input.py's."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"model=7b needs about .* GiB") as e:
-        main(compose_cfg("model=7b"), run_dir=tmp_path)
+        main(run_config("model=7b"), run_dir=tmp_path)
     assert "model=tiny" in str(e.value)  # the way out
     assert not (tmp_path / "mlflow.db").exists()
 
 
 def test_dry_run_prints_the_paper_recipe(tmp_path: Path, capsys) -> None:
-    result = main(compose_cfg("experiment=hlat_70b", "train.dry_run=true"), run_dir=tmp_path)
+    result = main(run_config("experiment=hlat_70b", "train.dry_run=true"), run_dir=tmp_path)
     out = capsys.readouterr().out
     assert result.state is None
     assert "68,976.6M parameters" in out and "1024 x 4096 = 4,194,304 tokens/step" in out
@@ -148,7 +148,7 @@ def test_dry_run_prints_the_paper_recipe(tmp_path: Path, capsys) -> None:
 def test_cli_shows_override_and_rejects_typos(tmp_path: Path) -> None:
     """One process for ``--cfg job``; a typo through the command line (exit 2, did you mean) is test_bad_input.py's
     test_train_py_misspellings_say_did_you_mean_and_exit_2[modle=tiny], a bad value is refused naming its key."""
-    from hlat.train.run import to_run_config
+    from hlat.config import to_run_config
 
     shown = cli("optimizer.beta2=0.99", "--cfg", "job", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
@@ -176,11 +176,11 @@ def test_resume_continues_exactly(tmp_path: Path, cache_dir: Path, monkeypatch, 
     # rounding is reseeded per step and master_weights' fp32 copies come back as fp32: both resume bit-identically.
     common = [*SMALL_RUN, "train.steps=6", "train.log_every=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=4",
               f"data.cache_dir={cache_dir}", "tracker=console", f"precision={precision}"]  # fmt: skip
-    full = main(compose_cfg(*common), run_dir=tmp_path / "full").history.series("train/loss")
-    main(compose_cfg(*common, "train.steps=3"), run_dir=tmp_path / "first")
+    full = main(run_config(*common), run_dir=tmp_path / "full").history.series("train/loss")
+    main(run_config(*common, "train.steps=3"), run_dir=tmp_path / "first")
     assert (tmp_path / "first" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
     resumed = main(
-        compose_cfg(*common, f"train.resume={tmp_path / 'first' / 'checkpoints'}"), run_dir=tmp_path / "second"
+        run_config(*common, f"train.resume={tmp_path / 'first' / 'checkpoints'}"), run_dir=tmp_path / "second"
     ).history.series("train/loss")
     assert [s for s, _ in resumed] == [4, 5, 6]
     assert resumed == full[3:]
@@ -197,12 +197,12 @@ def test_own_jsonl_data_with_a_trained_tokenizer(tmp_path: Path, monkeypatch) ->
     overrides = [*SMALL_RUN, "train.steps=4", "train.log_every=2", "optimizer.warmup_steps=1", "tracker=console",
                  f"data.path={corpus}", "data.text_column=body", "model.vocab_size=512",
                  f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
-    result = main(compose_cfg(*overrides), run_dir=tmp_path / "run")
+    result = main(run_config(*overrides), run_dir=tmp_path / "run")
     assert result.state is not None and result.state.step == 4
     assert list((tmp_path / "cache" / "tokenizers").glob("*.model"))  # trained on this data, cached
     assert result.history.series("train/loss")[0][1] == pytest.approx(math.log(512), abs=0.3)
     with pytest.raises(ConfigError, match=r"data\.text_column"):
-        main(compose_cfg(*overrides, "data.text_column=missing"), run_dir=tmp_path / "bad")
+        main(run_config(*overrides, "data.text_column=missing"), run_dir=tmp_path / "bad")
 
 
 def test_precision_ablation_sweep_composes_every_arm(tmp_path: Path) -> None:
@@ -231,8 +231,8 @@ def test_a_restarted_job_continues_its_mlflow_run_and_counts_uptime(tmp_path: Pa
     monkeypatch.chdir(tmp_path)
     common = [*SMALL_RUN, "train.log_every=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=4",
               f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0", "tracker.plots=false"]  # fmt: skip
-    first = main(compose_cfg(*common, "train.steps=3"), run_dir=tmp_path / "first")
-    second = main(compose_cfg(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
+    first = main(run_config(*common, "train.steps=3"), run_dir=tmp_path / "first")
+    second = main(run_config(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
                   run_dir=tmp_path / "second")  # fmt: skip
     assert second.mlflow_run_id == first.mlflow_run_id  # one MLflow run for the whole job
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -259,16 +259,16 @@ def test_resume_with_another_model_shape_fails_before_any_work(tmp_path: Path, c
     monkeypatch.chdir(tmp_path)
     common = [*SMALL_RUN, "train.steps=2", "optimizer.warmup_steps=1", f"data.cache_dir={cache_dir}",
               "tracker=console", "tracker.plots=false"]  # fmt: skip
-    main(compose_cfg(*common), run_dir=tmp_path / "first")
+    main(run_config(*common), run_dir=tmp_path / "first")
     resume = f"train.resume={tmp_path / 'first' / 'checkpoints'}"
     with pytest.raises(ConfigError, match=r"cannot resume .*step_00000002: model\.dim=128 in the checkpoint but 64"):
-        main(compose_cfg(*common, "model.dim=64", resume), run_dir=tmp_path / "second")
+        main(run_config(*common, "model.dim=64", resume), run_dir=tmp_path / "second")
     assert not (tmp_path / "second").exists()  # refused before the run directory, model or data were made
 
 
 def test_a_second_trainer_into_a_live_runs_directory_is_refused_before_any_work(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    cfg = compose_cfg(*SMALL_RUN, "tracker=console", f"data.cache_dir={tmp_path / 'cache'}")
+    cfg = run_config(*SMALL_RUN, "tracker=console", f"data.cache_dir={tmp_path / 'cache'}")
     refused = pytest.raises(ConfigError, match=r"another process is training into .*run/checkpoints")
     with lock_held_elsewhere(tmp_path / "run" / "checkpoints"), refused:
         main(cfg, run_dir=tmp_path / "run")
@@ -281,7 +281,7 @@ def test_activation_checkpointing_modes_train_identically(tmp_path: Path, cache_
     common = [*SMALL_RUN, "train.steps=3", "train.log_every=1", "optimizer.warmup_steps=1", "tracker=console",
               "tracker.plots=false", f"data.cache_dir={cache_dir}", "train.checkpoint_every=0"]  # fmt: skip
     losses = {
-        mode: main(compose_cfg(*common, f"parallelism.activation_checkpointing={mode}"), run_dir=tmp_path / mode)
+        mode: main(run_config(*common, f"parallelism.activation_checkpointing={mode}"), run_dir=tmp_path / mode)
         .history.series("train/loss")
         for mode in ("none", "full", "selective")
     }  # fmt: skip
@@ -298,6 +298,6 @@ def test_activation_checkpointing_modes_train_identically(tmp_path: Path, cache_
     for mode, recomputed in (("none", ()), ("full", ("block",)), ("selective", ("core",))):
         par = ParallelismConfig(activation_checkpointing=mode)
         build = functools.partial(Transformer, ModelConfig(n_layers=1))
-        m = TorchBackend().build_model(build, ParallelDims(1, 1, 1, 1), par)
+        m = TorchBackend(backend_config(parallelism=par)).build_model(build, ParallelDims(1, 1, 1, 1))
         found = {"block": isinstance(m.layers[0], Recomputed), "core": isinstance(m.layers[0].attn.core, Recomputed)}
         assert {k for k, v in found.items() if v} == set(recomputed), mode

@@ -38,10 +38,10 @@ def expected_qkv(full: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> to
 def main(overrides: list[str]) -> None:
     cfg = compose_run_config(overrides)
     backend = NeuronBackend(cfg)
-    env = backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)  # sets NXD_CPU_MODE & co., imports NxD
+    env = backend.setup()  # sets NXD_CPU_MODE & co., imports NxD
     from neuronx_distributed.parallel_layers import parallel_state
 
-    model = backend.build_model(lambda: Transformer(cfg.model), backend.dims, cfg.parallelism)
+    model = backend.build_model(lambda: Transformer(cfg.model), backend.dims)
     flat = Transformer(cfg.model)
     flat.init_weights(cfg.train.seed)
     ref = dict(flat.named_parameters())

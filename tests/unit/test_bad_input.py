@@ -17,7 +17,7 @@ import pytest
 
 from hlat.config import ConfigError, TrackerConfig
 from hlat.train import checkpoint
-from tests.conftest import compose_cfg
+from tests.conftest import backend_config, compose_cfg
 from tests.timeouts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +111,8 @@ def test_a_failed_save_never_calls_a_damaged_checkpoint_intact(tmp_path: Path) -
     fake_checkpoint(tmp_path, 1)
     fake_checkpoint(tmp_path, 2, {"files": "w.bin"})
     model = torch.nn.Linear(2, 2)
-    saver = checkpoint.Checkpointer(TorchBackend(), tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1),
+    backend = TorchBackend(backend_config())
+    saver = checkpoint.Checkpointer(backend, tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     lambda s: {}, every=0, last_step=3, keep_last=0, async_save=False)  # fmt: skip
     try:
         err = saver._failed(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "step_00000003.tmp", 3)

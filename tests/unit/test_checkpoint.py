@@ -13,6 +13,7 @@ from hlat.config import ConfigError
 from hlat.state import TrainState
 from hlat.train import checkpoint
 from hlat.train.checkpoint import CheckpointError
+from tests.conftest import backend_config
 
 WEIGHTS = "__0_0.distcp"  # torch.distributed.checkpoint's data file of rank 0
 
@@ -29,7 +30,7 @@ def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def save(root: Path, model, opt, step: int, extra: dict | None = None, **kw) -> Path | None:
     """One checkpoint through the Checkpointer (synchronous unless async_save=True is passed)."""
     kw = {"keep_last": 0, "async_save": False, **kw}
-    saver = checkpoint.Checkpointer(TorchBackend(), root, model, opt, lambda s: extra or {}, every=0,
+    saver = checkpoint.Checkpointer(TorchBackend(backend_config()), root, model, opt, lambda s: extra or {}, every=0,
                                     last_step=step, **kw)  # fmt: skip
     try:
         saver.save(TrainState(step=step))
@@ -40,7 +41,7 @@ def save(root: Path, model, opt, step: int, extra: dict | None = None, **kw) -> 
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_round_trip_and_retention(tmp_path: Path, async_save: bool) -> None:
-    backend, (model, opt) = TorchBackend(), model_and_opt()
+    backend, (model, opt) = TorchBackend(backend_config()), model_and_opt()
     for step in (10, 20, 30):
         save(tmp_path, model, opt, step, {"train_state": {"step": step}}, keep_last=2, async_save=async_save)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000020", "step_00000030"]
@@ -60,14 +61,16 @@ def test_an_async_save_holds_the_state_of_its_step(tmp_path: Path) -> None:
     """The training tensors change right after save() returns: the checkpoint must still hold the old values."""
     model, opt = model_and_opt()
     before = model.weight.detach().clone()
-    saver = checkpoint.Checkpointer(TorchBackend(), tmp_path, model, opt, lambda s: {}, every=0, last_step=1,
+    backend = TorchBackend(backend_config())
+    saver = checkpoint.Checkpointer(backend, tmp_path, model, opt, lambda s: {}, every=0, last_step=1,
                                     keep_last=0, async_save=True)  # fmt: skip
     saver.save(TrainState(step=1))
     with torch.no_grad():
         model.weight.add_(1.0)
     saver.close()
     fresh = torch.nn.Linear(4, 3)
-    TorchBackend().load(tmp_path / "step_00000001", fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    backend = TorchBackend(backend_config())
+    backend.load(tmp_path / "step_00000001", fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
     assert torch.equal(fresh.weight, before)
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from hlat.config import ConfigError, to_run_config
 from hlat.plan.memory import check_world, planned_budget
 from hlat.train.launch import supervise
 from hlat.train.run import main
-from tests.conftest import CONF, compose_cfg
+from tests.conftest import CONF, compose_cfg, run_config
 
 GiB = 1024**3
 
@@ -47,7 +46,7 @@ def test_every_cluster_file_is_listed() -> None:
 def test_paper_experiments_plan_their_cluster_on_any_host(experiment: str, layout: str, tmp_path: Path,
                                                            capsys) -> None:  # fmt: skip
     """A dry run needs neither the Neuron packages nor the nodes: it plans for the preset's world and memory."""
-    main(compose_cfg(f"experiment={experiment}", "train.dry_run=true"), run_dir=tmp_path)
+    main(run_config(f"experiment={experiment}", "train.dry_run=true"), run_dir=tmp_path)
     out = capsys.readouterr().out
     assert layout in out and "of 14.4 GiB available" in out  # 16 GiB x memory_fraction 0.9
 
@@ -67,9 +66,8 @@ def test_a_partial_world_is_refused_for_a_multi_node_preset() -> None:
 
 
 def test_python_train_py_does_not_start_one_node_of_a_multi_node_job(tmp_path: Path) -> None:
-    hydra_cfg = compose_cfg("cluster=trn1_x32")
     with pytest.raises(ConfigError, match=r"spans 32 nodes.*hlat launch --target torchrun\|slurm\|eks"):
-        supervise(OmegaConf.create(OmegaConf.to_container(hydra_cfg)), to_run_config(hydra_cfg), tmp_path)
+        supervise(run_config("cluster=trn1_x32"), tmp_path)
 
 
 def test_an_elastic_restart_continues_its_own_checkpoints(tmp_path: Path, monkeypatch) -> None:
@@ -87,9 +85,9 @@ def test_an_elastic_restart_continues_its_own_checkpoints(tmp_path: Path, monkey
 
 
 def test_a_bad_layout_is_refused_before_any_process_starts(tmp_path: Path) -> None:
-    hydra_cfg = compose_cfg("cluster=trn1_1node")  # the default batch of 16 cannot feed 32 data-parallel ranks
+    cfg = run_config("cluster=trn1_1node")  # the default batch of 16 cannot feed 32 data-parallel ranks
     with pytest.raises(ConfigError, match=r"train.global_batch_size=16 is not divisible .* degree 32"):
-        supervise(OmegaConf.create(OmegaConf.to_container(hydra_cfg)), to_run_config(hydra_cfg), tmp_path)
+        supervise(cfg, tmp_path)
     assert not (tmp_path / "elastic").exists()
 
 
@@ -99,7 +97,7 @@ def test_the_neuron_backend_without_the_neuron_packages_is_a_config_error(tmp_pa
 
     if importlib.util.find_spec("neuronx_distributed") is not None:
         pytest.skip("the Neuron packages are installed here")
-    cfg = compose_cfg("cluster=trn1_1node", "cluster.nproc_per_node=1", "tracker=console")
+    cfg = run_config("cluster=trn1_1node", "cluster.nproc_per_node=1", "tracker=console")
     monkeypatch.setattr(os, "environ", os.environ.copy())  # the backend exports NEURON_* before importing
     with pytest.raises(ConfigError, match=r"needs torch-neuronx and neuronx-distributed .* not PyPI"):
         main(cfg, run_dir=tmp_path)

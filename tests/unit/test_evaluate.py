@@ -28,7 +28,7 @@ from hlat.eval.harness import HlatLM, evaluate  # noqa: E402
 from hlat.eval.inference import greedy, greedy_batch, load  # noqa: E402
 from hlat.eval.kv_cache import decode, new_cache  # noqa: E402
 from hlat.eval.tasks import TASKS, task_manager  # noqa: E402
-from tests.conftest import compose_cfg  # noqa: E402
+from tests.conftest import run_config  # noqa: E402
 from tests.timeouts import hang_guard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             if isinstance(d := getattr(getattr(m, n), "__doc__", None), str) and len(d) > 40]  # fmt: skip
     corpus = tmp / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    cfg = compose_cfg(*TINY, f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}")
+    cfg = run_config(*TINY, f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}")
     main(cfg, run_dir=tmp / "run")
     return tmp / "run"
 

@@ -20,6 +20,7 @@ from hlat.eval import hf
 from hlat.model import Transformer
 from hlat.state import TrainState
 from hlat.train import checkpoint, weights
+from tests.conftest import backend_config
 
 VOCAB = 512
 # GQA with 2 query heads per kv head: the grouping of the fused qkv rows matters.
@@ -76,7 +77,8 @@ def save_checkpoint(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     extra = {"train_state": {"step": 3}, "data": {"tokenizer": fingerprint or tok.fingerprint}}
     config = run_config(tok, tp)
-    saver = checkpoint.Checkpointer(TorchBackend(), root, model, opt, lambda s: extra, every=0, last_step=3,
+    backend = TorchBackend(backend_config())
+    saver = checkpoint.Checkpointer(backend, root, model, opt, lambda s: extra, every=0, last_step=3,
                                     keep_last=0, async_save=False, meta={"config": config})  # fmt: skip
     saver.save(TrainState(step=3))
     saver.close()

@@ -22,7 +22,7 @@ pytest.importorskip("accelerate")  # lm-eval's hf model imports it (the eval ext
 from hlat.eval import hf
 from hlat.eval.harness import evaluate
 from hlat.eval.tasks import task_manager
-from tests.conftest import compose_cfg
+from tests.conftest import run_config
 from tests.unit.test_evaluate import TINY
 
 # model.max_seq_len = train.seq_len: HFLM's context is config.json's max_position_embeddings, hlat's is the trained
@@ -42,7 +42,7 @@ def run_and_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
             if isinstance(d := getattr(getattr(m, n), "__doc__", None), str) and len(d) > 40]  # fmt: skip
     corpus = tmp / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    main(compose_cfg(*RUN, f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}"), run_dir=tmp / "run")
+    main(run_config(*RUN, f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}"), run_dir=tmp / "run")
     return tmp / "run", hf.export_hf(tmp / "run" / "checkpoints", tmp / "export")
 
 

@@ -47,7 +47,7 @@ def test_neuron_backend_imports_them_lazily() -> None:
 
 HYDRA_ALLOWED = {
     "cli.py", "config/__init__.py", "config/compose.py", "config/resolvers.py",  # ConfigStore, compose, resolvers
-    "train/run.py", "train/launch.py", "train/tracking.py",  # the composed config in, the resolved one logged
+    "train/launch.py",  # the composed config in, converted once (to_run_config): below it, only RunConfig
     "train/sweep_job.py", "train/sweep_callback.py", "train/sweep_launcher.py", "track/sweep.py",  # the multirun
 }  # fmt: skip
 """The modules that see Hydra / OmegaConf: the entry points, the config layer, and the multirun's side of them."""

@@ -8,11 +8,12 @@ import torch
 from hlat.backends.torch import TorchBackend
 from hlat.state import StepOutput, TrainState
 from hlat.track.metrics import MetricsLogger
+from tests.conftest import backend_config
 
 
 class CountingBackend(TorchBackend):
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(backend_config())
         self.fetches = 0
 
     def fetch(self, tensors, fn) -> None:

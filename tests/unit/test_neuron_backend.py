@@ -78,11 +78,11 @@ def fake(monkeypatch):
 
 def train(cfg: RunConfig, root, *, until: int, resume: bool = False):
     """Build everything as run.main does and fit to step ``until``, saving every 2 steps; returns (model, rows)."""
-    backend = get_backend("neuron", cfg)
-    env = backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+    backend = get_backend(cfg)
+    env = backend.setup()
     dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, cfg.train)
-    model = backend.build_model(functools.partial(Transformer, cfg.model), dims, cfg.parallelism)
-    optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer), cfg.optimizer)
+    model = backend.build_model(functools.partial(Transformer, cfg.model), dims)
+    optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer))
     state = TrainState()
     if resume:
         extra = backend.load(checkpoint.latest(root), model, optimizer)
@@ -94,8 +94,7 @@ def train(cfg: RunConfig, root, *, until: int, resume: bool = False):
                                     every=2, last_step=until, keep_last=2, async_save=True)  # fmt: skip
     data = iter(batches()[state.step * GRAD_ACCUM :])
     fit(state, model, optimizer, data, backend, steps=until, grad_accum=dims.grad_accum(cfg.train),
-        clip_grad_norm=cfg.optimizer.clip_grad_norm, tokens_per_step=64, lr_fn=lambda s: 1e-3,
-        hooks=[logger, saver])  # fmt: skip
+        tokens_per_step=64, lr_fn=lambda s: 1e-3, hooks=[logger, saver])  # fmt: skip
     saver.close()
     return model, rows
 
@@ -178,17 +177,17 @@ def test_pipeline_parallel_hands_all_micro_batches_to_run_train(fake, tmp_path, 
 def test_refuses_before_importing_anything(fake) -> None:
     train_cfg = TrainConfig(steps=4, seq_len=16, global_batch_size=4, micro_batch_size=2, on_nonfinite="skip_step")
     cfg = dataclasses.replace(run_config(), train=train_cfg)
-    backend = get_backend("neuron", cfg)
+    backend = get_backend(cfg)
     with pytest.raises(Exception, match="skip_step cannot be honoured"):
-        backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+        backend.setup()
     assert fake.names() == []
 
 
 def test_synchronize_runs_the_traced_graph_then_waits_for_the_device(fake) -> None:
     """Backend.synchronize (the pre-flight check's timer): mark_step first, or wait_device_ops waits for nothing."""
     cfg = run_config()
-    backend = get_backend("neuron", cfg)
-    backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+    backend = get_backend(cfg)
+    backend.setup()
     start = len(fake.names())
     backend.synchronize()
     assert fake.names()[start:] == ["torch_xla.sync", "xm.wait_device_ops"]
@@ -205,5 +204,5 @@ def test_torch_only_train_options_are_refused_before_importing_anything(fake, ke
     """torch.compile and the eager phase timer are the torch backend's: on trn1 the step is one traced graph."""
     cfg = dataclasses.replace(run_config(), train=dataclasses.replace(run_config().train, **{key: True}))
     with pytest.raises(ConfigError, match=message):
-        get_backend("neuron", cfg).setup(cfg.cluster, cfg.precision, cfg.train.seed)
+        get_backend(cfg).setup()
     assert fake.names() == []

@@ -150,10 +150,8 @@ def test_skip_step_and_master_weights_without_zero1_are_refused() -> None:
         neuron_env(cfg(*HLAT_70B, "parallelism.zero1=false"))
 
 
-def test_get_backend_neuron_needs_the_run_config_and_imports_no_xla() -> None:
-    with pytest.raises(ConfigError, match="needs the whole run config"):
-        get_backend("neuron")
-    backend = get_backend("neuron", cfg(*HLAT_7B))
+def test_get_backend_builds_the_neuron_backend_of_the_run_config_and_imports_no_xla() -> None:
+    backend = get_backend(cfg(*HLAT_7B))
     assert backend.name == "neuron" and not {"torch_xla", "neuronx_distributed"} & set(sys.modules)
 
 

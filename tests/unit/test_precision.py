@@ -14,7 +14,7 @@ from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from hlat.precision import PrecisionAdamW, bytes_per_param, grad_of, stochastic_round_bf16
-from tests.conftest import compose_cfg
+from tests.conftest import backend_config, compose_cfg
 
 MODES = ("fp32", "autocast", "bf16", "bf16_sr", "master_weights")
 
@@ -189,11 +189,11 @@ EXPECTED = {  # mode: (params, grads, moments, master)
 @pytest.mark.parametrize("mode", MODES)
 def test_each_mode_trains_with_its_dtypes(mode: str) -> None:
     prec = precision(mode)
-    backend = TorchBackend()
-    backend.setup(ClusterConfig(), prec, seed=0)
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(world_size=1, tp=1, pp=1, dp=1))
     opt_cfg = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=0)
-    opt = backend.build_optimizer(model, param_groups(model, opt_cfg), opt_cfg)
+    backend = TorchBackend(backend_config(cluster=ClusterConfig(), precision=prec, optimizer=opt_cfg))
+    backend.setup()
+    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(world_size=1, tp=1, pp=1, dp=1))
+    opt = backend.build_optimizer(model, param_groups(model, opt_cfg))
     p_dtype, g_dtype, m_dtype, master = EXPECTED[mode]
     assert model.rope_cos.dtype == torch.float32  # the rotary tables stay fp32 in every mode
     gen = torch.Generator().manual_seed(0)
@@ -219,8 +219,8 @@ def test_each_mode_trains_with_its_dtypes(mode: str) -> None:
 
 
 def test_fp32_softmax_ce_is_honoured() -> None:
-    backend = TorchBackend()
-    backend.setup(ClusterConfig(), precision("bf16"), seed=0)
+    backend = TorchBackend(backend_config(cluster=ClusterConfig(), precision=precision("bf16")))
+    backend.setup()
     model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(world_size=1, tp=1, pp=1, dp=1))
     tokens = torch.randint(0, TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -17,7 +17,7 @@ import pytest
 
 from hlat.config import ConfigError
 from hlat.train import checkpoint
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, run_config
 from tests.unit.test_bad_input import TINY, one_clean_error, train_py
 
 # ----------------------------------------------------------------------------------------- 1. numeric ranges
@@ -385,7 +385,7 @@ def test_a_halt_says_to_continue_only_from_a_checkpoint_that_exists(tmp_path: Pa
     from hlat.train.run import main
 
     root = tmp_path / "run" / "checkpoints"
-    cfg = compose_cfg(
+    cfg = run_config(
         *TINY,
         "tracker=console",
         f"data.cache_dir={cache_dir}",

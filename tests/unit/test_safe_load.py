@@ -183,19 +183,19 @@ def plant(checkpoint: Path, payload: object) -> None:
 def test_resuming_a_planted_checkpoint_fails_cleanly(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
     from hlat.train.run import main
     from hlat.train.weights import load_checkpoint_weights
-    from tests.conftest import compose_cfg
+    from tests.conftest import run_config
 
     monkeypatch.chdir(tmp_path)
     common = ["model.n_layers=1", "model.dim=64", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=128",
               "train.seq_len=32", "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=2",
               "optimizer.warmup_steps=1", "health=off", "tracker=console", "tracker.plots=false",
               f"data.cache_dir={cache_dir}"]  # fmt: skip
-    main(compose_cfg(*common), run_dir=tmp_path / "first")
+    main(run_config(*common), run_dir=tmp_path / "first")
     checkpoint = tmp_path / "first" / "checkpoints" / "step_00000002"
     marker = tmp_path / "marker"
     plant(checkpoint, OpensAFile(marker))
     with pytest.raises(ConfigError, match=r"step_00000002/\.metadata is not trusted") as err:
-        main(compose_cfg(*common, "train.steps=3", f"train.resume={checkpoint}"), run_dir=tmp_path / "second")
+        main(run_config(*common, "train.steps=3", f"train.resume={checkpoint}"), run_dir=tmp_path / "second")
     assert any(e.path.name == "torch.py" and e.name == "load" for e in err.traceback)  # TorchBackend.load refused it
     with pytest.raises(ConfigError, match=r"step_00000002/\.metadata is not trusted"):  # init_from, export, eval
         load_checkpoint_weights(checkpoint)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hlat.backends.torch import TorchBackend
 from hlat.state import StepOutput, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector
+from tests.conftest import backend_config
 
 NAN, INF = float("nan"), float("inf")
 
@@ -156,7 +157,8 @@ def test_metrics_logger_summaries_with_only_multi_step_spikes() -> None:
     # at the last step 10. Before the fix the first summary after the first spike raised KeyError: 1.
     norms = [1.0, 1.0, 5.0, 5.0, 1.0, 1.0, 5.0, 9.0, 20.0, 1.0]
     sunk: list = []
-    logger = MetricsLogger(TorchBackend(), torch.nn.Linear(2, 2), sunk.append, every=2, last_step=len(norms),
+    backend = TorchBackend(backend_config())
+    logger = MetricsLogger(backend, torch.nn.Linear(2, 2), sunk.append, every=2, last_step=len(norms),
                            tokens_per_step=8, spikes=SpikeDetector(2, 0.1), spike_summary_every=3)  # fmt: skip
     state = TrainState()
     for step, norm in enumerate(norms, start=1):

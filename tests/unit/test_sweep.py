@@ -192,12 +192,12 @@ def test_a_sweep_job_is_named_by_the_overrides_that_tell_it_from_the_others(tmp_
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra.hydra))  # what the job sees, any launcher
     assert sweep.default_run_name(job_dir) == "optimizer.beta2=0.99,optimizer.lr=2,model.scaled_init=true"
 
-    cfg = compose_cfg("tracker.experiment=sw")
-    named, run = sweep_job._named(cfg, to_run_config(cfg), job_dir)
+    cfg = to_run_config(compose_cfg("tracker.experiment=sw"))
+    named = sweep_job._named(cfg, job_dir)
     name = "optimizer.beta2=0.99,optimizer.lr=2,model.scaled_init=true"
-    assert run.tracker.run_name == named.tracker.run_name == name
-    mine = compose_cfg("tracker.run_name=mine")
-    assert sweep_job._named(mine, to_run_config(mine), job_dir)[1].tracker.run_name == "mine"  # the user's name wins
+    assert named.tracker.run_name == name and dataclasses.replace(named, tracker=cfg.tracker) == cfg  # only the name
+    mine = to_run_config(compose_cfg("tracker.run_name=mine"))
+    assert sweep_job._named(mine, job_dir).tracker.run_name == "mine"  # the user's name wins
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

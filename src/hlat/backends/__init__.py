@@ -18,20 +18,19 @@ if TYPE_CHECKING:
 __all__ = ["Backend", "Env", "get_backend"]
 
 
-def get_backend(name: str, cfg: RunConfig | None = None) -> Backend:
-    """Return the backend named by ``cluster.backend``, imported lazily.
+def get_backend(cfg: RunConfig) -> Backend:
+    """Return the backend that ``cluster.backend`` names, for the run ``cfg``, imported lazily.
 
-    Args:
-        name: ``torch`` (CPU/CUDA) or ``neuron`` (trn1; torch_xla and NxD are imported by its ``setup``).
-        cfg: The run config; the neuron backend needs it (its environment and NxD config depend on several groups),
-            the torch backend reads ``train.compile`` and ``health.collective_timeout_s`` from it.
+    ``torch`` (CPU/CUDA) or ``neuron`` (trn1; torch_xla and NxD are imported by its ``setup``). The backend keeps
+    ``cfg``: its methods read what they need of it (the environment, precision, parallelism, optimizer).
     """
+    name = cfg.cluster.backend
     if name == "torch":
         from hlat.backends.torch import TorchBackend
 
         return TorchBackend(cfg)
     if name == "neuron":
-        from hlat.backends.neuron import build_backend
+        from hlat.backends.neuron import NeuronBackend
 
-        return build_backend(cfg)
+        return NeuronBackend(cfg)
     raise ConfigError(f"cluster.backend={name!r} is not one of torch, neuron")

@@ -1,7 +1,8 @@
 """The Backend protocol: the complete list of differences between platforms.
 
-``run.py`` picks a backend once (``get_backend``); everything else talks to it through these methods.
-A new platform difference becomes a method here, never an ``if backend == ...`` elsewhere.
+``run.py`` picks a backend once (``get_backend(cfg)``); everything else talks to it through these methods. A backend
+holds the run config from its construction, so a method takes only what differs from call to call. A new platform
+difference becomes a method here, never an ``if backend == ...`` (or a ``getattr(backend, ...)``) elsewhere.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from hlat.config import ClusterConfig, OptimizerConfig, ParallelismConfig, PrecisionConfig
 from hlat.parallel import ParallelDims
 
 
@@ -38,29 +38,29 @@ class Env:
 class Backend(Protocol):
     """Platform-specific operations used by ``run.main`` and ``loop.fit``.
 
-    ``get_backend(name, cfg)`` builds one; ``run.main`` calls ``setup``, ``build_model``, ``build_optimizer``;
-    each step of ``loop.fit`` calls ``forward_backward``, ``update`` and ``step_end``; hooks call ``fetch``,
-    ``save`` and ``load``.
+    ``get_backend(cfg)`` builds one for the run config; ``run.main`` calls ``setup``, ``build_model``,
+    ``build_optimizer``; each step of ``loop.fit`` calls ``forward_backward``, ``update`` and ``step_end``; hooks call
+    ``param_norm``, ``fetch``, ``save`` and ``load``.
     """
 
     name: str
 
-    def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
+    def setup(self) -> Env:
         """Initialize the process (distributed group, device, seeds, threads); refuse what it cannot honour."""
         ...
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims, par: ParallelismConfig | None = None,
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
                     init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
         """Build with ``model_fn`` on the meta device, parallelize, materialize on the device, ``init_weights()``.
 
-        ``dims`` and ``par`` say how: data/tensor parallelism, activation checkpointing, ZeRO-1 (for
-        ``build_optimizer``). ``init_state`` (``train.init_from``: whole fp32-layout weights under hlat's names)
-        replaces the initialization before any cast or split.
+        ``dims`` (the run's layout) and ``parallelism`` say how: data/tensor parallelism, activation checkpointing,
+        ZeRO-1 (for ``build_optimizer``). ``init_state`` (``train.init_from``: whole fp32-layout weights under hlat's
+        names) replaces the initialization before any cast or split.
         """
         ...
 
-    def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        """The AdamW of ``cfg`` over ``groups`` (ZeRO-1 wrapped where the platform does that)."""
+    def build_optimizer(self, model: nn.Module, groups: list[dict]) -> torch.optim.Optimizer:
+        """The AdamW of ``optimizer`` over ``groups`` (ZeRO-1 wrapped where the platform does that)."""
         ...
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -77,13 +77,19 @@ class Backend(Protocol):
         """
         ...
 
-    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, *,
-               skip_nonfinite: bool) -> tuple[torch.Tensor, bool]:  # fmt: skip
-        """Clip the gradients to ``max_norm`` (0: no clipping) and apply ``optimizer``'s step.
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, bool]:
+        """Clip the gradients to ``optimizer.clip_grad_norm`` (0: no clipping) and apply ``optimizer``'s step.
 
         Returns the global gradient L2 norm before clipping (a device tensor) and whether the update was applied:
-        with ``skip_nonfinite`` it is not when that norm is not finite (one flag read on the host). Where the
-        optimizer clips inside its own step (NxD), the norm is read after it.
+        under ``train.on_nonfinite=skip_step`` it is not when that norm is not finite (one flag read on the host).
+        Where the optimizer clips inside its own step (NxD), the norm is read after it.
+        """
+        ...
+
+    def param_norm(self, model: nn.Module) -> torch.Tensor:
+        """Global L2 norm of the whole model's parameters, the same on every rank (a device tensor).
+
+        A backend whose ranks hold parts of the model (pipeline stages, tensor-parallel shards) reduces it itself.
         """
         ...
 

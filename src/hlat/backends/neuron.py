@@ -64,7 +64,7 @@ from hlat.backends.neuron_plan import (
     precision_plan,
 )
 from hlat.backends.torch_dist import Ranks
-from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
+from hlat.config import ConfigError, RunConfig
 from hlat.parallel import ParallelDims
 from hlat.plan.memory import planned_budget
 
@@ -134,7 +134,7 @@ class NeuronBackend:
     """NxD on trn1: parallel layers, NxD optimizer (ZeRO-1), pipeline engine, xser checkpoints, step closures.
 
     It takes the whole run config: the environment, the NxD config and the pipeline's micro-batch count depend on
-    parallelism, precision, optimizer and train settings together (``get_backend("neuron", cfg)``).
+    parallelism, precision, optimizer and train settings together (``get_backend(cfg)``).
     """
 
     name = "neuron"
@@ -158,9 +158,9 @@ class NeuronBackend:
             raise RuntimeError("NeuronBackend.setup() must run first: it sets the environment and imports torch_xla")
         return self._api
 
-    def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
+    def setup(self) -> Env:
         cfg = self.cfg
-        assert (cluster, precision, seed) == (cfg.cluster, cfg.precision, cfg.train.seed), "not this run's config"
+        cluster, seed = cfg.cluster, cfg.train.seed
         ranks = Ranks.from_env()  # RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them
         # Validate everything before the runtime starts or anything compiles.
         self.dims = ParallelDims.build(cfg.parallelism, ranks.world_size, cfg.model, cfg.train)
@@ -201,15 +201,14 @@ class NeuronBackend:
         return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
                    memory_budget_bytes=planned_budget(cluster))  # fmt: skip
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims, par: ParallelismConfig | None = None,
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
                     init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
         if init_state is not None:
             raise ConfigError(
                 "train.init_from is not built on the neuron backend yet (NxD materializes the sharded model itself): "
                 "start the run on the torch backend, or leave train.init_from unset"
             )
-        api = self.api
-        assert dims == self.dims and par in (None, self.cfg.parallelism), "not this run's layout"
+        api, self.dims = self.api, dims  # the run's layout, which setup validated on the same world
         opts, layers = model_options(self.cfg, dims.world_size), api.layers
         # Parallel layers draw their full weight on the host by name and seed (NamedInit: no global RNG), then keep
         # their shard. The host generator is re-seeded anyway for anything NxD itself draws (alone: torch.manual_seed
@@ -220,8 +219,8 @@ class NeuronBackend:
             _move_parameters(model, self.device)  # model to xm.xla_device() whatever NXD_CPU_MODE says
         return model
 
-    def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        assert cfg == self.cfg.optimizer, "the NxD config was built from the run's optimizer config"
+    def build_optimizer(self, model: nn.Module, groups: list[dict]) -> torch.optim.Optimizer:
+        cfg = self.cfg.optimizer  # the NxD config was built from it too
         # torch's AdamW for every mode: with master weights NxD's ZeRO-1 keeps fp32 shards and runs it on them.
         return self.api.nxd.initialize_parallel_optimizer(
             self.nxd_config, torch.optim.AdamW, groups,
@@ -256,10 +255,8 @@ class NeuronBackend:
         assert total is not None, "a step has at least one micro-batch"
         return total
 
-    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, *,
-               skip_nonfinite: bool) -> tuple[torch.Tensor, bool]:  # fmt: skip
-        assert not skip_nonfinite, "train.on_nonfinite=skip_step is refused by check_supported"
-        assert max_norm == self.cfg.optimizer.clip_grad_norm, "NxD clips to the config's optimizer.clip_grad_norm"
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, bool]:
+        # train.on_nonfinite=skip_step is refused by check_supported; NxD clips to optimizer.clip_grad_norm itself.
         optimizer.step()  # sequence- and data-parallel all-reduce, clip, AdamW; no all-reduce of our own
         return optimizer.grad_norm, True
 
@@ -393,17 +390,3 @@ def _emit(values: torch.Tensor, names: list[str], sizes: list[int], fn: Callable
         out[name] = host[i : i + size]
         i += size
     fn(out)
-
-
-def build_backend(cfg: RunConfig | None) -> NeuronBackend:
-    """``get_backend("neuron", cfg)``: the backend needs the whole run config.
-
-    Raises:
-        ConfigError: without one.
-    """
-    if cfg is None:
-        raise ConfigError(
-            "cluster.backend=neuron needs the whole run config (get_backend(cfg.cluster.backend, cfg)): its "
-            "environment, NxD config and pipeline micro-batches depend on parallelism, precision, optimizer and train"
-        )
-    return NeuronBackend(cfg)

@@ -37,8 +37,7 @@ from hlat.backends.torch_dist import (
     tensor_parallel,
 )
 from hlat.bf16_matmul import apply_policy, resolve_policy
-from hlat.config import ClusterConfig, ConfigError, OptimizerConfig, ParallelismConfig, PrecisionConfig, RunConfig
-from hlat.host import DEFAULT_CACHE_DIR
+from hlat.config import ConfigError, RunConfig
 from hlat.parallel import ParallelDims
 from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
 from hlat.recompute import apply_activation_checkpointing
@@ -50,36 +49,34 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, cfg: RunConfig | None = None) -> None:
-        self.compile = cfg is not None and cfg.train.compile
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.compile = cfg.train.compile
         """``train.compile``: ``build_model`` compiles each transformer block."""
-        self.collective_timeout_s = cfg.health.collective_timeout_s if cfg is not None else None
-        """``health.collective_timeout_s``: how long a collective may wait (None: torch's default)."""
+        self.precision, self.seed = cfg.precision, cfg.train.seed
         self.device = torch.device("cpu")
-        self.precision = PrecisionConfig()
-        self.seed = 0
         self.ranks = Ranks(0, 1, 0, 1)
         self.ckpt_group: dist.ProcessGroup | None = None
         self.zero1 = False
         self.fp32_accum = self.fp32_dp = False
-        self.cache_dir = cfg.data.cache_dir if cfg is not None else DEFAULT_CACHE_DIR
         self.bf16_matmul = "native"
         """The resolved ``precision.bf16_matmul`` policy that ``build_model`` applies."""
 
-    def setup(self, cluster: ClusterConfig, precision: PrecisionConfig, seed: int) -> Env:
+    def setup(self) -> Env:
+        cluster, precision, seed = self.cfg.cluster, self.precision, self.seed
         ranks = Ranks.from_env()
         if cluster.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("cluster.device=cuda but torch sees no CUDA device; use cluster=cpu")
         self.device = torch.device("cuda", ranks.local_rank) if cluster.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.precision, self.seed, self.ranks = precision, seed, ranks
+        self.ranks = ranks
         threads = cluster.num_threads
         if threads is None and self.device.type == "cpu" and ranks.local_world_size > 1:
             threads = max(1, (os.cpu_count() or 1) // ranks.local_world_size)  # processes share the cores
         if threads is not None:
             torch.set_num_threads(threads)
-        self.ckpt_group = init_process_group(ranks, self.device, self.collective_timeout_s)
+        self.ckpt_group = init_process_group(ranks, self.device, self.cfg.health.collective_timeout_s)
         torch.manual_seed(seed)  # the same on every rank: replicas start from the same weights
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -87,15 +84,15 @@ class TorchBackend:
             free = psutil.virtual_memory().available // ranks.local_world_size
         policy, why = None, ""
         if precision.compute_dtype == "bfloat16":
-            policy, why = resolve_policy(precision.bf16_matmul, self.device, self.cache_dir)
+            policy, why = resolve_policy(precision.bf16_matmul, self.device, self.cfg.data.cache_dir)
             self.bf16_matmul = policy
         return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
                    memory_budget_bytes=int(free * cluster.memory_fraction), bf16_matmul=policy,
                    bf16_matmul_reason=why)  # fmt: skip
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims, par: ParallelismConfig | None = None,
+    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
                     init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
-        par = par or ParallelismConfig()
+        par = self.cfg.parallelism
         with torch.device("meta"):
             model = model_fn()
         layouts.check_torch_layout(dims, model.cfg, self.precision)  # before anything is materialized
@@ -130,7 +127,8 @@ class TorchBackend:
             attach_fp32_grad_accum(model)
         return model
 
-    def build_optimizer(self, model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    def build_optimizer(self, model: nn.Module, groups: list[dict]) -> torch.optim.Optimizer:
+        cfg = self.cfg.optimizer
         groups = _split_dtensor_groups(groups)
         if not self.zero1:
             return build_optimizer(groups, cfg, self.precision, self.seed)
@@ -158,6 +156,9 @@ class TorchBackend:
             for g in grads:
                 g.mul_(coef)
         return norm
+
+    def param_norm(self, model: nn.Module) -> torch.Tensor:
+        return global_norm([p.detach() for p in model.parameters()])
 
     def step_end(self) -> None:
         pass
@@ -230,9 +231,9 @@ class TorchBackend:
                 average_over_ranks([q.main_grad for q in model.parameters() if q.main_grad is not None])
         return total
 
-    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, *,
-               skip_nonfinite: bool) -> tuple[torch.Tensor, bool]:  # fmt: skip
-        norm = self.clip_grad_norm(model, max_norm)
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, bool]:
+        norm = self.clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm)
+        skip_nonfinite = self.cfg.train.on_nonfinite == "skip_step"
         if skip_nonfinite and not bool(torch.isfinite(norm)):  # the loop's only per-step host read
             return norm, False
         optimizer.step()

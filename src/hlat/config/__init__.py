@@ -31,7 +31,7 @@ from hlat.config.train import (
 __all__ = [
     "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalTask", "FaultConfig", "HealthConfig",
     "ModelConfig", "OptimizerConfig", "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig",
-    "TrainConfig", "flatten", "register_configs", "to_run_config",
+    "TrainConfig", "flatten", "register_configs", "to_run_config", "to_yaml",
 ]  # fmt: skip
 
 
@@ -92,3 +92,12 @@ def to_run_config(hydra_cfg: Any) -> RunConfig:
         raise ConfigError(unknown_key(RunConfig, e.cls, e.name, e.value)) from None
     assert isinstance(cfg, RunConfig), f"conf/config.yaml must start from base_config, got {type(cfg)}"
     return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The run's config as YAML, as Hydra writes the resolved composed config (``OmegaConf.to_yaml``)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))

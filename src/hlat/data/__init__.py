@@ -6,7 +6,7 @@ Owns ``sources`` (Arrow / JSONL / Parquet corpora), ``builtin`` (the offline def
 and ``prepare`` (``hlat data``). May import: ``hlat.config`` and the core modules only.
 """
 
-from hlat.data.build import build_loader
+from hlat.data.build import Loader, build_loader
 from hlat.data.builtin import builtin_corpus_path
 from hlat.data.loader import PackedStream, StreamSpec
 from hlat.data.packing import Packer
@@ -15,6 +15,7 @@ from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer, load_tokeniz
 
 __all__ = [
     "Documents",
+    "Loader",
     "PackedStream",
     "Packer",
     "StreamSpec",

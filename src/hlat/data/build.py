@@ -7,7 +7,11 @@ The online loader (``hlat.data.worker``, over ``hlat.data.loader``'s packed stre
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Protocol
+
+import torch
 
 from hlat.config import DataConfig
 from hlat.data.builtin import builtin_corpus_path
@@ -19,8 +23,32 @@ from hlat.data.worker import OnlineLoader
 log = logging.getLogger(__name__)
 
 
+class Loader(Protocol):
+    """One rank's resumable loader, as training uses it: an infinite iterator of ``(inputs, targets)`` batches."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the stream, as plain Python values (checkpointed)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpointed position."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """The ``data/*`` metrics of the interval."""
+        ...
+
+    def close(self) -> None:
+        """Stop the background worker, if any."""
+        ...
+
+
 def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, micro_batch_size: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1):  # fmt: skip
+                 dp_rank: int = 0, dp_size: int = 1) -> Loader:  # fmt: skip
     """Build one data-parallel rank's loader from the ``data`` config.
 
     Cheap checks come first: a given tokenizer is loaded and checked against ``vocab_size`` before any

@@ -196,8 +196,8 @@ def _worker(overrides: list[str], configure_logging: bool = True) -> HealthRepor
         cfg = compose_run_config(overrides)
         ranks = Ranks.from_env()
         tools = node_tools(cfg, ranks.local_world_size) if ranks.local_rank == 0 else []
-        backend = get_backend(cfg.cluster.backend, cfg)
-        env = backend.setup(cfg.cluster, cfg.precision, cfg.train.seed)
+        backend = get_backend(cfg)
+        env = backend.setup()
         try:
             return run_checks(cfg, env, tools=tools, sync=backend.synchronize)
         finally:

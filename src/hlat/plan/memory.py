@@ -369,22 +369,20 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
     )
 
 
-def check_run(cfg: RunConfig, world_size: int, budget_bytes: int,
-              bf16_matmul: str | None = None) -> tuple[ParallelDims, int, MemoryEstimate]:  # fmt: skip
-    """The trainer's plan on the world it got: the layout, logged with its memory, refused if it cannot fit.
+def check_run(cfg: RunConfig, dims: ParallelDims, budget_bytes: int,
+              bf16_matmul: str | None = None) -> tuple[int, MemoryEstimate]:  # fmt: skip
+    """The trainer's plan on the layout of the world it got: logged with its memory, refused if it cannot fit.
 
-    Runs before any allocation (``hlat.train.run``): a partial world of a multi-node preset, a layout the world
-    cannot hold, or an estimate over ``budget_bytes`` (the device's memory) raises ConfigError with the fix.
+    Runs before any allocation (``hlat.train.run``): an estimate over ``budget_bytes`` (the device's memory) raises
+    ConfigError with the fix.
 
     Returns:
-        The parallel layout, the parameter count and the per-rank memory estimate.
+        The parameter count and the per-rank memory estimate.
     """
-    check_world(cfg.cluster, world_size)
-    dims = ParallelDims.build(cfg.parallelism, world_size, cfg.model, cfg.train)
     n_params, est = estimate_memory(cfg, dims)
     log.info("%s", summary(cfg, dims, n_params, est, budget_bytes, bf16_matmul))
     check_fits(est, budget_bytes, cfg, dims=dims)
-    return dims, n_params, est
+    return n_params, est
 
 
 def summary_text(cfg: RunConfig) -> str:

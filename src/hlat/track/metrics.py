@@ -211,11 +211,6 @@ def layer_grad_norms(model: nn.Module) -> dict[str, torch.Tensor]:
     return {f"grad_norm/{k}": global_norm(v) for k, v in groups.items()}
 
 
-def param_norm(model: nn.Module) -> torch.Tensor:
-    """Global L2 norm of all parameters, as a device tensor (accumulated in fp32 for bf16 parameters)."""
-    return global_norm([p.detach() for p in model.parameters()])
-
-
 class MetricsLogger:
     """Loop hook: keeps per-step loss and grad norm on the device, logs them every ``every`` steps.
 
@@ -322,8 +317,7 @@ class MetricsLogger:
         tensors = {
             "loss": torch.stack(self._loss),
             "grad_norm": torch.stack(self._grad_norm),
-            # A backend whose ranks hold parts of the model (NxD: pipeline stages, TP shards) reduces it itself.
-            "param_norm": getattr(self.backend, "param_norm", param_norm)(self.model),
+            "param_norm": self.backend.param_norm(self.model),
         }
         for step, norms in self._layer_norms.items():
             tensors.update({f"{step}|{name}": value for name, value in norms.items()})

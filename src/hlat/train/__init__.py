@@ -1,7 +1,9 @@
 """Training: build a run from the composed config and fit it, and keep it alive through crashes and signals.
 
-Owns ``run`` (the build graph: config -> backend -> plan -> job -> data -> model/optimizer -> state -> tracking ->
-fit), ``trainer`` (``fit`` with its hooks, rollback, signals and clean-up), ``loop`` (``fit`` itself: the step,
+Owns ``run`` (the build graph: job -> backend -> layout and memory -> data -> model/optimizer -> state -> tracking ->
+hooks -> fit), ``hooks`` (the hooks ``fit`` runs, built in one place: metrics, the non-finite guard, checkpoints,
+monitors, fault injection, the signal stop), ``trainer`` (``fit`` with those hooks: rollback, signals and clean-up),
+``loop`` (``fit`` itself: the step,
 micro-batches, hooks), ``tracking`` (the run's tags, params, tracker and throughput model), ``checkpoint`` and
 ``job_dir`` (atomic, verified checkpoints and the job files beside them), ``resume`` (which start this is, what it
 resumes from, restore, roll-back on a non-finite step), ``weights`` (reading an hlat checkpoint's or a Hugging Face

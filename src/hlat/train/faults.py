@@ -17,6 +17,8 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hlat.config import ConfigError, FaultConfig
-from hlat.state import StepOutput, TrainState
+from hlat.state import Hook, StepOutput, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +157,23 @@ class FaultInjector:
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([byte[0] ^ 0xFF]))
             self._kill(f"after corrupting {victim}")
+
+
+@dataclass(frozen=True)
+class FaultHooks:
+    """Where fault injection plugs into training (all empty when ``fault`` injects nothing)."""
+
+    loop: list[Hook] = field(default_factory=list)
+    """After every step, the last loop hooks but the stop hook (kills, the hang, the step pacing)."""
+    grad: list[Callable[[int, nn.Module], None]] = field(default_factory=list)
+    """While the step's gradients exist (NaN gradients)."""
+    on_save: Callable[[str, int, Path], None] | None = None
+    """The checkpoint callback (``hlat.train.checkpoint.SaveFault``: crashes, a full disk, corruption)."""
+
+
+def fault_hooks(cfg: FaultConfig, steps: int, markers: Path, rank: int) -> FaultHooks:
+    """The hooks that inject ``cfg``'s faults (see :class:`FaultInjector` for the arguments); none when it is off."""
+    if not cfg.active:
+        return FaultHooks()
+    injector = FaultInjector(cfg, steps, markers, rank)
+    return FaultHooks(loop=[injector], grad=[injector.poison_grads], on_save=injector.on_save)

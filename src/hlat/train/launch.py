@@ -19,6 +19,7 @@ not restarted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shlex
@@ -28,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any, NoReturn
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.config.resolvers import global_rank, under_elastic
@@ -39,7 +40,7 @@ from hlat.state import HaltedError
 from hlat.train import checkpoint, evals, preempt, sweep_job
 from hlat.train.checkpoint import CheckpointError
 from hlat.train.evals import EvalFailedError
-from hlat.train.run import hydra_output_dir, main
+from hlat.train.run import main
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,14 @@ def wants_launcher(cfg: RunConfig) -> bool:
     return supervised and not cfg.train.dry_run and not under_elastic()
 
 
-def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
+def hydra_output_dir() -> Path:
+    """This Hydra job's output directory (``hydra.run.dir``, or the sweep job's directory)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def supervise(cfg: RunConfig, run_dir: Path) -> None:
     """Run ``cluster.nproc_per_node`` trainer processes under torch elastic, restarted up to ``max_restarts`` times.
 
     A signal to this process (the agent) is forwarded to the trainers, which stop at the next step boundary with a
@@ -124,9 +132,8 @@ def supervise(hydra_cfg: DictConfig, cfg: RunConfig, run_dir: Path) -> None:
     )  # fmt: skip
     log.info("starting %d trainer process(es) with torch elastic; up to %d restarts from the newest checkpoint",
              nproc, restarts)  # fmt: skip
-    container = OmegaConf.to_container(hydra_cfg, resolve=True)
     try:
-        results = _run_agent(elastic_launch(config, _worker), container, run_dir)
+        results = _run_agent(elastic_launch(config, _worker), cfg, run_dir)
     except ChildFailedError as e:
         first = e.get_first_failure()[1]
         if first.exitcode == preempt.PREEMPTED_EXIT_CODE and (stopped := preempt.read_marker(run_dir)):
@@ -155,7 +162,7 @@ def _stop_settings(launch_config: type, grace_s: float) -> dict[str, Any]:
     return {k: v for k, v in wanted.items() if k in fields}
 
 
-def _run_agent(launch: Any, container: dict[str, Any], run_dir: Path) -> dict[int, Any]:
+def _run_agent(launch: Any, cfg: RunConfig, run_dir: Path) -> dict[int, Any]:
     """Run the agent (``elastic_launch(config, _worker)``); a signal to it becomes PreemptedError or AbortedError.
 
     torch elastic turns the signal into ``SignalException`` after forwarding it to the workers and waiting for them
@@ -169,7 +176,7 @@ def _run_agent(launch: Any, container: dict[str, Any], run_dir: Path) -> dict[in
     handled = [getattr(signal, name) for name in preempt.AGENT_SIGNALS.split(",")]
     saved = {s: signal.getsignal(s) for s in handled}
     try:
-        return launch(container, str(run_dir), _log_file(run_dir))
+        return launch(cfg, str(run_dir), _log_file(run_dir))
     except SignalException as e:
         raise preempt.read_marker(run_dir) or preempt.AbortedError(e.sigval) from None
     finally:
@@ -202,8 +209,8 @@ def _log_file(run_dir: Path) -> str:
     return str(run_dir / "train.log")
 
 
-def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str, str] | None:
-    """One (re)started trainer: rebuild the config, log like Hydra does, train. Returns a final error, or None."""
+def _worker(cfg: RunConfig, run_dir: str, log_file: str) -> tuple[str, str] | None:
+    """One (re)started trainer: log like Hydra does, train. Returns a final error, or None."""
     from hlat.logs import LibraryFilter
 
     console = logging.StreamHandler(sys.stdout)
@@ -214,9 +221,8 @@ def _worker(container: dict[str, Any], run_dir: str, log_file: str) -> tuple[str
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates; the others speak up on problems
     # A restart is logged by hlat.attempt once the ranks agree on it (this agent's own count can be 0 on a node
     # restarted because another node's worker died).
-    hydra_cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
     try:  # a restart resumes this job's own progress (run.restart_resume)
-        main(hydra_cfg, Path(run_dir))
+        main(cfg, Path(run_dir))
     except FINAL_ERRORS as e:
         log.error("%s: %s", type(e).__name__, e)
         return type(e).__name__, str(e)
@@ -248,19 +254,19 @@ def _print_continue_hint(cfg: RunConfig, lead: str = "the run stopped",
         print(f"hlat: {lead}; to continue it from {saved.name}: {command}{note}", file=sys.stderr)
 
 
-def _train(hydra_cfg: DictConfig, cfg: RunConfig) -> tuple[str | None, list[float]]:
+def _train(cfg: RunConfig) -> tuple[str | None, list[float]]:
     """Train in this process, or under torch elastic when the cluster asks for it.
 
     Returns:
         The MLflow run id (None without MLflow) and the loss points this process logged (none when supervised).
     """
     evals.check(cfg)  # the evaluation's tasks, before any process is started or anything built (every rank alike)
+    run_dir = hydra_output_dir()
     if wants_launcher(cfg):
-        run_dir = hydra_output_dir()
-        supervise(hydra_cfg, cfg, run_dir)
+        supervise(cfg, run_dir)
         return checkpoint.read_job(checkpoint.checkpoint_root(cfg, run_dir)).get("mlflow_run_id"), []
     try:
-        result = main(hydra_cfg)
+        result = main(cfg, run_dir)
     except (ConfigError, HaltedError, CheckpointError, EvalFailedError, preempt.PreemptedError, KeyboardInterrupt):
         raise
     except BaseException:  # a crash: say how to pick the run up again
@@ -293,12 +299,13 @@ def entry(hydra_cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    load = functools.partial(to_run_config, hydra_cfg)  # Hydra's config, typed and validated: the one conversion
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return sweep_job.run_job(hydra_cfg, hydra_output_dir(), _train, error_message)
+        return sweep_job.run_job(load, hydra_output_dir(), _train, error_message)
     cfg = None
     try:
-        cfg = to_run_config(hydra_cfg)
-        _train(hydra_cfg, cfg)
+        cfg = load()
+        _train(cfg)
     except (preempt.PreemptedError, preempt.AbortedError, KeyboardInterrupt) as e:
         _stopped(cfg, e)
     except (ConfigError, HaltedError, checkpoint.CheckpointError, EvalFailedError) as e:

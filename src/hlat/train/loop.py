@@ -51,12 +51,10 @@ def fit(
     *,
     steps: int,
     grad_accum: int,
-    clip_grad_norm: float,
     tokens_per_step: int,
     lr_fn: Callable[[int], float],
     hooks: Sequence[Hook] = (),
     grad_hooks: Sequence[Callable[[int, nn.Module], None]] = (),
-    skip_nonfinite: bool = False,
     timer: StepTimer | NullTimer = NULL_TIMER,
 ) -> TrainState:
     """Train from ``state.step`` to ``steps``; returns the final state.
@@ -66,9 +64,9 @@ def fit(
     call every hook. Nothing here reads a tensor on the host: hooks decide when to fetch. ``grad_hooks`` see
     ``(step, model)`` while the step's gradients exist (after the last backward, before clipping).
 
-    Before a step listed in ``state.discarded_batches`` its global batch is drawn and thrown away. With
-    ``skip_nonfinite`` a step whose gradient norm is not finite makes no update (``state.skipped_updates``); that
-    test reads one flag on the host per step, the only per-step synchronisation in the loop.
+    Before a step listed in ``state.discarded_batches`` its global batch is drawn and thrown away. A step whose
+    update the backend did not apply (``train.on_nonfinite=skip_step``: its gradient norm was not finite) counts in
+    ``state.skipped_updates``; that test reads one flag on the host per step, the only per-step synchronisation.
 
     ``timer`` (``train.step_breakdown``) times the loader wait, the update (clip, step and ``zero_grad``) and, through
     the micro-batches it hands the backend, forward and backward; hooks are timed by wrapping them (``timed_hook``).
@@ -91,7 +89,7 @@ def fit(
         for grad_hook in grad_hooks:
             grad_hook(state.step + 1, model)
         with timer.phase("optimizer"):
-            grad_norm, applied = backend.update(model, optimizer, clip_grad_norm, skip_nonfinite=skip_nonfinite)
+            grad_norm, applied = backend.update(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
         if not applied:
             state.skipped_updates += 1

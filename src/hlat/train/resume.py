@@ -8,14 +8,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
+from torch import nn
 
 from hlat import attempt
+from hlat.backends.base import Backend
 from hlat.config import ConfigError, RunConfig
+from hlat.data import Loader
 from hlat.data.loader import CHECKPOINT
 from hlat.state import HaltedError, NonFiniteError, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
@@ -34,28 +39,42 @@ class JobStart:
     """``train.resume`` for this attempt (a torch elastic restart continues the job's own progress)."""
     resume_from: Path | None
     """The checkpoint this start restores, or None (a new job, or ``train.resume=never``)."""
+    launched: float
+    """When this process started (the job's start, unless its record says it started earlier)."""
+    lock: IO | None = None
+    """The trainer lock on ``root`` (rank 0), released when the run ends."""
 
 
-def begin(cfg: RunConfig, run_dir: Path, launched: float) -> None:
+def begin(cfg: RunConfig, run_dir: Path) -> float:
     """First thing of every start: the ranks agree which restart this is, and the start is counted.
 
     Counted before anything can fail (:func:`record_start`), so a restart that dies in start-up still counts.
+
+    Returns:
+        When this start began (``time.time()``).
     """
+    launched = time.time()
     attempt.current(timeout_s=cfg.health.collective_timeout_s)
     record_start(checkpoint.checkpoint_root(cfg, run_dir), cfg.train.resume, launched)
+    return launched
 
 
-def open_job(cfg: RunConfig, run_dir: Path, new_bytes: int, launched: float) -> JobStart:
-    """What this start continues from, checked read-only before anything is built; then a new job's record.
+def open_job(cfg: RunConfig, run_dir: Path, new_bytes: int, launched: float, rank: int) -> JobStart:
+    """What this start continues from, checked read-only before anything is built; then the record and the lock.
+
+    A new job's record is written once the read-only checks pass; rank 0 then takes the trainer lock (one trainer per
+    checkpoint directory: another one holding it is refused here, before anything is built).
 
     Args:
         cfg: The run's config.
         run_dir: The run directory.
         new_bytes: The size of a checkpoint of this run when there is none to measure (weights + optimizer).
         launched: When this process started.
+        rank: This process's rank (rank 0 takes the lock).
 
     Raises:
-        ConfigError: The checkpoint to resume from was written by an incompatible config.
+        ConfigError: The checkpoint to resume from was written by an incompatible config, or another trainer holds
+            the directory.
         CheckpointError: No usable checkpoint where one is required, or too little disk for the next one.
     """
     root = checkpoint.checkpoint_root(cfg, run_dir)
@@ -65,10 +84,39 @@ def open_job(cfg: RunConfig, run_dir: Path, new_bytes: int, launched: float) -> 
         checkpoint.check_compatible(resume_from, dataclasses.asdict(cfg))
     checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or new_bytes)
     record_start(root, cfg.train.resume, launched, create=True)  # a new job: the read-only checks made no directory
-    return JobStart(root, resume, resume_from)
+    lock = checkpoint.hold_lock(root) if rank == 0 else None
+    return JobStart(root, resume, resume_from, launched, lock)
 
 
-def restore(backend, path: Path, model, optimizer, data, spikes: SpikeDetector) -> tuple[TrainState, dict]:
+def resume_job(
+    job: JobStart,
+    backend: Backend,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Loader,
+    spikes: SpikeDetector,
+) -> tuple[TrainState, Uptime, str | None]:
+    """Put back what this start continues from (nothing for a new job), with the job's uptime and MLflow run.
+
+    Returns:
+        The progress to train from, the job's uptime accounting and the MLflow run a restart continues (or None).
+    """
+    state, saved = TrainState(), {}
+    if job.resume_from is not None:
+        state, saved = restore(backend, job.resume_from, model, optimizer, data, spikes)
+    latest = checkpoint.read_job(job.root) if job.resume != "never" else {}
+    uptime, run_id = job_record(saved, latest, job.launched)
+    return state, uptime, run_id
+
+
+def restore(
+    backend: Backend,
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Loader,
+    spikes: SpikeDetector,
+) -> tuple[TrainState, dict]:
     """Load a checkpoint into the built model, optimizer, loader and spike statistics.
 
     Returns:

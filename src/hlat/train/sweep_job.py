@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hlat.config import to_run_config
+from hlat.config import RunConfig
 from hlat.track.runs import objective
 from hlat.track.sweep import HASH_TAG, JOB_FILE, config_hash, default_run_name, rank, read_record, write_json
 from hlat.train import checkpoint
@@ -128,9 +128,9 @@ def job_objective(job_dir: Path) -> float:
 
 
 def run_job(
-    hydra_cfg: Any,
+    load: Callable[[], RunConfig],
     job_dir: Path,
-    train: Callable[[Any, Any], tuple[str | None, list[float]]],
+    train: Callable[[RunConfig], tuple[str | None, list[float]]],
     explain: Callable[[BaseException], str | None],
 ) -> float:
     """One job of a multirun: decide (:func:`decide`), then skip, continue or train; record how it ended.
@@ -144,9 +144,9 @@ def run_job(
     (:func:`default_run_name`).
 
     Args:
-        hydra_cfg: The job's composed config.
+        load: The job's config (the launcher's conversion of Hydra's; a config error fails this job only).
         job_dir: The job's output directory.
-        train: Trains ``(hydra_cfg, cfg)`` and returns ``(MLflow run id, loss points)`` (the launcher's, in or out
+        train: Trains ``cfg`` and returns ``(MLflow run id, loss points)`` (the launcher's, in or out
             of process: ``hlat.train.launch``).
         explain: The launcher's one-line report of a failure the user can act on (None: an unexpected crash).
 
@@ -154,16 +154,14 @@ def run_job(
         The job's objective (:func:`objective`); +inf, the worst value for a minimizing sweeper, when the job
         failed, its loss was not finite, or it only planned (``train.dry_run``). Optuna 2 cannot be told NaN.
     """
-    from omegaconf import OmegaConf
-
     from hlat.track.trackers import default_uri
 
     cfg, stopped = None, None
     run_id, losses, status = None, [], "failed"
     try:
-        hydra_cfg, cfg = _named(hydra_cfg, to_run_config(hydra_cfg), job_dir)
+        cfg = _named(load(), job_dir)
         if cfg.train.dry_run:  # a plan, no run: nothing to skip, record or compare
-            train(hydra_cfg, cfg)
+            train(cfg)
             return math.inf
         decision = decide(cfg, job_dir)
         if decision.action == "skip":
@@ -175,9 +173,10 @@ def run_job(
             if decision.action == "resume":
                 log.warning("continuing MLflow run %s, which did not finish, from its checkpoints in %s",
                             decision.run_id, decision.checkpoint_dir)  # fmt: skip
-                hydra_cfg = OmegaConf.merge(hydra_cfg, {"train": {"checkpoint_dir": decision.checkpoint_dir}})
-                cfg = to_run_config(hydra_cfg)
-            run_id, losses = train(hydra_cfg, cfg)
+                cfg = dataclasses.replace(
+                    cfg, train=dataclasses.replace(cfg.train, checkpoint_dir=decision.checkpoint_dir)
+                )
+            run_id, losses = train(cfg)
             status = "finished"
     except (PreemptedError, AbortedError, KeyboardInterrupt) as e:
         stopped, status = e, "preempted" if isinstance(e, PreemptedError) else "interrupted"
@@ -200,17 +199,14 @@ def run_job(
     return value if math.isfinite(value) else math.inf
 
 
-def _named(hydra_cfg: Any, cfg: Any, job_dir: Path) -> tuple[Any, Any]:
-    """The job's configs with ``tracker.run_name`` set to :func:`default_run_name` where the user set none.
+def _named(cfg: RunConfig, job_dir: Path) -> RunConfig:
+    """The job's config with ``tracker.run_name`` set to :func:`default_run_name` where the user set none.
 
     ``tracker.run_name`` is not hashed (:data:`UNHASHED`): the name changes no skip or continue decision.
     """
-    from omegaconf import OmegaConf
-
     if cfg.tracker.run_name is not None or not (name := default_run_name(job_dir)):
-        return hydra_cfg, cfg
-    hydra_cfg = OmegaConf.merge(hydra_cfg, {"tracker": {"run_name": name}})
-    return hydra_cfg, to_run_config(hydra_cfg)
+        return cfg
+    return dataclasses.replace(cfg, tracker=dataclasses.replace(cfg.tracker, run_name=name))
 
 
 def _stop(job_dir: Path, e: BaseException, run_id: str | None, status: str) -> NoReturn:

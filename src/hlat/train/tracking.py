@@ -13,17 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from hlat.backends.base import Env
-from hlat.config import RunConfig, flatten
+from hlat.config import RunConfig, flatten, to_yaml
 from hlat.health.preflight import log_preflight
 from hlat.sizing import bytes_per_param, flops_per_token
 from hlat.track import sweep
 from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
-from hlat.track.trackers import History, MLflowTracker, SeriesRecorder, build_tracker
+from hlat.track.trackers import History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train import checkpoint, preempt
 from hlat.train.resume import JobStart
 
@@ -37,7 +35,7 @@ PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spi
 class Tracking:
     """Where a run's numbers go: the tracker every rank logs to and what rank 0 keeps for its report."""
 
-    tracker: Any
+    tracker: Tracker
     """The fan-out tracker (MLflow or the console, plus the in-memory sinks below)."""
     mlflow: MLflowTracker | None
     run_id: str | None
@@ -58,13 +56,12 @@ class Tracking:
             log.exception("could not write the end-of-run plots to %s", out_dir)
 
 
-def start(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, job: JobStart, env: Env, backend: str,
-          n_params: int, first_step: int, saved_run_id: str | None, uptime_state: dict) -> Tracking:  # fmt: skip
+def start(cfg: RunConfig, run_dir: Path, job: JobStart, env: Env, backend: str, n_params: int, first_step: int,
+          saved_run_id: str | None, uptime_state: dict) -> Tracking:  # fmt: skip
     """Open the run's tracker with its tags and params; record the MLflow run in the job record (rank 0).
 
     Args:
-        cfg: The run's config.
-        hydra_cfg: The composed config (logged as params, resolved).
+        cfg: The run's config (logged as params, and as ``config.yaml`` with the provenance).
         run_dir: The run directory (provenance, plots).
         job: This start (checkpoint root, what it resumed from).
         env: The backend's environment.
@@ -84,7 +81,7 @@ def start(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, job: JobStart, e
                "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None}  # fmt: skip
     history, recorder = History(), SeriesRecorder(PLOTTED)
     extra = [history, recorder] + ([progress] if progress else [])
-    tracker, mlflow_tracker = _open(cfg, hydra_cfg, run_dir, tags, env.rank, extra, derived, saved_run_id)
+    tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id)
     run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
     if env.rank == 0:
         checkpoint.write_job(job.root, {"mlflow_run_id": run_id, "uptime": uptime_state})
@@ -117,15 +114,15 @@ def _tags(cfg: RunConfig, run_dir: Path, job: JobStart, backend: str, bf16_matmu
     return tags
 
 
-def _open(cfg: RunConfig, hydra_cfg: DictConfig, run_dir: Path, tags: dict[str, str], rank: int, extra: list,
-          derived: dict[str, Any], run_id: str | None) -> tuple:  # fmt: skip
+def _open(cfg: RunConfig, run_dir: Path, tags: dict[str, str], rank: int, extra: list, derived: dict[str, Any],
+          run_id: str | None) -> tuple:  # fmt: skip
     """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files."""
-    prov_tags, files = write_provenance(run_dir, OmegaConf.to_yaml(hydra_cfg, resolve=True)) if rank == 0 else ({}, [])
+    prov_tags, files = write_provenance(run_dir, to_yaml(cfg)) if rank == 0 else ({}, [])
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
     tracker, mlflow_tracker = build_tracker(
         cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra, run_id=run_id
     )
-    params = flatten(OmegaConf.to_container(hydra_cfg, resolve=True))
+    params = flatten(dataclasses.asdict(cfg))
     tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
     for f in files:
         tracker.log_artifact(f)
