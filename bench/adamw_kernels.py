@@ -73,13 +73,17 @@ def contenders(cfg: ModelConfig) -> dict[str, tuple[str | None, Callable[[], tor
     rows: dict[str, tuple[str | None, Callable[[], torch.optim.Optimizer]]] = {}
     for kind in ("foreach", "fused"):
         rows[f"fp32: torch.optim.AdamW, {kind}"] = (
-            None, lambda k=kind: torch.optim.AdamW(parameters(cfg, torch.float32), **KW, **{k: True}))  # fmt: skip
+            None,
+            lambda k=kind: torch.optim.AdamW(parameters(cfg, torch.float32), **KW, **{k: True}),
+        )
     bf16 = {"master_weights": False, "state_dtype": torch.bfloat16, "seed": 0}
     for sr in (False, True):
         for kind in ("foreach", "fused"):
             label = f"bf16{' + SR' if sr else ''}: PrecisionAdamW, {kind}"
-            rows[label] = (kind, lambda s=sr: PrecisionAdamW(parameters(cfg, torch.bfloat16), **KW, **bf16,
-                                                             stochastic_rounding=s))  # fmt: skip
+            rows[label] = (
+                kind,
+                lambda s=sr: PrecisionAdamW(parameters(cfg, torch.bfloat16), **KW, **bf16, stochastic_rounding=s),
+            )
     return rows
 
 
@@ -97,8 +101,10 @@ def main() -> None:
             with functional_impl(kind) if kind else contextlib.nullcontext():
                 results.setdefault(label, []).append(time_steps(build(), args.steps))
     n = sum(p.numel() for p in Transformer(cfg).parameters())
-    print(f"`python bench/adamw_kernels.py --model {args.model}`: {n / 1e6:.1f}M parameters, {host_info()}, "
-          f"{platform.platform()}, torch {torch.__version__}\n")  # fmt: skip
+    print(
+        f"`python bench/adamw_kernels.py --model {args.model}`: {n / 1e6:.1f}M parameters, {host_info()}, "
+        f"{platform.platform()}, torch {torch.__version__}\n"
+    )
     print("| optimizer | ms per step (median) |\n|---|---:|")
     for label, ms in results.items():
         print(f"| {label} | {statistics.median(ms):.0f} |")

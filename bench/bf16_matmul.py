@@ -96,15 +96,19 @@ def main() -> None:
     step = {row: statistics.median(fb + upd for fb, upd, _ in times[row]) for row in rows}
     fp32 = step[EMULATED[0]]
     n_tok = args.micro_batch * args.seq_len
-    print(f"- host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
+    print(
+        f"- host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
     print(
         f"- policy probe (512x512 GEMM, GFLOP/s): fp32 {rates['float32']:.1f}, bf16 native "
         f"{rates['bf16_native']:.2f}, bf16 emulated {rates['bf16_emulated']:.1f}; auto picks **{auto}** ({why})"
     )
-    print(f"- model={args.model}: {n_params:,} parameters; {args.micro_batch} x {args.seq_len} = {n_tok} tokens a "
-          f"step; {args.rounds} rounds x {args.steps} timed steps per row (median), native: {args.native_steps} "
-          f"step(s); timed part took {time.time() - started:.0f} s")  # fmt: skip
+    print(
+        f"- model={args.model}: {n_params:,} parameters; {args.micro_batch} x {args.seq_len} = {n_tok} tokens a "
+        f"step; {args.rounds} rounds x {args.steps} timed steps per row (median), native: {args.native_steps} "
+        f"step(s); timed part took {time.time() - started:.0f} s"
+    )
     print()
     print(
         "| precision | bf16 matmuls | s/step | forward+backward (s) | clip+AdamW (s) | tokens/s | step rate vs fp32 |"
@@ -114,8 +118,10 @@ def main() -> None:
         fb = statistics.median(t[0] for t in times[row])
         upd = statistics.median(t[1] for t in times[row])
         policy = row[1] if row[0] != "fp32" else "-"
-        print(f"| {row[0]} | {policy} | {step[row]:.3f} | {fb:.3f} | {upd:.3f} | {n_tok / step[row]:,.0f} | "
-              f"{fp32 / step[row]:.2f}x |")  # fmt: skip
+        print(
+            f"| {row[0]} | {policy} | {step[row]:.3f} | {fb:.3f} | {upd:.3f} | {n_tok / step[row]:,.0f} | "
+            f"{fp32 / step[row]:.2f}x |"
+        )
     print(
         "\n- first-step loss (same weights, same batch): "
         + ", ".join(f"{m}/{p} {v:.4f}" for (m, p), v in first.items())

@@ -73,8 +73,10 @@ def main() -> None:
     batch = torch.randint(0, cfg.vocab_size, (4, 257))
     train_steps(backend, model, opt, 1, batch)  # AdamW state exists from here on
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model={args.model}: {n_params / 1e6:.1f}M parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"model={args.model}: {n_params / 1e6:.1f}M parameters, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     base = tempfile.mkdtemp(prefix="hlat-ckpt-bench-", dir=args.dir)
 
     blocked: dict[str, list[float]] = {}
@@ -87,8 +89,17 @@ def main() -> None:
     alone = [train_steps(backend, model, opt, args.steps, batch) for _ in range(args.repeats)]
     during = []
     for mode, async_save in (("hlat sync (DCP + sha256)", False), ("hlat async (DCP async_save)", True)):
-        saver = Checkpointer(backend, Path(base) / mode.split()[1], model, opt, lambda s: {"step": s.step},
-                             every=0, last_step=-1, keep_last=1, async_save=async_save)  # fmt: skip
+        saver = Checkpointer(
+            backend,
+            Path(base) / mode.split()[1],
+            model,
+            opt,
+            lambda s: {"step": s.step},
+            every=0,
+            last_step=-1,
+            keep_last=1,
+            async_save=async_save,
+        )
         for i in range(args.repeats):
             t0 = time.perf_counter()
             saver.save(TrainState(step=i + 1))
@@ -103,8 +114,10 @@ def main() -> None:
     for mode in blocked:
         print(f"| {mode} | {statistics.median(blocked[mode]):.2f} | {statistics.median(durable[mode]):.2f} |")
     a, d = statistics.median(alone), statistics.median(during)
-    print(f"\n{args.steps} training steps alone: {a:.2f} s; while an async save is in flight: {d:.2f} s "
-          f"(+{d - a:.2f} s, the background thread's share of the CPU)")  # fmt: skip
+    print(
+        f"\n{args.steps} training steps alone: {a:.2f} s; while an async save is in flight: {d:.2f} s "
+        f"(+{d - a:.2f} s, the background thread's share of the CPU)"
+    )
 
 
 if __name__ == "__main__":

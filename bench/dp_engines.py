@@ -108,8 +108,13 @@ def _worker(rank: int, port: int, engine: str, cfg: ModelConfig, args: argparse.
         dist.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-    result = {"engine": engine, "rank": rank, "median_step_s": statistics.median(times),
-              "state_mib": state_bytes / 2**20, "loss": loss.item()}  # fmt: skip
+    result = {
+        "engine": engine,
+        "rank": rank,
+        "median_step_s": statistics.median(times),
+        "state_mib": state_bytes / 2**20,
+        "loss": loss.item(),
+    }
     Path(f"{out}.{rank}").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -139,8 +144,10 @@ def main() -> None:
             out = str(Path(tmp) / engine)
             mp.spawn(_worker, args=(free_port(), engine, cfg, args, out), nprocs=2, join=True)
             rows.append([json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)])
-    print(f"model={args.model} 2 ranks x {args.batch} x {args.seq_len} tokens, torch {torch.__version__}, "
-          f"{os.cpu_count()} cores")  # fmt: skip
+    print(
+        f"model={args.model} 2 ranks x {args.batch} x {args.seq_len} tokens, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores"
+    )
     base = statistics.mean(r["median_step_s"] for r in rows[0])
     print(f"{'engine':<18}{'step s':>9}{'vs ' + rows[0][0]['engine']:>10}{'state MiB/rank':>16}{'loss':>9}")
     for ranks in rows:

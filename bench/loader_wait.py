@@ -28,17 +28,27 @@ SETTINGS = {  # (steps, log_every): small steps take ~10-20 s on 2 CPU cores
 def measure(model: str, worker: str, steps: int, log_every: int, run_dir: Path) -> dict[str, float]:
     """Train ``steps`` steps; average the per-interval metrics after the first (warm-up) interval."""
     overrides = [
-        f"model={model}", f"data.worker={worker}", f"train.steps={steps}", f"train.log_every={log_every}",
-        "tracker=console", "optimizer.warmup_steps=1", "train.checkpoint_every=0", "train.keep_last=1",
-    ]  # fmt: skip
+        f"model={model}",
+        f"data.worker={worker}",
+        f"train.steps={steps}",
+        f"train.log_every={log_every}",
+        "tracker=console",
+        "optimizer.warmup_steps=1",
+        "train.checkpoint_every=0",
+        "train.keep_last=1",
+    ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = to_run_config(compose(config_name="config", overrides=overrides))
     history = main(cfg, run_dir=run_dir).history
     rows = [row for _, row in history.rows if "perf/step_time_s" in row][1:]
     step = sum(r["perf/step_time_s"] for r in rows) / len(rows)
     wait = sum(r["perf/data_wait_s"] for r in rows) / len(rows)
-    return {"step_s": step, "wait_ms": 1000 * wait, "wait_pct": 100 * wait / step,
-            "producer_tok_s": rows[-1]["data/producer_tokens_per_s"]}  # fmt: skip
+    return {
+        "step_s": step,
+        "wait_ms": 1000 * wait,
+        "wait_pct": 100 * wait / step,
+        "producer_tok_s": rows[-1]["data/producer_tokens_per_s"],
+    }
 
 
 def main_cli() -> None:
@@ -49,16 +59,20 @@ def main_cli() -> None:
     parser.add_argument("--steps", type=int, default=None, help="override the steps per run")
     args = parser.parse_args()
     register_configs()
-    lines = ["| model | data.worker | step (s) | loader wait (ms/step) | wait share | producer tokens/s |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | data.worker | step (s) | loader wait (ms/step) | wait share | producer tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             steps, every = SETTINGS[model]
             steps = args.steps or steps
             for worker in args.workers:
                 r = measure(model, worker, steps, every, Path(tmp) / f"{model}-{worker}")
-                lines.append(f"| {model} | {worker} | {r['step_s']:.3f} | {r['wait_ms']:.2f} | {r['wait_pct']:.3f}% "
-                             f"| {r['producer_tok_s']:,.0f} |")  # fmt: skip
+                lines.append(
+                    f"| {model} | {worker} | {r['step_s']:.3f} | {r['wait_ms']:.2f} | {r['wait_pct']:.3f}% "
+                    f"| {r['producer_tok_s']:,.0f} |"
+                )
     print("\n".join(lines))
 
 

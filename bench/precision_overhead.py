@@ -71,8 +71,9 @@ def main() -> None:
     built = {m: build(m, args.model) for m in MODES}
     cfg = built["fp32"][0]
     n_params = sum(p.numel() for p in built["fp32"][2].parameters())
-    tokens = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, args.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (args.micro_batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     times: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
     for m in MODES:  # warm-up: first-step allocations, optimizer state creation
@@ -95,8 +96,10 @@ def main() -> None:
 
     med = {m: tuple(statistics.median(t[i] for t in times[m]) for i in range(3)) for m in MODES}
     step = {m: sum(med[m]) for m in MODES}
-    print(f"- model={args.model}: {n_params:,} parameters; micro-batch {args.micro_batch} x {args.seq_len} tokens, "
-          f"one micro-batch per step; {args.rounds} rounds x {args.steps} timed steps per mode (medians)")  # fmt: skip
+    print(
+        f"- model={args.model}: {n_params:,} parameters; micro-batch {args.micro_batch} x {args.seq_len} tokens, "
+        f"one micro-batch per step; {args.rounds} rounds x {args.steps} timed steps per mode (medians)"
+    )
     cpu = platform.processor() or platform.machine()
     print(f"- machine: {os.cpu_count()} CPUs ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     print()
@@ -107,8 +110,10 @@ def main() -> None:
         print(f"| {m} | {step[m]:.3f} | {fb:.3f} | {clip:.3f} | {opt:.3f} | {opt / step[m]:.1%} |")
     extra = med["bf16_sr"][2] - med["bf16"][2]
     print()
-    print(f"- stochastic rounding's own cost: bf16_sr optimizer.step - bf16 optimizer.step = {extra:.3f} s, "
-          f"{extra / step['bf16_sr']:.1%} of the bf16_sr step")  # fmt: skip
+    print(
+        f"- stochastic rounding's own cost: bf16_sr optimizer.step - bf16 optimizer.step = {extra:.3f} s, "
+        f"{extra / step['bf16_sr']:.1%} of the bf16_sr step"
+    )
     print(
         f"- rounding {n_params:,} fp32 values once: round-to-nearest {statistics.median(rne) * 1e3:.1f} ms, "
         f"stochastic {statistics.median(sr) * 1e3:.1f} ms (bf16_sr rounds 3x that many per step: params + 2 moments)"

@@ -44,11 +44,19 @@ def one_run(kind: str, args: argparse.Namespace, workdir: Path) -> tuple[list[fl
     trackers.MultiTracker.log_metrics = timed
     try:
         overrides = [
-            f"model={args.model}", f"precision={args.precision}", f"tracker={kind}", "train.log_every=1",
-            f"train.steps={args.steps}", "optimizer.warmup_steps=1", f"train.seq_len={args.seq_len}",
-            f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
-            "train.checkpoint_every=0", "tracker.plots=false", f"tracker.uri=sqlite:///{workdir / 'mlflow.db'}",
-        ]  # fmt: skip
+            f"model={args.model}",
+            f"precision={args.precision}",
+            f"tracker={kind}",
+            "train.log_every=1",
+            f"train.steps={args.steps}",
+            "optimizer.warmup_steps=1",
+            f"train.seq_len={args.seq_len}",
+            f"train.global_batch_size={args.batch}",
+            f"train.micro_batch_size={args.batch}",
+            "train.checkpoint_every=0",
+            "tracker.plots=false",
+            f"tracker.uri=sqlite:///{workdir / 'mlflow.db'}",
+        ]
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = to_run_config(compose(config_name="config", overrides=overrides))
         result = run_main(cfg, run_dir=workdir / f"{kind}-{time.time_ns()}")
@@ -83,19 +91,27 @@ def main() -> None:
                 points[kind] += n
     steps = args.rounds * args.steps
     med = {k: statistics.median(times[k]) for k in kinds}
-    print(f"- model={args.model}, precision={args.precision}, {args.batch} x {args.seq_len} tokens per step, "
-          f"train.log_every=1; {args.rounds} rounds x {args.steps} steps per tracker, alternating")  # fmt: skip
+    print(
+        f"- model={args.model}, precision={args.precision}, {args.batch} x {args.seq_len} tokens per step, "
+        f"train.log_every=1; {args.rounds} rounds x {args.steps} steps per tracker, alternating"
+    )
     print()
     print("| tracker | median step (s) | min-max step (s) | in log_metrics per step (ms) | metric points per step |")
     print("|---|---:|---:|---:|---:|")
     for k in kinds:
-        print(f"| {k} | {med[k]:.3f} | {min(times[k]):.3f}-{max(times[k]):.3f} | "
-              f"{inside[k] / steps * 1e3:.2f} | {points[k] / steps:.0f} |")  # fmt: skip
+        print(
+            f"| {k} | {med[k]:.3f} | {min(times[k]):.3f}-{max(times[k]):.3f} | "
+            f"{inside[k] / steps * 1e3:.2f} | {points[k] / steps:.0f} |"
+        )
     print()
-    print(f"- step time mlflow / console: {med['mlflow'] / med['console']:.4f} "
-          f"({(med['mlflow'] / med['console'] - 1):+.2%})")  # fmt: skip
-    print(f"- MLflow's blocking cost: {inside['mlflow'] / steps * 1e3:.2f} ms per step = "
-          f"{inside['mlflow'] / steps / med['mlflow']:.3%} of the step")  # fmt: skip
+    print(
+        f"- step time mlflow / console: {med['mlflow'] / med['console']:.4f} "
+        f"({(med['mlflow'] / med['console'] - 1):+.2%})"
+    )
+    print(
+        f"- MLflow's blocking cost: {inside['mlflow'] / steps * 1e3:.2f} ms per step = "
+        f"{inside['mlflow'] / steps / med['mlflow']:.3%} of the step"
+    )
 
 
 if __name__ == "__main__":

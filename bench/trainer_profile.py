@@ -52,11 +52,17 @@ DEFAULT_CONFIGS = (
 def common(args: argparse.Namespace) -> list[str]:
     """Overrides every row shares: the batch, the steps, logging and checkpointing, no plots."""
     return [
-        f"train.steps={args.steps}", f"train.log_every={args.log_every}", f"train.seq_len={args.seq_len}",
-        f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
-        f"train.checkpoint_every={args.checkpoint_every}", "optimizer.warmup_steps=1", "train.step_breakdown=true",
-        "tracker.plots=false", "tracker.system_metrics=false",
-    ]  # fmt: skip
+        f"train.steps={args.steps}",
+        f"train.log_every={args.log_every}",
+        f"train.seq_len={args.seq_len}",
+        f"train.global_batch_size={args.batch}",
+        f"train.micro_batch_size={args.batch}",
+        f"train.checkpoint_every={args.checkpoint_every}",
+        "optimizer.warmup_steps=1",
+        "train.step_breakdown=true",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+    ]
 
 
 def run_once(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
@@ -64,8 +70,14 @@ def run_once(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
     run_dir = workdir / f"run-{time.time_ns()}"
     db = run_dir / "mlflow.db"
     run_dir.mkdir()
-    cmd = [sys.executable, str(ROOT / "train.py"), *shlex.split(config), *common(args),
-           f"tracker.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *shlex.split(config),
+        *common(args),
+        f"tracker.uri=sqlite:///{db}",
+        f"hydra.run.dir={run_dir}",
+    ]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
@@ -100,16 +112,20 @@ def warm_caches(args: argparse.Namespace, configs: list[str], workdir: Path) -> 
         run_once(config, warm, workdir)
 
 
-def report(configs: list[str], results: dict[str, list[dict[str, float]]], args: argparse.Namespace,
-           load: tuple[tuple[float, ...], tuple[float, ...]], seconds: float) -> str:  # fmt: skip
+def report(
+    configs: list[str],
+    results: dict[str, list[dict[str, float]]],
+    args: argparse.Namespace,
+    load: tuple[tuple[float, ...], tuple[float, ...]],
+    seconds: float,
+) -> str:
     """The markdown report."""
     import torch
 
     from hlat.host import host_info
 
     med = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in results.items()}
-    head = ("| overrides | wall s | start-up s | first step s | tokens/s | MFU | step s | "
-            + " | ".join(PHASES) + " |")  # fmt: skip
+    head = "| overrides | wall s | start-up s | first step s | tokens/s | MFU | step s | " + " | ".join(PHASES) + " |"
     command = shlex.join(["python", "bench/trainer_profile.py", *sys.argv[1:]])
     lines = [
         f"`{command}`",

@@ -154,8 +154,9 @@ def compose_cfg(args: argparse.Namespace, dtype: str, compiled: bool) -> RunConf
 def draw_batches(cfg: RunConfig, n: int) -> list[Batch]:
     """``n`` training batches from hlat's loader over ``cfg.data`` (trains and caches the tokenizer if needed)."""
     t = cfg.train
-    loader = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
-                          micro_batch_size=t.micro_batch_size, seed=t.seed)  # fmt: skip
+    loader = build_loader(
+        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed
+    )
     try:
         return [(x.clone(), y.clone()) for x, y in (next(loader) for _ in range(n))]
     finally:
@@ -179,8 +180,18 @@ def build_hlat(cfg: RunConfig) -> Contender:
         def keep_loss(_: TrainState, out: StepOutput) -> None:
             losses.append(out.loss)
 
-        fit(state, net, opt, iter(batches), backend, steps=state.step + len(batches), grad_accum=1,
-            tokens_per_step=t.micro_batch_size * t.seq_len, lr_fn=lr_fn, hooks=[keep_loss])  # fmt: skip
+        fit(
+            state,
+            net,
+            opt,
+            iter(batches),
+            backend,
+            steps=state.step + len(batches),
+            grad_accum=1,
+            tokens_per_step=t.micro_batch_size * t.seq_len,
+            lr_fn=lr_fn,
+            hooks=[keep_loss],
+        )
         return losses
 
     n_params = sum(p.numel() for p in net.parameters())
@@ -193,20 +204,33 @@ def hf_config(cfg: RunConfig) -> Any:
 
     m = cfg.model
     return LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim, hidden_act="silu",
-        max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, initializer_range=m.init_std,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, attention_dropout=0.0, use_cache=False,
-    )  # fmt: skip
+        vocab_size=m.vocab_size,
+        hidden_size=m.dim,
+        intermediate_size=m.ffn_dim,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.kv_heads,
+        head_dim=m.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=m.max_seq_len,
+        rms_norm_eps=m.norm_eps,
+        initializer_range=m.init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
 
 
 def hf_optimizer(model: torch.nn.Module, cfg: RunConfig, kind: str) -> torch.optim.Optimizer:
     """``torch.optim.AdamW`` with hlat's hyperparameters and parameter groups; ``kind``: fused, foreach or for."""
     o = cfg.optimizer
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for": {"foreach": False}}[kind]
-    return torch.optim.AdamW(param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                             weight_decay=o.weight_decay, **impl)  # fmt: skip
+    return torch.optim.AdamW(
+        param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl
+    )
 
 
 def build_hf(cfg: RunConfig, compiled: bool, optimizer: str) -> Contender:
@@ -276,8 +300,11 @@ def measure(contenders: list[Contender], batches: Sequence[Batch], args: argpars
 def build_contenders(args: argparse.Namespace, cfg: RunConfig) -> list[Contender]:
     """The hlat eager/compiled and HF eager(/compiled) contenders of ``cfg``'s dtype (``cfg``: hlat eager's)."""
     dtype = cfg.precision.name
-    contenders = [build_hlat(cfg), build_hlat(compose_cfg(args, dtype, compiled=True)),
-                  build_hf(cfg, compiled=False, optimizer=args.hf_optimizer)]  # fmt: skip
+    contenders = [
+        build_hlat(cfg),
+        build_hlat(compose_cfg(args, dtype, compiled=True)),
+        build_hf(cfg, compiled=False, optimizer=args.hf_optimizer),
+    ]
     if args.hf_compile:
         contenders.append(build_hf(cfg, compiled=True, optimizer=args.hf_optimizer))
     counts = {c.label: c.n_params for c in contenders}
@@ -310,33 +337,52 @@ def peak_flops(cfg: RunConfig, remeasure: bool) -> tuple[float | None, str]:
     return _MEASURED[dtype], measured_now
 
 
-def summarize(cfg: RunConfig, contenders: list[Contender], args: argparse.Namespace,
-              peak: tuple[float | None, str]) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    cfg: RunConfig, contenders: list[Contender], args: argparse.Namespace, peak: tuple[float | None, str]
+) -> dict[str, Any]:
     """Per-dtype results: the rows of the table, the ratios and the MFU denominator ``peak`` (FLOP/s, source)."""
     m = cfg.model
-    fpt = flops_per_token(contenders[0].n_params, m.vocab_size * m.dim, m.n_layers, m.n_heads, m.head_dim,
-                          args.seq_len)  # fmt: skip
+    fpt = flops_per_token(contenders[0].n_params, m.vocab_size * m.dim, m.n_layers, m.n_heads, m.head_dim, args.seq_len)
     peak, peak_source = peak
     tokens = args.batch * args.seq_len
     rows = []
     for c in contenders:
         med = statistics.median(c.step_s)
         losses = [float(x) for x in torch.stack(c.losses).float().cpu()]
-        rows.append({
-            "dtype": c.dtype, "trainer": c.trainer, "compiled": c.compiled, "label": c.label,
-            "params": c.n_params, "step_s_median": med, "step_s_min": min(c.step_s), "step_s_max": max(c.step_s),
-            "step_s_rounds": c.step_s, "tokens_per_s": tokens / med,
-            "mfu": tokens / med * fpt / peak if peak else None, "first_step_s": c.first_step_s,
-            "loss_first": losses[0], "loss_last": losses[-1], "graphs": c.graphs, "graph_breaks": c.graph_breaks,
-        })  # fmt: skip
+        rows.append(
+            {
+                "dtype": c.dtype,
+                "trainer": c.trainer,
+                "compiled": c.compiled,
+                "label": c.label,
+                "params": c.n_params,
+                "step_s_median": med,
+                "step_s_min": min(c.step_s),
+                "step_s_max": max(c.step_s),
+                "step_s_rounds": c.step_s,
+                "tokens_per_s": tokens / med,
+                "mfu": tokens / med * fpt / peak if peak else None,
+                "first_step_s": c.first_step_s,
+                "loss_first": losses[0],
+                "loss_last": losses[-1],
+                "graphs": c.graphs,
+                "graph_breaks": c.graph_breaks,
+            }
+        )
     rate = {r["label"]: r["tokens_per_s"] for r in rows}
     ratios = {"eager": rate["hlat eager"] / rate["HF eager"]}
     if "HF compiled" in rate:
         ratios["compiled"] = rate["hlat compiled"] / rate["HF compiled"]
     best = {t: max(v for k, v in rate.items() if k.startswith(t)) for t in ("hlat", "HF")}
     ratios["best"] = best["hlat"] / best["HF"]
-    return {"dtype": cfg.precision.name, "flops_per_token": fpt, "peak_flops": peak, "peak_source": peak_source,
-            "rows": rows, "ratios": ratios}  # fmt: skip
+    return {
+        "dtype": cfg.precision.name,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "rows": rows,
+        "ratios": ratios,
+    }
 
 
 def run_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
@@ -417,14 +463,23 @@ def checks(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report(results: list[dict[str, Any]], args: argparse.Namespace, started: dt.datetime,
-           loads: tuple[tuple[float, ...], tuple[float, ...]], wall_s: float) -> str:  # fmt: skip
+def report(
+    results: list[dict[str, Any]],
+    args: argparse.Namespace,
+    started: dt.datetime,
+    loads: tuple[tuple[float, ...], tuple[float, ...]],
+    wall_s: float,
+) -> str:
     """The markdown report to paste into bench/README.md."""
     host, m = host_info(), results[0]["model"]
     kv = f", {m['kv_heads']} kv heads" if m["kv_heads"] != m["n_heads"] else ""
     start, end = ("/".join(f"{x:.2f}" for x in load) for load in loads)
-    peaks = "; ".join(f"{r['dtype']}: {r['peak_flops'] / 1e9:.1f} GFLOP/s ({r['peak_source']})" if r["peak_flops"]
-                      else f"{r['dtype']}: none ({r['peak_source']})" for r in results)  # fmt: skip
+    peaks = "; ".join(
+        f"{r['dtype']}: {r['peak_flops'] / 1e9:.1f} GFLOP/s ({r['peak_source']})"
+        if r["peak_flops"]
+        else f"{r['dtype']}: none ({r['peak_source']})"
+        for r in results
+    )
     lines = [
         f"## Trainer throughput: hlat vs HF `LlamaForCausalLM` ({started:%Y-%m-%d %H:%M} UTC)\n",
         f"- command: `{' '.join(shlex.quote(a) for a in ['python', 'bench/trainer_vs_hf.py', *sys.argv[1:]])}`"
@@ -466,17 +521,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="hlat precision presets")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda composes cluster=gpu_1x")
     ap.add_argument("--no-hf-compile", dest="hf_compile", action="store_false", help="skip the HF compiled row")
-    ap.add_argument("--hf-optimizer", choices=("fused", "foreach", "for"), default="fused",
-                    help="the HF side's torch.optim.AdamW kind (default fused: HF Trainer's default)")  # fmt: skip
-    ap.add_argument("--measure-peak", action="store_true",
-                    help="measure and cache this host's matmul peak now instead of using the cached one")  # fmt: skip
-    ap.add_argument("--warm-compile-cache", action="store_true",
-                    help="keep torch.compile's on-disk caches (default: fresh ones, cold compiles)")  # fmt: skip
+    ap.add_argument(
+        "--hf-optimizer",
+        choices=("fused", "foreach", "for"),
+        default="fused",
+        help="the HF side's torch.optim.AdamW kind (default fused: HF Trainer's default)",
+    )
+    ap.add_argument(
+        "--measure-peak",
+        action="store_true",
+        help="measure and cache this host's matmul peak now instead of using the cached one",
+    )
+    ap.add_argument(
+        "--warm-compile-cache",
+        action="store_true",
+        help="keep torch.compile's on-disk caches (default: fresh ones, cold compiles)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run with tiny sizes; don't quote its numbers")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = ap.parse_args(argv)
-    full, quick = {"model": "small", "seq_len": 512, "batch": 4, "steps": 3, "warmup": 2, "rounds": 5}, {
-        "model": "tiny", "seq_len": 64, "batch": 2, "steps": 2, "warmup": 1, "rounds": 2}  # fmt: skip
+    full, quick = (
+        {"model": "small", "seq_len": 512, "batch": 4, "steps": 3, "warmup": 2, "rounds": 5},
+        {"model": "tiny", "seq_len": 64, "batch": 2, "steps": 2, "warmup": 1, "rounds": 2},
+    )
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -30,8 +30,14 @@ from tests.integration.mlflow_ui import (  # noqa: E402
     run_sweep,
 )
 
-SWEEP = ("train.steps=60", "train.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=16",
-         "optimizer.min_lr=0", "optimizer.lr=1e-3,3e-3,1e-2")  # fmt: skip
+SWEEP = (
+    "train.steps=60",
+    "train.seq_len=64",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=16",
+    "optimizer.min_lr=0",
+    "optimizer.lr=1e-3,3e-3,1e-2",
+)
 """Three learning rates, 60 steps of 1,024 tokens: about a minute for the sweep on 2 idle CPU cores."""
 
 

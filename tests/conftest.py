@@ -70,10 +70,18 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextmanager
 def lock_held_elsewhere(root: Path) -> Iterator[None]:
     """Another live process holds ``root``'s trainer lock (``hlat.train.checkpoint.hold_lock``) inside the block."""
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time; from pathlib import Path; from hlat.train.checkpoint import hold_lock; "
-        f"f = hold_lock(Path({str(root)!r})); print('held', flush=True); time.sleep({hang_guard(3600)})")],
-        stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import time; from pathlib import Path; from hlat.train.checkpoint import hold_lock; "
+                f"f = hold_lock(Path({str(root)!r})); print('held', flush=True); time.sleep({hang_guard(3600)})"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         yield

@@ -82,8 +82,9 @@ def build(mode: str) -> Transformer:
 
 def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     """One fixed random batch: inputs and next-token targets, (B, T) each."""
-    data = torch.randint(0, model_config().vocab_size, (args.batch, args.seq + 1),
-                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    data = torch.randint(
+        0, model_config().vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0)
+    )
     return data[:, :-1], data[:, 1:]
 
 
@@ -118,9 +119,15 @@ def memory(mode: str, args: argparse.Namespace) -> dict:
             loss = loss_of(model, inputs, targets)
         loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
-    return {"mode": mode, "sdpa": args.sdpa, "attention_backward": attention_backward[0], "loss": loss.item(),
-            "saved_bytes": sum(saved.values()), "saved_storages": len(saved),
-            "peak_rss_delta_bytes": peak - rss_before}  # fmt: skip
+    return {
+        "mode": mode,
+        "sdpa": args.sdpa,
+        "attention_backward": attention_backward[0],
+        "loss": loss.item(),
+        "saved_bytes": sum(saved.values()),
+        "saved_storages": len(saved),
+        "peak_rss_delta_bytes": peak - rss_before,
+    }
 
 
 def psutil_rss() -> int:
@@ -140,9 +147,12 @@ def timing(args: argparse.Namespace) -> dict:
     inputs, targets = batch(args)
     ref = models["none"]
     captured: dict[str, list[tuple]] = {"full": [], "selective": []}  # per layer, the inputs of one recomputation
-    hooks = [m.register_forward_pre_hook(lambda m, a, key=key: captured[key].append(a))
-             for key, cls in (("full", Block), ("selective", AttentionCore)) for m in ref.modules()
-             if isinstance(m, cls)]  # fmt: skip
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a, key=key: captured[key].append(a))
+        for key, cls in (("full", Block), ("selective", AttentionCore))
+        for m in ref.modules()
+        if isinstance(m, cls)
+    ]
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     wall: dict[str, list[float]] = {m: [] for m in MODES}
     extra: dict[str, list[float]] = {"full": [], "selective": []}
@@ -159,9 +169,13 @@ def timing(args: argparse.Namespace) -> dict:
         if r == 0:
             for h in hooks:
                 h.remove()
-            calls = {key: [(m, [t.detach().requires_grad_(t.requires_grad) for t in a]) for m, a in
-                           zip([m for m in ref.modules() if isinstance(m, cls)], captured[key], strict=True)]
-                     for key, cls in (("full", Block), ("selective", AttentionCore))}  # fmt: skip
+            calls = {
+                key: [
+                    (m, [t.detach().requires_grad_(t.requires_grad) for t in a])
+                    for m, a in zip([m for m in ref.modules() if isinstance(m, cls)], captured[key], strict=True)
+                ]
+                for key, cls in (("full", Block), ("selective", AttentionCore))
+            }
         for key in ("full", "selective"):
             c0 = time.process_time()
             with kernel(args.sdpa):
@@ -174,8 +188,24 @@ def timing(args: argparse.Namespace) -> dict:
 
 def child(what: str, args: argparse.Namespace, mode: str = "none") -> dict:
     """Run ``memory`` or ``timing`` in a fresh process; its result is the last line it prints."""
-    cmd = [sys.executable, __file__, "--child", what, "--mode", mode, "--sdpa", args.sdpa, "--batch", str(args.batch),
-           "--seq", str(args.seq), "--rounds", str(args.rounds), "--threads", str(args.threads)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        what,
+        "--mode",
+        mode,
+        "--sdpa",
+        args.sdpa,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--rounds",
+        str(args.rounds),
+        "--threads",
+        str(args.threads),
+    ]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout  # stderr: shown
     return json.loads(out.strip().splitlines()[-1])
 
@@ -190,35 +220,55 @@ def summarize(mem: list[dict], times: list[dict]) -> list[dict]:
             assert all(x["saved_bytes"] == m["saved_bytes"] and x["loss"] == m["loss"] for x in ms), "not deterministic"
             rss = [x["peak_rss_delta_bytes"] / MIB for x in ms]
             cpu, wall, extra = t["cpu_s"][mode], t["wall_s"][mode], t["recompute_cpu_s"]
-            rows.append({"sdpa": t["sdpa"], "mode": mode, "attention_backward": m["attention_backward"],
-                         "loss": m["loss"], "saved_mib": m["saved_bytes"] / MIB,
-                         "peak_rss_delta_mib": statistics.median(rss), "peak_rss_delta_mib_min": min(rss),
-                         "peak_rss_delta_mib_max": max(rss),
-                         "cpu_s_median": statistics.median(cpu), "cpu_s_min": min(cpu), "cpu_s_max": max(cpu),
-                         "wall_s_median": statistics.median(wall), "timed_steps": len(cpu),
-                         "recompute_cpu_s_median": statistics.median(extra.get(mode, [0.0]))})  # fmt: skip
+            rows.append(
+                {
+                    "sdpa": t["sdpa"],
+                    "mode": mode,
+                    "attention_backward": m["attention_backward"],
+                    "loss": m["loss"],
+                    "saved_mib": m["saved_bytes"] / MIB,
+                    "peak_rss_delta_mib": statistics.median(rss),
+                    "peak_rss_delta_mib_min": min(rss),
+                    "peak_rss_delta_mib_max": max(rss),
+                    "cpu_s_median": statistics.median(cpu),
+                    "cpu_s_min": min(cpu),
+                    "cpu_s_max": max(cpu),
+                    "wall_s_median": statistics.median(wall),
+                    "timed_steps": len(cpu),
+                    "recompute_cpu_s_median": statistics.median(extra.get(mode, [0.0])),
+                }
+            )
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """The summary as two markdown tables, memory and time, with ratios against ``none`` with the same kernel."""
-    mem = ["| SDPA kernel (its backward node) | mode | saved activations (MiB) | vs none "
-           "| peak RSS delta (MiB, median) | (min-max) | vs none |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    time_ = ["| SDPA kernel | mode | CPU s/step (median) | (min-max) | vs none | wall s/step (median) "
-             "| recomputed work alone (CPU s) | none + that, vs none |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    mem = [
+        "| SDPA kernel (its backward node) | mode | saved activations (MiB) | vs none "
+        "| peak RSS delta (MiB, median) | (min-max) | vs none |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    time_ = [
+        "| SDPA kernel | mode | CPU s/step (median) | (min-max) | vs none | wall s/step (median) "
+        "| recomputed work alone (CPU s) | none + that, vs none |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     base = {r["sdpa"]: r for r in rows if r["mode"] == "none"}
     for r in rows:
         b = base[r["sdpa"]]
-        mem.append(f"| {r['sdpa']} (`{r['attention_backward']}`) | {r['mode']} | {r['saved_mib']:,.1f} | "
-                   f"{r['saved_mib'] / b['saved_mib']:.2f} | {r['peak_rss_delta_mib']:,.0f} | "
-                   f"{r['peak_rss_delta_mib_min']:,.0f}-{r['peak_rss_delta_mib_max']:,.0f} | "
-                   f"{r['peak_rss_delta_mib'] / b['peak_rss_delta_mib']:.2f} |")  # fmt: skip
+        mem.append(
+            f"| {r['sdpa']} (`{r['attention_backward']}`) | {r['mode']} | {r['saved_mib']:,.1f} | "
+            f"{r['saved_mib'] / b['saved_mib']:.2f} | {r['peak_rss_delta_mib']:,.0f} | "
+            f"{r['peak_rss_delta_mib_min']:,.0f}-{r['peak_rss_delta_mib_max']:,.0f} | "
+            f"{r['peak_rss_delta_mib'] / b['peak_rss_delta_mib']:.2f} |"
+        )
         extra = r["recompute_cpu_s_median"]
-        time_.append(f"| {r['sdpa']} | {r['mode']} | {r['cpu_s_median']:.2f} | "
-                     f"{r['cpu_s_min']:.2f}-{r['cpu_s_max']:.2f} | {r['cpu_s_median'] / b['cpu_s_median']:.3f} | "
-                     f"{r['wall_s_median']:.2f} | {extra:.2f} | "
-                     f"{(b['cpu_s_median'] + extra) / b['cpu_s_median']:.3f} |")  # fmt: skip
+        time_.append(
+            f"| {r['sdpa']} | {r['mode']} | {r['cpu_s_median']:.2f} | "
+            f"{r['cpu_s_min']:.2f}-{r['cpu_s_max']:.2f} | {r['cpu_s_median'] / b['cpu_s_median']:.3f} | "
+            f"{r['wall_s_median']:.2f} | {extra:.2f} | "
+            f"{(b['cpu_s_median'] + extra) / b['cpu_s_median']:.3f} |"
+        )
     return "\n".join(mem) + "\n\n" + "\n".join(time_)
 
 
@@ -236,8 +286,14 @@ def plot(rows: list[dict], path: Path) -> Path:
             continue
         ax.plot([r["cpu_s_median"] for r in pts], [r["saved_mib"] for r in pts], marker=marker, label=f"{sdpa} SDPA")
         for r in pts:
-            ax.errorbar(r["cpu_s_median"], r["saved_mib"], xerr=[[r["cpu_s_median"] - r["cpu_s_min"]],
-                        [r["cpu_s_max"] - r["cpu_s_median"]]], fmt="none", ecolor="grey", alpha=0.5)  # fmt: skip
+            ax.errorbar(
+                r["cpu_s_median"],
+                r["saved_mib"],
+                xerr=[[r["cpu_s_median"] - r["cpu_s_min"]], [r["cpu_s_max"] - r["cpu_s_median"]]],
+                fmt="none",
+                ecolor="grey",
+                alpha=0.5,
+            )
             ax.annotate(r["mode"], (r["cpu_s_median"], r["saved_mib"]), textcoords="offset points", xytext=offset)
     ax.set_xlabel("CPU s per forward + backward (median, min-max)")
     ax.set_ylabel("activations saved for backward (MiB)")
@@ -279,20 +335,37 @@ def main() -> None:
         args.sdpa = sdpa
         for mode in [m for _ in range(args.repeats) for m in MODES]:
             mem.append(child("memory", args, mode))
-            print(f"{sdpa:7s} {mode:9s} saved {mem[-1]['saved_bytes'] / MIB:,.1f} MiB, "
-                  f"peak RSS +{mem[-1]['peak_rss_delta_bytes'] / MIB:,.0f} MiB", flush=True)  # fmt: skip
+            print(
+                f"{sdpa:7s} {mode:9s} saved {mem[-1]['saved_bytes'] / MIB:,.1f} MiB, "
+                f"peak RSS +{mem[-1]['peak_rss_delta_bytes'] / MIB:,.0f} MiB",
+                flush=True,
+            )
         t0 = time.time()
         times.append(child("timing", args))
         medians = {m: round(statistics.median(v), 2) for m, v in times[-1]["cpu_s"].items()}
         print(f"{sdpa:7s} CPU s/step {medians} ({time.time() - t0:.0f} s)", flush=True)
-    setup = {"model": "small", "batch": args.batch, "seq": args.seq, "dtype": "float32", "device": "cpu",
-             "rounds": args.rounds, "repeats": args.repeats, "threads": args.threads}  # fmt: skip
-    machine = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-               "python": platform.python_version()}  # fmt: skip
+    setup = {
+        "model": "small",
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": "float32",
+        "device": "cpu",
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "threads": args.threads,
+    }
+    machine = {
+        "cpu": cpu_name(),
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     rows = summarize(mem, times)
     plot(rows, args.out.with_name("comparison.png"))
-    args.out.write_text(json.dumps({"setup": setup, "machine": machine, "summary": rows, "memory": mem,
-                                    "timing": times}, indent=1) + "\n")  # fmt: skip
+    args.out.write_text(
+        json.dumps({"setup": setup, "machine": machine, "summary": rows, "memory": mem, "timing": times}, indent=1)
+        + "\n"
+    )
     print(table(rows))
 
 

@@ -36,12 +36,27 @@ PAPER = {"automatic": 98.81, "manual": 77.83}  # arXiv 2404.10630, Table 1
 def job(args: argparse.Namespace, out: Path, arm: str) -> list[str]:
     """The training command of one arm (everything but the supervision setting is shared)."""
     restarts = args.failures if arm == "automatic" else 0
-    return [sys.executable, str(ROOT / "train.py"), f"train.steps={args.steps}", f"train.checkpoint_every={args.every}",
-            "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=8", "train.log_every=5",
-            f"optimizer.warmup_steps={max(1, args.steps // 10)}", "fault=kill", f"fault.kill_random={args.failures}",
-            f"fault.seed={args.seed}", f"cluster.max_restarts={restarts}", f"hydra.run.dir={out / arm}",
-            f"tracker.uri=sqlite:///{out / 'mlflow.db'}", "tracker.experiment=fault_recovery",
-            f"tracker.run_name={arm}", "tracker.plots=false", "tracker.flush_every_s=1"]  # fmt: skip
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"train.steps={args.steps}",
+        f"train.checkpoint_every={args.every}",
+        "train.seq_len=128",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "train.log_every=5",
+        f"optimizer.warmup_steps={max(1, args.steps // 10)}",
+        "fault=kill",
+        f"fault.kill_random={args.failures}",
+        f"fault.seed={args.seed}",
+        f"cluster.max_restarts={restarts}",
+        f"hydra.run.dir={out / arm}",
+        f"tracker.uri=sqlite:///{out / 'mlflow.db'}",
+        "tracker.experiment=fault_recovery",
+        f"tracker.run_name={arm}",
+        "tracker.plots=false",
+        "tracker.flush_every_s=1",
+    ]
 
 
 def run_arm(args: argparse.Namespace, out: Path, arm: str) -> dict:
@@ -79,15 +94,19 @@ def uptime_of(uri: str, arm: str) -> dict:
 
 def table(results: dict) -> str:
     """Markdown table: one row per arm, with the paper's figure next to ours."""
-    rows = ["| recovery | failures injected | launches | restarts | wall (s) | productive (s) | lost (s) | "
-            "lost per failure (s) | uptime (hlat) | uptime (paper, Table 1) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = [
+        "| recovery | failures injected | launches | restarts | wall (s) | productive (s) | lost (s) | "
+        "lost per failure (s) | uptime (hlat) | uptime (paper, Table 1) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for arm in ("automatic", "manual"):
         r = results[arm]
         per = r["lost_s"] / max(1, results["failures"])
-        rows.append(f"| {arm} | {results['failures']} | {r['launches']} | {r['restarts']:.0f} | {r['wall_s']:.0f} | "
-                    f"{r['productive_s']:.0f} | {r['lost_s']:.0f} | {per:.1f} | {r['pct']:.2f}% | "
-                    f"{PAPER[arm]}% |")  # fmt: skip
+        rows.append(
+            f"| {arm} | {results['failures']} | {r['launches']} | {r['restarts']:.0f} | {r['wall_s']:.0f} | "
+            f"{r['productive_s']:.0f} | {r['lost_s']:.0f} | {per:.1f} | {r['pct']:.2f}% | "
+            f"{PAPER[arm]}% |"
+        )
     return "\n".join(rows)
 
 
@@ -108,8 +127,13 @@ def main() -> None:
     out = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    results: dict = {"failures": args.failures, "steps": args.steps, "checkpoint_every": args.every,
-                     "operator_delay_s": args.operator_delay, "seed": args.seed}  # fmt: skip
+    results: dict = {
+        "failures": args.failures,
+        "steps": args.steps,
+        "checkpoint_every": args.every,
+        "operator_delay_s": args.operator_delay,
+        "seed": args.seed,
+    }
     for arm in ("automatic", "manual"):
         print(f"{arm}: {' '.join(job(args, out, arm)[1:])}", flush=True)
         results[arm] = run_arm(args, out, arm) | uptime_of(f"sqlite:///{out / 'mlflow.db'}", arm)

@@ -63,26 +63,31 @@ def main() -> None:
         own = held_out_loss(model, docs)
         set_leak(model, 0)
         causal = held_out_loss(model, docs)
-        rows.append(f"| {job.name} | {leak} | {loaded.step} | {own:.3f} | {math.exp(own):,.1f} | {causal:.3f} | "
-                    f"{math.exp(causal):,.1f} |")  # fmt: skip
+        rows.append(
+            f"| {job.name} | {leak} | {loaded.step} | {own:.3f} | {math.exp(own):,.1f} | {causal:.3f} | "
+            f"{math.exp(causal):,.1f} |"
+        )
         for prompt in PROMPTS:
             ids = tok.encode([prompt])[0]
             new = greedy(model, [tok.eos_id, *ids], max_new_tokens=16, eos_id=tok.eos_id)
             text = tok.decode([i for i in new if i != tok.eos_id]).replace("|", "\\|").replace("\n", " ")
             samples.append(f"| {job.name} (mask_leak={leak}) | `{prompt}` | {text} |")
-    report = "\n".join([
-        f"Held-out text ({len(passages)} passages, `hlat_local_ppl`), sweep `{args.sweep_dir}`:",
-        "",
-        "| job | model.mask_leak | step | loss, own mask | perplexity, own mask | loss, causal | perplexity, causal |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        *rows,
-        "",
-        "Greedy continuations (decoding is causal: the next token does not exist yet):",
-        "",
-        "| model | prompt | continuation |",
-        "|---|---|---|",
-        *samples,
-    ])  # fmt: skip
+    report = "\n".join(
+        [
+            f"Held-out text ({len(passages)} passages, `hlat_local_ppl`), sweep `{args.sweep_dir}`:",
+            "",
+            "| job | model.mask_leak | step | loss, own mask | perplexity, own mask "
+            "| loss, causal | perplexity, causal |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+            "Greedy continuations (decoding is causal: the next token does not exist yet):",
+            "",
+            "| model | prompt | continuation |",
+            "|---|---|---|",
+            *samples,
+        ]
+    )
     print(report)
     if args.out:
         args.out.write_text(report + "\n")

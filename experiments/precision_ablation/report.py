@@ -29,10 +29,15 @@ def load_runs(uri: str, experiment: str) -> dict[str, dict]:
         raise SystemExit(f"{e} (run the sweep first, see README.md)") from None
     newest = {r.run_name: r for r in runs}  # a later run of the same arm replaces an earlier one
     return {
-        name: {"id": r.run_id, "params": r.params, "loss": r.series("train/loss"),
-               "grad_norm": r.series("train/grad_norm"), "param_norm": r.series("train/param_norm")}
+        name: {
+            "id": r.run_id,
+            "params": r.params,
+            "loss": r.series("train/loss"),
+            "grad_norm": r.series("train/grad_norm"),
+            "param_norm": r.series("train/param_norm"),
+        }
         for name, r in newest.items()
-    }  # fmt: skip
+    }
 
 
 def table(runs: dict[str, dict]) -> str:

@@ -87,8 +87,12 @@ def forget() -> None:
 def shared() -> bool:
     """Whether this worker shares torch elastic's store with more ranks (and so must agree on the attempt)."""
     env = os.environ
-    return ("TORCHELASTIC_RUN_ID" in env and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and int(env.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in env)  # fmt: skip
+    return (
+        "TORCHELASTIC_RUN_ID" in env
+        and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(env.get("WORLD_SIZE", "1")) > 1
+        and "MASTER_ADDR" in env
+    )
 
 
 def _agree(store: Any | None, timeout_s: float) -> int:
@@ -96,8 +100,9 @@ def _agree(store: Any | None, timeout_s: float) -> int:
     if store is None:
         import torch.distributed as dist
 
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+        store = dist.TCPStore(
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     return handshake(store, int(env["RANK"]), int(env["WORLD_SIZE"]), timeout_s)
 
 

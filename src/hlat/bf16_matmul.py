@@ -75,8 +75,9 @@ class _EmulatedFlashCPU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                scale: float | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None
+    ) -> torch.Tensor:
         out, lse = _FLASH_CPU(q.float(), k.float(), v.float(), 0.0, is_causal, scale=scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -86,8 +87,17 @@ class _EmulatedFlashCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        gq, gk, gv = _FLASH_CPU_BACKWARD(grad.float().contiguous(), q.float(), k.float(), v.float(), out.float(), lse,
-                                         0.0, ctx.is_causal, scale=ctx.scale)  # fmt: skip
+        gq, gk, gv = _FLASH_CPU_BACKWARD(
+            grad.float().contiguous(),
+            q.float(),
+            k.float(),
+            v.float(),
+            out.float(),
+            lse,
+            0.0,
+            ctx.is_causal,
+            scale=ctx.scale,
+        )
         return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None
 
 
@@ -111,9 +121,16 @@ def emulated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return _EmulatedLinear.apply(x.to(bf16), weight.to(bf16), None if bias is None else bias.to(bf16))
 
 
-def emulated_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                  enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
+def emulated_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with bf16 semantics computed in fp32; the plain call for fp32 inputs.
 
     Unmasked CPU attention (training) takes the flash kernel's fp32 forward and backward with bf16 saved tensors;
@@ -121,16 +138,24 @@ def emulated_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
     """
     device_type = q.device.type
     if not _bf16_compute(device_type, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     bf16 = torch.bfloat16
     with torch.autocast(device_type, enabled=False):
         q, k, v = q.to(bf16), k.to(bf16), v.to(bf16)
         if attn_mask is None and dropout_p == 0.0 and device_type == "cpu" and _FLASH_CPU is not None:
             return _EmulatedFlashCPU.apply(q, k, v, is_causal, scale)  # the kernel handles GQA's shared kv heads
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask,
-                                             dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                             enable_gqa=enable_gqa)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q.float(),
+            k.float(),
+            v.float(),
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
         return out.to(bf16)
 
 

@@ -22,8 +22,20 @@ from hlat.config.compose import compose_run_config, config_dir, hydra_error_mess
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-COMMANDS = ("train", "summary", "plan", "data", "compare", "doctor", "bench", "eval", "export", "import", "launch",
-            "compile")  # fmt: skip
+COMMANDS = (
+    "train",
+    "summary",
+    "plan",
+    "data",
+    "compare",
+    "doctor",
+    "bench",
+    "eval",
+    "export",
+    "import",
+    "launch",
+    "compile",
+)
 """Every ``hlat`` command, in the order USAGE lists them."""
 
 USAGE = f"""usage: hlat {{{",".join(COMMANDS)}}} [args...]
@@ -51,8 +63,12 @@ commands:
             overrides...` (see `hlat launch --help`, `hlat compile --help`)
 """
 # ConfigError messages of the shared data code name config keys; `hlat data tokenizer` names its flags.
-_FLAG_NAMES = {"data.path": "--data", "data.text_column": "--text-column", "model.vocab_size": "--vocab-size",
-               "data.tokenizer_type": "--type"}  # fmt: skip
+_FLAG_NAMES = {
+    "data.path": "--data",
+    "data.text_column": "--text-column",
+    "model.vocab_size": "--vocab-size",
+    "data.tokenizer_type": "--type",
+}
 
 
 class _HydraRun:
@@ -133,8 +149,15 @@ def _hydra_summary(argv: list[str]) -> None:
             print(f"hlat: configuration error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
 
-    sys.argv = ["hlat", *argv, "train.dry_run=true", "hydra.output_subdir=null", "hydra/job_logging=none",
-                "hydra.run.dir=.", "hydra.job.name=summary"]  # fmt: skip
+    sys.argv = [
+        "hlat",
+        *argv,
+        "train.dry_run=true",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=none",
+        "hydra.run.dir=.",
+        "hydra.job.name=summary",
+    ]
     run_hydra(task, argv)
 
 
@@ -188,9 +211,13 @@ def _data(argv: list[str]) -> None:
 
         start = time.perf_counter()
         tok = train_tokenizer(
-            args.data, args.output, vocab_size=args.vocab_size, model_type=args.type,
-            text_column=args.text_column, cache_dir=args.cache_dir,
-        )  # fmt: skip
+            args.data,
+            args.output,
+            vocab_size=args.vocab_size,
+            model_type=args.type,
+            text_column=args.text_column,
+            cache_dir=args.cache_dir,
+        )
         print(f"{tok.vocab_size}-piece {args.type} tokenizer in {time.perf_counter() - start:.1f}s -> {tok.path}")
     except ConfigError as err:
         msg = str(err)
@@ -281,8 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] not in COMMANDS:
         near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f" (did you mean `hlat {near[0]}`?)" if near else ""
-        print(f"hlat: unknown command {argv[0]!r}{hint}. The commands are: {', '.join(COMMANDS)} "
-              "(`hlat --help` says what each does)", file=sys.stderr)  # fmt: skip
+        print(
+            f"hlat: unknown command {argv[0]!r}{hint}. The commands are: {', '.join(COMMANDS)} "
+            "(`hlat --help` says what each does)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     if argv[0] == "summary":
         _hydra_summary(argv[1:])

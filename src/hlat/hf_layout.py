@@ -38,8 +38,14 @@ SPM = "tokenizer.model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Derived buffers some exporters saved; recomputed from the config, so dropped on import.
 IGNORED = (".rotary_emb.inv_freq",)
-REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-            "max_position_embeddings")  # fmt: skip
+REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 # ------------------------------------------------------------------------------------------------ weight mapping
@@ -48,8 +54,11 @@ REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attent
 def to_hf(cfg: ModelConfig, sd: Tensors) -> Tensors:
     """Map hlat's state dict (fused qkv and gate_up, in the tp=1 layout) -> HF ``LlamaForCausalLM`` tensor names."""
     G, r, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
-    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"],
-           "lm_head.weight": sd["lm_head.weight"]}  # fmt: skip
+    out = {
+        "model.embed_tokens.weight": sd["embed.weight"],
+        "model.norm.weight": sd["norm.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
     for i in range(cfg.n_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
         qkv = sd[p + "attn.qkv.weight"].view(G, r + 2, D, cfg.dim)  # per kv group: r query heads, k, v
@@ -72,8 +81,11 @@ def to_hf(cfg: ModelConfig, sd: Tensors) -> Tensors:
 def from_hf(cfg: ModelConfig, hf: Tensors) -> Tensors:
     """HF ``LlamaForCausalLM`` tensors -> hlat's state dict (the inverse of :func:`to_hf`)."""
     G, r, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
-    sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"],
-          "lm_head.weight": hf["lm_head.weight"]}  # fmt: skip
+    sd = {
+        "embed.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+        "lm_head.weight": hf["lm_head.weight"],
+    }
     for i in range(cfg.n_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
         q = hf[h + "self_attn.q_proj.weight"].reshape(G, r, D, cfg.dim)
@@ -102,19 +114,36 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: 
         )
     dtype_name = str(dtype).removeprefix("torch.")
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,  # transformers 4.x
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,  # transformers 4.x
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5.x
-        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "tie_word_embeddings": False, "pretraining_tp": 1, "initializer_range": cfg.init_std,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, "use_cache": True,
-        "torch_dtype": dtype_name, "dtype": dtype_name,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "pretraining_tp": 1,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "use_cache": True,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
         # What the HF fields cannot say, so that an import gives back the same ModelConfig.
         "hlat": {"name": cfg.name, "n_kv_heads": cfg.n_kv_heads, "scaled_init": cfg.scaled_init},
-    }  # fmt: skip
+    }
 
 
 def model_config_from_hf(hf: dict[str, Any], name: str, *, untie_embeddings: bool = False) -> ModelConfig:
@@ -136,11 +165,11 @@ def model_config_from_hf(hf: dict[str, Any], name: str, *, untie_embeddings: boo
         "mlp_bias=true (hlat's projections have no bias)": hf.get("mlp_bias", False),
         f"rope scaling {rope_type!r} (hlat's rotary embedding is unscaled)": rope_type != "default",
         "partial_rotary_factor < 1": rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0,
-        f"head_dim={hf.get('head_dim')} != hidden_size / num_attention_heads": hf.get("head_dim") not in (
-            None, hf["hidden_size"] // n_heads),
+        f"head_dim={hf.get('head_dim')} != hidden_size / num_attention_heads": hf.get("head_dim")
+        not in (None, hf["hidden_size"] // n_heads),
         "tie_word_embeddings=true (hlat's LM head is untied; import with untie_embeddings=True / --untie-embeddings "
         "to start from a copy of the embedding)": hf.get("tie_word_embeddings", False) and not untie_embeddings,
-    }  # fmt: skip
+    }
     bad = [k for k, v in refusals.items() if v]
     if bad:
         raise ConfigError(
@@ -150,12 +179,19 @@ def model_config_from_hf(hf: dict[str, Any], name: str, *, untie_embeddings: boo
     kv = hf.get("num_key_value_heads") or n_heads
     saved_kv = extra.get("n_kv_heads", kv)  # None (plain multi-head) and n_heads are the same model
     return ModelConfig(
-        name=extra.get("name", name), dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        name=extra.get("name", name),
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
         n_kv_heads=saved_kv if (saved_kv or n_heads) == kv else kv,
-        ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-        init_std=hf.get("initializer_range", 0.02), scaled_init=extra.get("scaled_init", True),
-    )  # fmt: skip
+        ffn_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        init_std=hf.get("initializer_range", 0.02),
+        scaled_init=extra.get("scaled_init", True),
+    )
 
 
 def model_overrides(cfg: ModelConfig) -> list[str]:
@@ -182,8 +218,10 @@ def read_safetensors(hf_dir: Path) -> Tensors:
     elif (hf_dir / WEIGHTS).is_file():
         files = [WEIGHTS]
     else:
-        raise ConfigError(f"{hf_dir} has no {WEIGHTS} or {INDEX}; only safetensors weights are read (re-save the model "
-                          "with save_pretrained(..., safe_serialization=True))")  # fmt: skip
+        raise ConfigError(
+            f"{hf_dir} has no {WEIGHTS} or {INDEX}; only safetensors weights are read (re-save the model "
+            "with save_pretrained(..., safe_serialization=True))"
+        )
     out: Tensors = {}
     for f in files:
         out |= load_file(str(hf_dir / f))
@@ -199,9 +237,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 def check_tensors(have: dict[str, torch.Size], want: dict[str, torch.Size], where: str) -> None:
     """ConfigError naming the missing, unexpected and wrongly shaped tensors of ``where`` (up to 4 of each)."""
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-    wrong = [f"{k} {tuple(have[k])} (expected {tuple(want[k])})" for k in sorted(set(want) & set(have))
-             if have[k] != want[k]]  # fmt: skip
+    wrong = [
+        f"{k} {tuple(have[k])} (expected {tuple(want[k])})" for k in sorted(set(want) & set(have)) if have[k] != want[k]
+    ]
     if missing or extra or wrong:
-        parts = [f"missing {missing[:4]}" if missing else "", f"unexpected {extra[:4]}" if extra else "",
-                 f"wrong shapes {wrong[:4]}" if wrong else ""]  # fmt: skip
+        parts = [
+            f"missing {missing[:4]}" if missing else "",
+            f"unexpected {extra[:4]}" if extra else "",
+            f"wrong shapes {wrong[:4]}" if wrong else "",
+        ]
         raise ConfigError(f"{where} does not match its config: {'; '.join(p for p in parts if p)}")

@@ -193,8 +193,12 @@ def init_stds(cfg: ModelConfig) -> dict[str, float]:
     out: dict[str, float] = {"embed.weight": std, "lm_head.weight": std}
     for i in range(cfg.n_layers):
         out_std = std / math.sqrt(2 * (i + 1)) if cfg.scaled_init else std  # layer_id is 1-based
-        out |= {f"layers.{i}.attn.qkv.weight": std, f"layers.{i}.attn.o_proj.weight": out_std,
-                f"layers.{i}.mlp.gate_up.weight": std, f"layers.{i}.mlp.down.weight": out_std}  # fmt: skip
+        out |= {
+            f"layers.{i}.attn.qkv.weight": std,
+            f"layers.{i}.attn.o_proj.weight": out_std,
+            f"layers.{i}.mlp.gate_up.weight": std,
+            f"layers.{i}.mlp.down.weight": out_std,
+        }
     return out
 
 

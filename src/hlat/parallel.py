@@ -81,8 +81,11 @@ class ParallelDims:
 def valid_tp(model: ModelConfig, world_size: int) -> list[int]:
     """Tensor-parallel degrees that fit ``model`` (heads and kv heads) and divide ``world_size``."""
     kv = model.kv_heads
-    return [t for t in range(1, world_size + 1)
-            if world_size % t == 0 and model.n_heads % t == 0 and (kv % t == 0 or t % kv == 0)]  # fmt: skip
+    return [
+        t
+        for t in range(1, world_size + 1)
+        if world_size % t == 0 and model.n_heads % t == 0 and (kv % t == 0 or t % kv == 0)
+    ]
 
 
 TP_PLAN: dict[str, str] = {

@@ -71,8 +71,9 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
     Tensor-parallel (DTensor) inputs count whole: a sharded tensor's norm is reduced over its ranks.
     """
-    return torch.linalg.vector_norm(torch.stack([_whole(torch.linalg.vector_norm(t, dtype=torch.float32))
-                                                 for t in tensors]))  # fmt: skip
+    return torch.linalg.vector_norm(
+        torch.stack([_whole(torch.linalg.vector_norm(t, dtype=torch.float32)) for t in tensors])
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -207,10 +208,21 @@ class PrecisionAdamW(torch.optim.Optimizer):
                 m = [st["exp_avg"].float() for st in states]
                 v = [st["exp_avg_sq"].float() for st in states]
                 functional_adamw(
-                    weights, [grad_of(p).float() for p in chunk], m, v, [], [st["step"] for st in states],
-                    fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                )  # fmt: skip
+                    weights,
+                    [grad_of(p).float() for p in chunk],
+                    m,
+                    v,
+                    [],
+                    [st["step"] for st in states],
+                    fused=True,
+                    amsgrad=False,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=False,
+                )
                 for p, st, w, m32, v32 in zip(chunk, states, weights, m, v, strict=True):
                     if p.dtype != torch.float32:
                         round_to_bf16_(p, w, gen)
@@ -252,9 +264,11 @@ def optimizer_spec(cfg: OptimizerConfig, precision: PrecisionConfig, seed: int) 
     if precision.param_dtype == "float32":
         return torch.optim.AdamW, common | {"fused": True}
     return PrecisionAdamW, common | {
-        "master_weights": precision.master_weights, "state_dtype": DTYPE[precision.optimizer_dtype],
-        "stochastic_rounding": precision.stochastic_rounding, "seed": seed,
-    }  # fmt: skip
+        "master_weights": precision.master_weights,
+        "state_dtype": DTYPE[precision.optimizer_dtype],
+        "stochastic_rounding": precision.stochastic_rounding,
+        "seed": seed,
+    }
 
 
 def build_optimizer(

@@ -34,8 +34,16 @@ from hlat.config import ConfigError
 
 METADATA = ".metadata"
 _DCP = "torch.distributed.checkpoint"
-_METADATA_CLASSES = ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-                     "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")  # fmt: skip
+_METADATA_CLASSES = (
+    "Metadata",
+    "StorageMeta",
+    "MetadataIndex",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+)
 _PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     [(f"{_DCP}.metadata", name) for name in _METADATA_CLASSES]
@@ -54,8 +62,10 @@ def allowed_global(module: str, name: str) -> bool:
 
 def untrusted(file: str | Path, why: str) -> ConfigError:
     """The error for a checkpoint file that is refused because loading it could run code."""
-    return ConfigError(f"checkpoint {file} is not trusted: {why}. It was not written by hlat (or was altered "
-                       "since); it is refused because loading it could run arbitrary code")  # fmt: skip
+    return ConfigError(
+        f"checkpoint {file} is not trusted: {why}. It was not written by hlat (or was altered "
+        "since); it is refused because loading it could run arbitrary code"
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -67,13 +77,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if not allowed_global(module, name):
-            raise untrusted(self.file, f"it references {module}.{name}, which torch.distributed.checkpoint "
-                                       "metadata never holds")  # fmt: skip
+            raise untrusted(
+                self.file, f"it references {module}.{name}, which torch.distributed.checkpoint metadata never holds"
+            )
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise untrusted(self.file, "it holds persistent references, which torch.distributed.checkpoint metadata "
-                                   "never holds")  # fmt: skip
+        raise untrusted(
+            self.file, "it holds persistent references, which torch.distributed.checkpoint metadata never holds"
+        )
 
 
 def _check_structure(md: object, file: str | Path) -> Metadata:
@@ -192,8 +204,13 @@ def load(state_dict: dict[str, Any], path: str | Path, *, process_group: Any = N
     """
     read_metadata(path)
     try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                 process_group=process_group, no_dist=no_dist)  # fmt: skip
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
     except CheckpointException as e:
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, ConfigError)]
         if refused:

@@ -27,8 +27,9 @@ def count_params(cfg: ModelConfig) -> int:
     return 2 * cfg.vocab_size * d + d + cfg.n_layers * block
 
 
-def flops_per_token(n_params: int, n_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
-                    *, causal: bool = False) -> float:  # fmt: skip
+def flops_per_token(
+    n_params: int, n_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int, *, causal: bool = False
+) -> float:
     """Training FLOPs per token, PaLM's formula (Chowdhery et al. 2022, App. B): 6N + 12·L·H·Q·T.
 
     N counts the parameters that take part in matmuls: all of them minus the input embedding table (a lookup).

@@ -68,9 +68,21 @@ class Node:
         mounts = [f"{self.hosts}=/etc/hosts", *(f"{s}={d}" for s, d in self.binds.items())]
         script = f'{_ENTER} && shift {len(mounts) + 1} && exec "$@"'
         return [
-            "nsenter", f"--net={NETNS_DIR / self.ns}", "unshare", "--uts", "--mount", "--propagation", "private",
-            "sh", "-c", script, self.name, *mounts, "--", *argv,
-        ]  # fmt: skip
+            "nsenter",
+            f"--net={NETNS_DIR / self.ns}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            self.name,
+            *mounts,
+            "--",
+            *argv,
+        ]
 
     def popen(
         self,

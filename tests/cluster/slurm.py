@@ -148,16 +148,44 @@ def _ok(node: Node, argv: list[str]) -> bool:
 
 def _start_db(d: Path, n1: Node) -> None:
     """Initialise and start MariaDB on 127.0.0.1:3306 of the first node (no grant tables: any user is root)."""
-    subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={d}/db", "--user=root",
-                    "--auth-root-authentication-method=normal", "--skip-test-db"],
-                   check=True, capture_output=True, timeout=120)  # fmt: skip
-    _daemon(d, n1, "mariadb", [
-        "mariadbd", "--no-defaults", f"--datadir={d}/db", f"--socket={d}/run/mysql.sock", "--user=root",
-        "--bind-address=127.0.0.1", "--port=3306", "--skip-grant-tables", f"--pid-file={d}/run/mariadb.pid",
-        "--innodb-buffer-pool-size=64M", "--innodb-lock-wait-timeout=900", f"--log-error={d}/log/mariadb.log",
-    ])  # fmt: skip
-    _wait("mariadb", lambda: _ok(n1, ["mariadb-admin", "--no-defaults", "-h", "127.0.0.1", "-P", "3306",
-                                      "-u", "root", "ping"]), 60, d)  # fmt: skip
+    subprocess.run(
+        [
+            "mariadb-install-db",
+            "--no-defaults",
+            f"--datadir={d}/db",
+            "--user=root",
+            "--auth-root-authentication-method=normal",
+            "--skip-test-db",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    _daemon(
+        d,
+        n1,
+        "mariadb",
+        [
+            "mariadbd",
+            "--no-defaults",
+            f"--datadir={d}/db",
+            f"--socket={d}/run/mysql.sock",
+            "--user=root",
+            "--bind-address=127.0.0.1",
+            "--port=3306",
+            "--skip-grant-tables",
+            f"--pid-file={d}/run/mariadb.pid",
+            "--innodb-buffer-pool-size=64M",
+            "--innodb-lock-wait-timeout=900",
+            f"--log-error={d}/log/mariadb.log",
+        ],
+    )
+    _wait(
+        "mariadb",
+        lambda: _ok(n1, ["mariadb-admin", "--no-defaults", "-h", "127.0.0.1", "-P", "3306", "-u", "root", "ping"]),
+        60,
+        d,
+    )
 
 
 def up(d: Path, cpus: int | None = None) -> Cluster:
@@ -181,9 +209,23 @@ def up(d: Path, cpus: int | None = None) -> Cluster:
     (d / "etc" / "slurmdbd.conf").chmod(0o600)
     (d / "etc" / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
     shutil.chown(d / "munge", "munge", "munge")
-    _daemon(d, None, "munged", ["runuser", "-u", "munge", "--", "/usr/sbin/munged", "--foreground",
-                                f"--socket={d}/munge/munge.socket.2", f"--pid-file={d}/munge/munged.pid",
-                                f"--log-file={d}/munge/munged.log", f"--seed-file={d}/munge/seed"])  # fmt: skip
+    _daemon(
+        d,
+        None,
+        "munged",
+        [
+            "runuser",
+            "-u",
+            "munge",
+            "--",
+            "/usr/sbin/munged",
+            "--foreground",
+            f"--socket={d}/munge/munge.socket.2",
+            f"--pid-file={d}/munge/munged.pid",
+            f"--log-file={d}/munge/munged.log",
+            f"--seed-file={d}/munge/seed",
+        ],
+    )
     _wait("munged", lambda: (d / "munge" / "munge.socket.2").exists(), 30, d)
     n1 = nodes[0]
     _start_db(d, n1)

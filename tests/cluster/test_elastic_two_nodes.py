@@ -34,15 +34,45 @@ JOB_TIMEOUT_S = float(os.environ.get("HLAT_TEST_TIMEOUT_SCALE", "1")) * 420
 def start(node: Node, tmp: Path, name: str, cache_dir: Path) -> subprocess.Popen:
     """This node's torchrun agent for the job ``name`` (its run directory and MLflow store under ``tmp``)."""
     overrides = [
-        *SMALL_RUN, f"train.steps={STEPS}", "train.checkpoint_every=4", "train.keep_last=0", "train.log_every=2",
-        "optimizer.warmup_steps=2", "cluster=cpu", "cluster.nodes=2", "cluster.nproc_per_node=1",
-        "cluster.num_threads=1", f"data.cache_dir={cache_dir}", f"tracker.uri=sqlite:///{tmp / name / 'mlflow.db'}",
-        "tracker.plots=false", "tracker.system_metrics=false", "health=off", f"hydra.run.dir={tmp / name / 'run'}",
+        *SMALL_RUN,
+        f"train.steps={STEPS}",
+        "train.checkpoint_every=4",
+        "train.keep_last=0",
+        "train.log_every=2",
+        "optimizer.warmup_steps=2",
+        "cluster=cpu",
+        "cluster.nodes=2",
+        "cluster.nproc_per_node=1",
+        "cluster.num_threads=1",
+        f"data.cache_dir={cache_dir}",
+        f"tracker.uri=sqlite:///{tmp / name / 'mlflow.db'}",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+        "health=off",
+        f"hydra.run.dir={tmp / name / 'run'}",
         "fault.min_step_s=0.1",  # paced: the kill after step 4 must find the job still going on a fast machine
-    ]  # fmt: skip  # tracker.flush_every_s stays at its default: metrics wait in a buffer when a node dies
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"n1:{PORT}", "--rdzv-id", name, "--max-restarts", "2",
-            "--monitor-interval", "0.5", str(ROOT / "train.py"), *overrides]  # fmt: skip
+    ]  # tracker.flush_every_s stays at its default: metrics wait in a buffer when a node dies
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"n1:{PORT}",
+        "--rdzv-id",
+        name,
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.5",
+        str(ROOT / "train.py"),
+        *overrides,
+    ]
     log = (tmp / f"{name}-{node.name}.log").open("w")
     return node.popen(argv, cwd=tmp, stdout=log, stderr=subprocess.STDOUT)
 

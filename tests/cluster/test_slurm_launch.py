@@ -19,10 +19,20 @@ from tests.cluster.slurm import Cluster
 pytestmark = pytest.mark.cluster
 HLAT = str(Path(sys.executable).parent / "hlat")
 SMALL = [
-    "model.n_layers=2", "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=352",
-    "train.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=8", "optimizer.warmup_steps=2",
-    "train.log_every=1", "tracker.flush_every_s=0", "health=off", "tracker.system_metrics=false",
-]  # fmt: skip
+    "model.n_layers=2",
+    "model.dim=128",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=352",
+    "train.seq_len=64",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=8",
+    "optimizer.warmup_steps=2",
+    "train.log_every=1",
+    "tracker.flush_every_s=0",
+    "health=off",
+    "tracker.system_metrics=false",
+]
 PACED = "fault.min_step_s=0.1"
 """Steps of at least 0.1 s: a signal sent a poll (about a second) after the first checkpoint must find the job
 still running, however fast the machine."""
@@ -31,16 +41,24 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 def render(tmp: Path, *overrides: str) -> Path:
     """``hlat launch --target slurm`` run in ``tmp`` (its default MLflow store is ``tmp/mlflow.db``)."""
-    out = subprocess.run([HLAT, "launch", "--target", "slurm", "--out", str(tmp), "--run-dir", str(tmp / "run"),
-                          *SMALL, *overrides], cwd=tmp, capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [HLAT, "launch", "--target", "slurm", "--out", str(tmp), "--run-dir", str(tmp / "run"), *SMALL, *overrides],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return Path(out.stdout.strip())
 
 
 def submit_and_wait(cluster: Cluster, script: Path, timeout_s: float, on_running=None) -> tuple[str, str]:
     """Submit from an empty environment, wait for a terminal state; returns (job id, state)."""
-    sub = cluster.nodes[0].run(["env", "-i", "PATH=/usr/bin:/bin", f"HOME={script.parent}", "sbatch", "--parsable",
-                                str(script)], timeout=30, cwd=script.parent)  # fmt: skip
+    sub = cluster.nodes[0].run(
+        ["env", "-i", "PATH=/usr/bin:/bin", f"HOME={script.parent}", "sbatch", "--parsable", str(script)],
+        timeout=30,
+        cwd=script.parent,
+    )
     job = sub.stdout.strip().split(";")[0]
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -89,8 +107,9 @@ def test_sbatch_one_node_trains_into_the_pinned_store(slurm_cluster: Cluster, tm
 def test_sbatch_two_nodes_trains_into_one_store(slurm_cluster: Cluster, tmp_path: Path, cache_dir: Path) -> None:
     uri = f"sqlite:///{tmp_path}/store/runs.db"
     (tmp_path / "store").mkdir()
-    script = render(tmp_path, "cluster=cpu", "cluster.nodes=2", "train.steps=6", f"tracker.uri={uri}",
-                    f"data.cache_dir={cache_dir}")  # fmt: skip
+    script = render(
+        tmp_path, "cluster=cpu", "cluster.nodes=2", "train.steps=6", f"tracker.uri={uri}", f"data.cache_dir={cache_dir}"
+    )
     job, state = submit_and_wait(slurm_cluster, script, 300)
     assert state == "COMPLETED", output(tmp_path)
     nodes = slurm_cluster.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "NodeList"]).stdout.split()[-1]
@@ -105,8 +124,15 @@ def test_preempted_job_checkpoints_requeues_and_finishes(
     checkpoint, the script requeues the job, which resumes and finishes into the same MLflow run. The requeued job
     waits the cluster's ``cred_expire`` (10 s, :func:`tests.cluster.slurm.slurm_conf`) before it starts again."""
     steps, every = 100, 20  # the signal lands a few steps after the first checkpoint, well before the last step
-    script = render(tmp_path, "cluster=cpu", f"train.steps={steps}", f"train.checkpoint_every={every}",
-                    f"data.cache_dir={cache_dir}", f"train.log_every={every}", PACED)  # fmt: skip
+    script = render(
+        tmp_path,
+        "cluster=cpu",
+        f"train.steps={steps}",
+        f"train.checkpoint_every={every}",
+        f"data.cache_dir={cache_dir}",
+        f"train.log_every={every}",
+        PACED,
+    )
     signalled = []
 
     def preempt(job: str) -> bool:
@@ -135,8 +161,16 @@ def test_an_administrators_requeue_checkpoints_and_the_job_continues(
     SIGTERM, the trainers checkpoint the step in flight, and the requeued job resumes from that checkpoint (between
     the regular ones) and finishes into the same MLflow run."""
     steps, every = 100, 20
-    script = render(tmp_path, "cluster=cpu", f"train.steps={steps}", f"train.checkpoint_every={every}",
-                    f"data.cache_dir={cache_dir}", f"train.log_every={every}", "train.keep_last=0", PACED)  # fmt: skip
+    script = render(
+        tmp_path,
+        "cluster=cpu",
+        f"train.steps={steps}",
+        f"train.checkpoint_every={every}",
+        f"data.cache_dir={cache_dir}",
+        f"train.log_every={every}",
+        "train.keep_last=0",
+        PACED,
+    )
     requeued = []
 
     def requeue(job: str) -> bool:

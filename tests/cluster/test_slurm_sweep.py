@@ -29,8 +29,17 @@ TIMEOUT_S = float(os.environ.get("HLAT_TEST_TIMEOUT_SCALE", "1")) * 300
 
 def sweep(cluster: Cluster, tmp: Path, cache_dir: Path, *extra: str) -> subprocess.Popen:
     """Start the sweep on the first node (where ``sbatch`` reaches the controller), output in ``tmp/sweep-N.log``."""
-    argv = [sys.executable, str(ROOT / "train.py"), "-m", *FAST, f"data.cache_dir={cache_dir}", "train.steps=4,6",
-            f"tracker.uri=sqlite:///{tmp / 'mlflow.db'}", "hydra/launcher=slurm", *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "-m",
+        *FAST,
+        f"data.cache_dir={cache_dir}",
+        "train.steps=4,6",
+        f"tracker.uri=sqlite:///{tmp / 'mlflow.db'}",
+        "hydra/launcher=slurm",
+        *extra,
+    ]
     log = tmp / f"sweep-{len(list(tmp.glob('sweep-*.log')))}.log"
     return cluster.nodes[0].popen(argv, cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT)
 

@@ -52,8 +52,13 @@ from torch import nn
 from hlat.recompute import recompute
 
 FAKE_PACKAGES = ("torch_xla", "neuronx_distributed")
-WATCHED_ENV = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16", "NEURON_RT_STOCHASTIC_ROUNDING_EN", "NEURON_CC_FLAGS",
-               "NEURON_COMPILE_CACHE_URL")  # fmt: skip
+WATCHED_ENV = (
+    "XLA_USE_BF16",
+    "XLA_DOWNCAST_BF16",
+    "NEURON_RT_STOCHASTIC_ROUNDING_EN",
+    "NEURON_CC_FLAGS",
+    "NEURON_COMPILE_CACHE_URL",
+)
 """Variables whose value at ``import torch_xla`` time the fake records (torch_xla reads them then)."""
 
 
@@ -73,37 +78,114 @@ def _signature(fn: Callable) -> inspect.Signature:
 # --- the real signatures (NxD 0.17), used to bind what the backend passes -----------------------------------------
 
 
-def _sig_column(input_size, output_size, bias=True, gather_output=True, dtype=torch.float32, device=None, stride=1,
-                init_method=None, sequence_parallel_enabled=False, sequence_dimension=None, keep_master_weight=False,
-                skip_bias_add=False, pad=False, pad_alignment_size_per_rank=1, keep_padded_output=False,
-                tensor_model_parallel_group=None, reduce_dtype=torch.float32, rank_ordering=None): ...  # fmt: skip
+def _sig_column(
+    input_size,
+    output_size,
+    bias=True,
+    gather_output=True,
+    dtype=torch.float32,
+    device=None,
+    stride=1,
+    init_method=None,
+    sequence_parallel_enabled=False,
+    sequence_dimension=None,
+    keep_master_weight=False,
+    skip_bias_add=False,
+    pad=False,
+    pad_alignment_size_per_rank=1,
+    keep_padded_output=False,
+    tensor_model_parallel_group=None,
+    reduce_dtype=torch.float32,
+    rank_ordering=None,
+): ...
 
 
-def _sig_row(input_size, output_size, bias=True, input_is_parallel=False, dtype=torch.float32, device=None, stride=1,
-             init_method=None, sequence_parallel_enabled=False, sequence_dimension=None, keep_master_weight=False,
-             skip_bias_add=False, pad=False, reduce_output=True, tensor_model_parallel_group=None,
-             reduce_dtype=torch.float32, tile_cc=False, rank_ordering=None): ...  # fmt: skip
+def _sig_row(
+    input_size,
+    output_size,
+    bias=True,
+    input_is_parallel=False,
+    dtype=torch.float32,
+    device=None,
+    stride=1,
+    init_method=None,
+    sequence_parallel_enabled=False,
+    sequence_dimension=None,
+    keep_master_weight=False,
+    skip_bias_add=False,
+    pad=False,
+    reduce_output=True,
+    tensor_model_parallel_group=None,
+    reduce_dtype=torch.float32,
+    tile_cc=False,
+    rank_ordering=None,
+): ...
 
 
-def _sig_embedding(num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
-                   scale_grad_by_freq=False, sparse=False, init_method=nn.init.normal_, device=None,
-                   dtype=torch.float32, shard_across_embedding=False, pad=False, sequence_parallel_enabled=False,
-                   tensor_model_parallel_group=None, use_spmd_rank=False, sequence_dimension=None, tile_cc=False,
-                   rank_ordering=None, collect_output=True): ...  # fmt: skip
+def _sig_embedding(
+    num_embeddings,
+    embedding_dim,
+    padding_idx=None,
+    max_norm=None,
+    norm_type=2.0,
+    scale_grad_by_freq=False,
+    sparse=False,
+    init_method=nn.init.normal_,
+    device=None,
+    dtype=torch.float32,
+    shard_across_embedding=False,
+    pad=False,
+    sequence_parallel_enabled=False,
+    tensor_model_parallel_group=None,
+    use_spmd_rank=False,
+    sequence_dimension=None,
+    tile_cc=False,
+    rank_ordering=None,
+    collect_output=True,
+): ...
 
 
-def _sig_qkv(input_size, output_sizes, bias=True, gather_output=True, dtype=torch.float32, device=None,
-             init_method=None, sequence_parallel_enabled=False, keep_master_weight=False, kv_size_multiplier=1,
-             fuse_qkv=True, reduce_dtype=torch.float32): ...  # fmt: skip
+def _sig_qkv(
+    input_size,
+    output_sizes,
+    bias=True,
+    gather_output=True,
+    dtype=torch.float32,
+    device=None,
+    init_method=None,
+    sequence_parallel_enabled=False,
+    keep_master_weight=False,
+    kv_size_multiplier=1,
+    fuse_qkv=True,
+    reduce_dtype=torch.float32,
+): ...
 
 
-def _sig_nxdpp(module, transformer_layer_cls=None, num_microbatches=1, virtual_pipeline_size=1,
-               output_loss_value_spec=None, return_mb_loss=False, broadcast_and_average_loss=False,
-               use_zero1_optimizer=False, use_model_wrapper=False, use_optimizer_wrapper=False, pipeline_cuts=None,
-               input_names=None, leaf_module_cls=None, autowrap_functions=None, autowrap_modules=None,
-               autowrap_obj_methods=None, tracer_cls=None, param_init_fn=None, trace_file_path=None,
-               return_loss_on_cpu=True, deallocate_pipeline_outputs=False, auto_partition=False,
-               fuse_microbatches=False): ...  # fmt: skip
+def _sig_nxdpp(
+    module,
+    transformer_layer_cls=None,
+    num_microbatches=1,
+    virtual_pipeline_size=1,
+    output_loss_value_spec=None,
+    return_mb_loss=False,
+    broadcast_and_average_loss=False,
+    use_zero1_optimizer=False,
+    use_model_wrapper=False,
+    use_optimizer_wrapper=False,
+    pipeline_cuts=None,
+    input_names=None,
+    leaf_module_cls=None,
+    autowrap_functions=None,
+    autowrap_modules=None,
+    autowrap_obj_methods=None,
+    tracer_cls=None,
+    param_init_fn=None,
+    trace_file_path=None,
+    return_loss_on_cpu=True,
+    deallocate_pipeline_outputs=False,
+    auto_partition=False,
+    fuse_microbatches=False,
+): ...
 
 
 # --- fake parallel layers (tensor-parallel degree 1) ----------------------------------------------------------------
@@ -214,12 +296,17 @@ class GQAQKVColumnParallelLinear(_Recorded):
         return tuple(F.linear(x, self.weight_qkv).split(self.sizes, dim=-1))
 
 
-def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                           label_smoothing: float = 0.0) -> torch.Tensor:  # fmt: skip
+def parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """FAKE ``parallel_cross_entropy``: per-token loss, no reduction, no ignore_index (as NxD's)."""
     V = vocab_parallel_logits.shape[-1]
-    flat = F.cross_entropy(vocab_parallel_logits.reshape(-1, V), target.reshape(-1).clamp_min(0), reduction="none",
-                           label_smoothing=label_smoothing)  # fmt: skip
+    flat = F.cross_entropy(
+        vocab_parallel_logits.reshape(-1, V),
+        target.reshape(-1).clamp_min(0),
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
     return flat.view(target.shape)
 
 
@@ -331,8 +418,9 @@ def _parameters_on_meta():
 
 def _reinit(model: nn.Module, param_init_fn: Callable) -> None:
     """NxD's ``reinit_model``: each module's own parameters become empty host tensors, then ``param_init_fn``."""
-    keep = {n: p.sequence_parallel_enabled for n, p in model.named_parameters()
-            if hasattr(p, "sequence_parallel_enabled")}  # fmt: skip
+    keep = {
+        n: p.sequence_parallel_enabled for n, p in model.named_parameters() if hasattr(p, "sequence_parallel_enabled")
+    }
     with torch.no_grad():
         for module in model.modules():
             for key, p in module._parameters.items():
@@ -357,8 +445,11 @@ class _TorchTracer(torch.fx.Tracer):
 
 def trace_like_nxd(model: nn.Module, pipe: dict) -> torch.fx.GraphModule:
     """Trace as ``NxDPPModel`` does with ``tracer_cls="torch"`` (the transformer layer class is a leaf)."""
-    leaves = [*(pipe.get("leaf_module_cls") or []), pipe["transformer_layer_cls"].__name__,
-              *(c.__name__ for c in FAKE_LAYERS)]  # fmt: skip
+    leaves = [
+        *(pipe.get("leaf_module_cls") or []),
+        pipe["transformer_layer_cls"].__name__,
+        *(c.__name__ for c in FAKE_LAYERS),
+    ]
     sig = inspect.signature(model.forward)
     concrete = {p.name: p.default for p in sig.parameters.values() if p.name not in pipe["input_names"]}
     graph = _TorchTracer(leaves).trace(model, concrete_args=concrete)
@@ -439,8 +530,9 @@ class FakeNeuronApi:
         self.record("xm.add_step_closure", fn, args)
         self.closures.append((fn, args))
 
-    def all_reduce(self, reduce_type: str, inputs: torch.Tensor, scale: float = 1.0, groups: Any = None,
-                   pin_layout: bool = True) -> torch.Tensor:  # fmt: skip
+    def all_reduce(
+        self, reduce_type: str, inputs: torch.Tensor, scale: float = 1.0, groups: Any = None, pin_layout: bool = True
+    ) -> torch.Tensor:
         self.record("xm.all_reduce", reduce_type, inputs, groups=groups)
         assert reduce_type == "sum"
         return inputs * self.world_size * scale  # every rank holds the same value
@@ -449,11 +541,23 @@ class FakeNeuronApi:
         self.record("xm.rendezvous", tag)
 
     # neuronx_distributed
-    def neuronx_distributed_config(self, tensor_parallel_size=1, pipeline_parallel_size=1, expert_parallel_size=1,
-                                   context_parallel_size=1, pipeline_config=None, optimizer_config=None,
-                                   activation_checkpoint_config=None, pad_model=False, sequence_parallel=False,
-                                   model_init_config=None, lora_config=None, mixed_precision_config=None,
-                                   sequential_move_factor=11, lnc_size=1) -> dict:  # fmt: skip
+    def neuronx_distributed_config(
+        self,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        expert_parallel_size=1,
+        context_parallel_size=1,
+        pipeline_config=None,
+        optimizer_config=None,
+        activation_checkpoint_config=None,
+        pad_model=False,
+        sequence_parallel=False,
+        model_init_config=None,
+        lora_config=None,
+        mixed_precision_config=None,
+        sequential_move_factor=11,
+        lnc_size=1,
+    ) -> dict:
         args = dict(locals())
         del args["self"]
         self.record("neuronx_distributed_config", **args)
@@ -461,8 +565,9 @@ class FakeNeuronApi:
             raise ValueError("param_init_fn must be provided when meta_device_init is True")
         return args
 
-    def initialize_parallel_model(self, nxd_config: dict, model_fn: Callable, include_buffers: bool = False,
-                                  *model_args: Any, **model_kwargs: Any) -> FakeNxDModel:  # fmt: skip
+    def initialize_parallel_model(
+        self, nxd_config: dict, model_fn: Callable, include_buffers: bool = False, *model_args: Any, **model_kwargs: Any
+    ) -> FakeNxDModel:
         self.record("initialize_parallel_model", nxd_config, model_fn, include_buffers, *model_args, **model_kwargs)
         init = nxd_config["model_init_config"]
         if init["meta_device_init"]:
@@ -481,8 +586,9 @@ class FakeNeuronApi:
         model.to(torch.device("cpu"))
         ac = nxd_config["activation_checkpoint_config"]
         if ac == "full" and nxd_config["pipeline_parallel_size"] == 1:
-            raise RuntimeError('`activation_checkpoint_config` "full" is only supported for huggingface transformers '
-                               "or nxdt models.")  # fmt: skip
+            raise RuntimeError(
+                '`activation_checkpoint_config` "full" is only supported for huggingface transformers or nxdt models.'
+            )
         if ac is not None:
             classes = tuple(ac) if isinstance(ac, (list, tuple)) else (ac,)
             for module in list(model.modules()):
@@ -490,21 +596,36 @@ class FakeNeuronApi:
                     recompute(module)
         return FakeNxDModel(model, nxd_config, self)
 
-    def initialize_parallel_optimizer(self, nxd_config: dict, optimizer_class: type, parameters: Any,
-                                      **defaults: Any) -> FakeNxDOptimizer:  # fmt: skip
+    def initialize_parallel_optimizer(
+        self, nxd_config: dict, optimizer_class: type, parameters: Any, **defaults: Any
+    ) -> FakeNxDOptimizer:
         self.record("initialize_parallel_optimizer", nxd_config, optimizer_class, parameters, **defaults)
         opt, mp = nxd_config["optimizer_config"], nxd_config["mixed_precision_config"]
         if not opt["zero_one_enabled"]:
             if mp["use_master_weights"]:
                 raise RuntimeError("ZeRO-1 optimizer is not enabled, while `use_master_weights` is True.")
             if mp["use_fp32_grad_acc"] or mp["use_master_weights_in_ckpt"]:
-                raise RuntimeError("Non Zero-1 optimizer does not support `use_fp32_grad_acc` of "
-                                   "`use_master_weights_in_ckpt`.")  # fmt: skip
+                raise RuntimeError(
+                    "Non Zero-1 optimizer does not support `use_fp32_grad_acc` of `use_master_weights_in_ckpt`."
+                )
         return FakeNxDOptimizer(optimizer_class(parameters, **defaults), nxd_config, self)
 
-    def save_checkpoint(self, checkpoint_dir_str, tag, model=None, optimizer=None, scheduler=None, user_content=None,
-                        num_workers=8, use_xser=False, num_kept_ckpts=None, async_save=False, zero1_optimizer=False,
-                        use_zero1_dcp=False, avoid_saving_lower_precision_weights=False) -> None:  # fmt: skip
+    def save_checkpoint(
+        self,
+        checkpoint_dir_str,
+        tag,
+        model=None,
+        optimizer=None,
+        scheduler=None,
+        user_content=None,
+        num_workers=8,
+        use_xser=False,
+        num_kept_ckpts=None,
+        async_save=False,
+        zero1_optimizer=False,
+        use_zero1_dcp=False,
+        avoid_saving_lower_precision_weights=False,
+    ) -> None:
         args = dict(locals())
         del args["self"]
         self.record("save_checkpoint", **args)
@@ -519,8 +640,17 @@ class FakeNeuronApi:
         self.rendezvous("saving checkpoint done")
         (d / "done").write_text("1")
 
-    def load_checkpoint(self, path, tag=None, model=None, optimizer=None, scheduler=None, num_workers=8, strict=True,
-                        use_zero1_dcp=False) -> Any:  # fmt: skip
+    def load_checkpoint(
+        self,
+        path,
+        tag=None,
+        model=None,
+        optimizer=None,
+        scheduler=None,
+        num_workers=8,
+        strict=True,
+        use_zero1_dcp=False,
+    ) -> Any:
         args = dict(locals())
         del args["self"]
         self.record("load_checkpoint", **args)
@@ -543,9 +673,13 @@ class FakeNeuronApi:
             "torch_xla": {"device": self.device, "sync": self.sync},
             "torch_xla.core": {},
             "torch_xla.core.xla_model": {
-                "REDUCE_SUM": "sum", "xla_device": self.xla_device, "mark_step": self.mark_step,
-                "add_step_closure": self.add_step_closure, "all_reduce": self.all_reduce,
-                "rendezvous": self.rendezvous, "wait_device_ops": self.wait_device_ops,
+                "REDUCE_SUM": "sum",
+                "xla_device": self.xla_device,
+                "mark_step": self.mark_step,
+                "add_step_closure": self.add_step_closure,
+                "all_reduce": self.all_reduce,
+                "rendezvous": self.rendezvous,
+                "wait_device_ops": self.wait_device_ops,
             },
             "torch_xla.distributed": {},
             "torch_xla.distributed.xla_backend": {},
@@ -553,17 +687,20 @@ class FakeNeuronApi:
                 "neuronx_distributed_config": self.neuronx_distributed_config,
                 "initialize_parallel_model": self.initialize_parallel_model,
                 "initialize_parallel_optimizer": self.initialize_parallel_optimizer,
-                "save_checkpoint": self.save_checkpoint, "load_checkpoint": self.load_checkpoint,
+                "save_checkpoint": self.save_checkpoint,
+                "load_checkpoint": self.load_checkpoint,
                 "finalize_checkpoint": self.finalize_checkpoint,
             },
             "neuronx_distributed.parallel_layers": {
-                "ColumnParallelLinear": ColumnParallelLinear, "RowParallelLinear": RowParallelLinear,
-                "ParallelEmbedding": ParallelEmbedding, "parallel_cross_entropy": parallel_cross_entropy,
+                "ColumnParallelLinear": ColumnParallelLinear,
+                "RowParallelLinear": RowParallelLinear,
+                "ParallelEmbedding": ParallelEmbedding,
+                "parallel_cross_entropy": parallel_cross_entropy,
                 "model_parallel_xla_manual_seed": self.model_parallel_xla_manual_seed,
             },
             "neuronx_distributed.modules": {},
             "neuronx_distributed.modules.qkv_linear": {"GQAQKVColumnParallelLinear": GQAQKVColumnParallelLinear},
-        }  # fmt: skip
+        }
         self.record(f"import {module.__name__}", env={k: os.environ.get(k) for k in WATCHED_ENV})
         module.__dict__.update(fill[module.__name__])
         module.__doc__ = "FAKE module from tests/fakes/neuron_api.py"
@@ -572,9 +709,17 @@ class FakeNeuronApi:
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves the fake modules to ``import`` while installed on ``sys.meta_path``."""
 
-    MODULES = ("torch_xla", "torch_xla.core", "torch_xla.core.xla_model", "torch_xla.distributed",
-               "torch_xla.distributed.xla_backend", "neuronx_distributed", "neuronx_distributed.parallel_layers",
-               "neuronx_distributed.modules", "neuronx_distributed.modules.qkv_linear")  # fmt: skip
+    MODULES = (
+        "torch_xla",
+        "torch_xla.core",
+        "torch_xla.core.xla_model",
+        "torch_xla.distributed",
+        "torch_xla.distributed.xla_backend",
+        "neuronx_distributed",
+        "neuronx_distributed.parallel_layers",
+        "neuronx_distributed.modules",
+        "neuronx_distributed.modules.qkv_linear",
+    )
 
     def __init__(self, api: FakeNeuronApi) -> None:
         self.api = api

@@ -27,14 +27,32 @@ from tests.timeouts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("HLAT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--no-first-run"]  # fmt: skip
+BROWSER_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 TINY = [
-    "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-    "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4", "train.log_every=1",
-    "train.checkpoint_every=1000", "optimizer.warmup_steps=1", "tracker.plots=false", "tracker.flush_every_s=0",
-    "train.async_checkpoint=false", "health=off", "tracker.experiment=ablation",
-]  # fmt: skip
+    "model.n_layers=2",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "train.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    "train.log_every=1",
+    "train.checkpoint_every=1000",
+    "optimizer.warmup_steps=1",
+    "tracker.plots=false",
+    "tracker.flush_every_s=0",
+    "train.async_checkpoint=false",
+    "health=off",
+    "tracker.experiment=ablation",
+]
 """A sweep job of a few seconds on 2 CPU cores. System metrics stay on (sampled every 0.5 s by :func:`run_sweep`)."""
 
 
@@ -90,8 +108,10 @@ def run_sweep(workdir: Path, cache_dir: Path, *overrides: str, timeout_s: float 
 
     client = MlflowClient(tracking_uri=parent["uri"])
     experiment_id = client.get_run(parent["parent_run_id"]).info.experiment_id
-    arms = {r.info.run_name: r.info.run_id for r in client.search_runs(
-        [experiment_id], f"tags.`mlflow.parentRunId` = '{parent['parent_run_id']}'")}  # fmt: skip
+    arms = {
+        r.info.run_name: r.info.run_id
+        for r in client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{parent['parent_run_id']}'")
+    }
     (view,) = re.findall(r"^MLflow: .*http://127\.0\.0\.1:5000/(#/\S+)$", done.stdout, re.MULTILINE)
     return Sweep(parent["uri"], record.parent, experiment_id, parent["parent_run_id"], arms, view, done.stdout)
 
@@ -135,12 +155,23 @@ class MlflowServer:
 
     def start(self) -> MlflowServer:
         mlflow = Path(sys.executable).with_name("mlflow")
-        cmd = [str(mlflow) if mlflow.exists() else "mlflow", "server", "--backend-store-uri", self.uri,
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]  # fmt: skip
+        cmd = [
+            str(mlflow) if mlflow.exists() else "mlflow",
+            "server",
+            "--backend-store-uri",
+            self.uri,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         return self
 
     def wait(self, timeout_s: float | None = None) -> str:

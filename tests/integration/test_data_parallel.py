@@ -60,9 +60,16 @@ def train(rank: int, world: int, zero1: bool, precision: PrecisionConfig) -> dic
 
 
 def _worker(rank: int, world: int, port: int, zero1: bool, precision: PrecisionConfig, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})  # fmt: skip
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     state = train(rank, world, zero1, precision)
     if rank == 0:
         torch.save(state, out)
@@ -106,8 +113,14 @@ def test_zero1_matches_plain_data_parallelism(tmp_path: Path, precision: str) ->
     """
     p = PrecisionConfig()
     if precision == "bf16":  # bf16 weights and moments, gradients all-reduced in fp32 by the DDP hook
-        p = PrecisionConfig(name="bf16", param_dtype="bfloat16", compute_dtype="bfloat16", fp32_grad_accum=False,
-                            fp32_reduce=True, fp32_softmax_ce=True)  # fmt: skip
+        p = PrecisionConfig(
+            name="bf16",
+            param_dtype="bfloat16",
+            compute_dtype="bfloat16",
+            fp32_grad_accum=False,
+            fp32_reduce=True,
+            fp32_softmax_ce=True,
+        )
     plain, sharded = two_ranks(tmp_path, False, p), two_ranks(tmp_path, True, p)
     for k in plain:
         assert torch.equal(plain[k], sharded[k]), k
@@ -123,9 +136,19 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
     from tests.integration.test_train import SMALL_RUN, cli
 
     run_dir, db = tmp_path / "dp2", tmp_path / "mlflow.db"
-    common = [*SMALL_RUN, "train.global_batch_size=8", "train.micro_batch_size=2", "train.checkpoint_every=4",
-              "train.log_every=2", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}", "tracker.plots=false",
-              "tracker.system_metrics=false", "tracker.flush_every_s=0", "health=off"]  # fmt: skip
+    common = [
+        *SMALL_RUN,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.checkpoint_every=4",
+        "train.log_every=2",
+        "optimizer.warmup_steps=2",
+        f"data.cache_dir={cache_dir}",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+        "tracker.flush_every_s=0",
+        "health=off",
+    ]
     dp2 = [*common, "cluster=cpu_x2", f"tracker.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]
     r = cli(*dp2, "train.steps=8", cwd=tmp_path, timeout=hang_guard(900))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -156,12 +179,28 @@ def test_a_killed_zero1_group_restarts_and_ends_bitwise_equal(tmp_path: Path, ca
     from tests.integration.test_fault_recovery import assert_same
     from tests.integration.test_train import cli
 
-    common = ["cluster=cpu_x2", "parallelism.zero1=true", "train.steps=8", "train.checkpoint_every=2",
-              "train.keep_last=0", "train.async_checkpoint=false", "optimizer.warmup_steps=1",
-              "optimizer.decay_steps=6", "train.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2",
-              "train.log_every=2",
-              "tracker=console", "tracker.plots=false", "model.n_layers=2", "model.dim=64", "model.n_heads=4",
-              "model.ffn_dim=176", f"data.cache_dir={cache_dir}", "health=off"]  # fmt: skip
+    common = [
+        "cluster=cpu_x2",
+        "parallelism.zero1=true",
+        "train.steps=8",
+        "train.checkpoint_every=2",
+        "train.keep_last=0",
+        "train.async_checkpoint=false",
+        "optimizer.warmup_steps=1",
+        "optimizer.decay_steps=6",
+        "train.seq_len=64",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "train.log_every=2",
+        "tracker=console",
+        "tracker.plots=false",
+        "model.n_layers=2",
+        "model.dim=64",
+        "model.n_heads=4",
+        "model.ffn_dim=176",
+        f"data.cache_dir={cache_dir}",
+        "health=off",
+    ]
     states = []
     for name, extra in (("whole", []), ("killed", ["fault.kill_at=[5]", "cluster.max_restarts=1"])):
         r = cli(*common, *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, timeout=hang_guard(900))
@@ -201,8 +240,16 @@ def train_accumulating(rank: int, world: int, zero1: bool) -> dict[str, torch.Te
 
 
 def _accumulating_worker(rank: int, port: int, zero1: bool, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     state = train_accumulating(rank, 2, zero1)
     if rank == 0:
         torch.save(state, out)

@@ -15,14 +15,22 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("lm_eval")
 
 
-def test_checkpoints_are_evaluated_along_training_and_afterwards(tmp_path: Path, cache_dir: Path,
-                                                                 monkeypatch) -> None:  # fmt: skip
+def test_checkpoints_are_evaluated_along_training_and_afterwards(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
     from mlflow import MlflowClient
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    run = [*SMALL_RUN, "train.steps=8", "train.checkpoint_every=4", f"data.cache_dir={cache_dir}", f"tracker.uri={uri}",
-           "tracker.plots=false", "tracker.system_metrics=false", "tracker.flush_every_s=0", "health=off"]  # fmt: skip
+    run = [
+        *SMALL_RUN,
+        "train.steps=8",
+        "train.checkpoint_every=4",
+        f"data.cache_dir={cache_dir}",
+        f"tracker.uri={uri}",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+        "tracker.flush_every_s=0",
+        "health=off",
+    ]
     # 16 x 64 = 1,024 tokens per step: every 4,096 tokens is every checkpoint (steps 4 and 8)
     result = main(run_config(*run, "eval=local", "eval.every_tokens=4096", "eval.limit=4"), run_dir=tmp_path / "r")
     client = MlflowClient(tracking_uri=uri)

@@ -25,10 +25,20 @@ STEPS = 24
 
 
 def common(cache_dir: Path, db: Path) -> list[str]:
-    return [*SMALL_RUN, f"train.steps={STEPS}", "train.checkpoint_every=4", "train.keep_last=2", "train.log_every=2",
-            "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}", f"tracker.uri=sqlite:///{db}",
-            "tracker.flush_every_s=0", "tracker.plots=false", "tracker.system_metrics=false",
-            "health=off"]  # fmt: skip  # recovery is the subject here, not the health checks
+    return [
+        *SMALL_RUN,
+        f"train.steps={STEPS}",
+        "train.checkpoint_every=4",
+        "train.keep_last=2",
+        "train.log_every=2",
+        "optimizer.warmup_steps=2",
+        f"data.cache_dir={cache_dir}",
+        f"tracker.uri=sqlite:///{db}",
+        "tracker.flush_every_s=0",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+        "health=off",
+    ]  # recovery is the subject here, not the health checks
 
 
 def state_of(ckpt: Path, tmp: Path) -> dict:
@@ -77,8 +87,16 @@ def strip_job(state: dict) -> dict:
 def test_random_sigkills_under_supervision_end_bitwise_equal(tmp_path: Path, cache_dir: Path, reference) -> None:
     seed = int.from_bytes(os.urandom(2), "little")
     db, run_dir = tmp_path / "mlflow.db", tmp_path / "run"
-    r = cli(*common(cache_dir, db), "fault=kill", "fault.kill_random=3", f"fault.seed={seed}",
-            "cluster.max_restarts=3", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=hang_guard(1500))  # fmt: skip
+    r = cli(
+        *common(cache_dir, db),
+        "fault=kill",
+        "fault.kill_random=3",
+        f"fault.seed={seed}",
+        "cluster.max_restarts=3",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=hang_guard(1500),
+    )
     assert r.returncode == 0, f"fault.seed={seed}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert r.stdout.count("SIGKILL after step") == 3 or r.stderr.count("SIGKILL after step") == 3
     final = state_of(run_dir / "checkpoints" / f"step_{STEPS:08d}", tmp_path)
@@ -119,11 +137,17 @@ def test_restarts_that_die_in_start_up_are_counted(tmp_path: Path, cache_dir: Pa
     assert checkpoint.read_job(run_dir / "checkpoints")["uptime"]["restarts"] == 3
 
 
-def test_a_crash_in_a_save_and_a_corrupt_checkpoint_are_survived(tmp_path: Path, cache_dir: Path,
-                                                                   reference) -> None:  # fmt: skip
+def test_a_crash_in_a_save_and_a_corrupt_checkpoint_are_survived(tmp_path: Path, cache_dir: Path, reference) -> None:
     db, run_dir = tmp_path / "mlflow.db", tmp_path / "run"
-    r = cli(*common(cache_dir, db), "fault.crash_in_save_at=8", "fault.corrupt_at=16", "cluster.max_restarts=2",
-            f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=hang_guard(1500))  # fmt: skip
+    r = cli(
+        *common(cache_dir, db),
+        "fault.crash_in_save_at=8",
+        "fault.corrupt_at=16",
+        "cluster.max_restarts=2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=hang_guard(1500),
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     log = (run_dir / "train.log").read_text()
@@ -135,11 +159,15 @@ def test_a_crash_in_a_save_and_a_corrupt_checkpoint_are_survived(tmp_path: Path,
     assert_same(strip_job(final), strip_job(reference[0]))
 
 
-def test_a_full_disk_stops_with_a_clear_error_and_the_rerun_loses_nothing(tmp_path: Path, cache_dir: Path,
-                                                                          reference) -> None:  # fmt: skip
+def test_a_full_disk_stops_with_a_clear_error_and_the_rerun_loses_nothing(
+    tmp_path: Path, cache_dir: Path, reference
+) -> None:
     cfg = [*common(cache_dir, tmp_path / "mlflow.db"), "fault=disk_full", "fault.disk_full_at=8"]
-    with pytest.raises(CheckpointError, match=r"no space left on the device writing checkpoint step_00000008 .* "
-                                              r"earlier checkpoints are intact \(step_00000004\)"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"no space left on the device writing checkpoint step_00000008 .* "
+        r"earlier checkpoints are intact \(step_00000004\)",
+    ):
         main(run_config(*cfg), run_dir=tmp_path / "run")
     root = tmp_path / "run" / "checkpoints"
     assert checkpoint.latest(root) == root / "step_00000004" and not list(root.glob("*.tmp"))
@@ -159,11 +187,19 @@ def check_nonfinite_policy(cfg: list[str], run_dir: Path, policy: str, at: int, 
     update, and its last checkpoint is finite. Returns the run's result (None for halt).
     """
     root = run_dir / "checkpoints"
-    cfg = [*cfg, "fault=nonfinite", f"fault.nonfinite_at=[{at}]", f"train.on_nonfinite={policy}",
-           f"train.steps={steps}"]  # fmt: skip
+    cfg = [
+        *cfg,
+        "fault=nonfinite",
+        f"fault.nonfinite_at=[{at}]",
+        f"train.on_nonfinite={policy}",
+        f"train.steps={steps}",
+    ]
     if policy == "halt":
-        with pytest.raises(HaltedError, match=rf"step {at}: the loss or the gradient norm is not finite .* newest "
-                                              rf"valid checkpoint is .*step_{saved:08d}"):  # fmt: skip
+        with pytest.raises(
+            HaltedError,
+            match=rf"step {at}: the loss or the gradient norm is not finite .* newest "
+            rf"valid checkpoint is .*step_{saved:08d}",
+        ):
             main(run_config(*cfg), run_dir=run_dir)
         assert sorted(p.name for p in root.glob("step_*")) == [f"step_{saved:08d}"]  # nothing non-finite was saved
         return None
@@ -182,8 +218,9 @@ def check_nonfinite_policy(cfg: list[str], run_dir: Path, policy: str, at: int, 
 
 @pytest.mark.parametrize("policy", ["halt", "rollback", "skip_step"])
 def test_non_finite_step_policies(tmp_path: Path, cache_dir: Path, policy: str) -> None:
-    result = check_nonfinite_policy(common(cache_dir, tmp_path / "mlflow.db"), tmp_path / "run", policy, at=6,
-                                    steps=12, saved=4)  # fmt: skip
+    result = check_nonfinite_policy(
+        common(cache_dir, tmp_path / "mlflow.db"), tmp_path / "run", policy, at=6, steps=12, saved=4
+    )
     if result is not None:
         losses = dict(result.history.series("train/loss"))
         assert all(map(torch.isfinite, torch.tensor([losses[s] for s in range(7, 13)])))
@@ -192,8 +229,13 @@ def test_non_finite_step_policies(tmp_path: Path, cache_dir: Path, policy: str) 
 
 def test_errors_a_restart_cannot_fix_are_not_retried(tmp_path: Path, cache_dir: Path) -> None:
     """A worker's configuration error ends the supervised job at once (exit 2), without burning the restarts."""
-    r = cli(*common(cache_dir, tmp_path / "mlflow.db"), f"train.resume={tmp_path / 'nowhere'}",
-            "cluster.max_restarts=3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
+    r = cli(
+        *common(cache_dir, tmp_path / "mlflow.db"),
+        f"train.resume={tmp_path / 'nowhere'}",
+        "cluster.max_restarts=3",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"hlat: configuration error: train.resume={tmp_path / 'nowhere'}: no complete checkpoint" in r.stderr
     assert "restart 1 of this job" not in r.stdout + r.stderr
@@ -201,8 +243,14 @@ def test_errors_a_restart_cannot_fix_are_not_retried(tmp_path: Path, cache_dir: 
 
 def test_an_unsupervised_halt_says_how_to_continue(tmp_path: Path, cache_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    r = cli(*common(cache_dir, tmp_path / "mlflow.db"), "fault=nonfinite", "fault.nonfinite_at=[6]", "train.steps=12",
-            f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    r = cli(
+        *common(cache_dir, tmp_path / "mlflow.db"),
+        "fault=nonfinite",
+        "fault.nonfinite_at=[6]",
+        "train.steps=12",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 1, r.stderr[-3000:]
     assert "hlat: step 6: the loss or the gradient norm is not finite (train.on_nonfinite=halt)" in r.stderr
     hint = next(line for line in r.stderr.splitlines() if line.startswith("hlat: the run stopped"))

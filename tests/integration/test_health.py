@@ -29,17 +29,29 @@ FAST_CHECKS = ["health.matmul_size=256", "health.matmul_seconds=0.1", "health.co
 def doctor(*args: str, cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
     """``hlat doctor`` as a separate process (``python -m hlat.health.doctor``: the same ``main``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run([sys.executable, "-m", "hlat.health.doctor", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True,
-                          timeout=hang_guard(600) if timeout is None else timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "hlat.health.doctor", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=hang_guard(600) if timeout is None else timeout,
+    )
 
 
 def train_in_own_group(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """``python train.py`` in a process group of its own, killed whole on timeout: the ranks of a job that hangs
     (without the watchdog) would otherwise outlive the killed agent."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -63,8 +75,16 @@ def test_doctor_on_two_processes_measures_every_rank_and_notes_the_slow_one(tmp_
     from mlflow import MlflowClient
 
     db = tmp_path / "mlflow.db"
-    r = doctor("cluster=cpu_x2", "health.inject_slow_rank=1", *FAST_CHECKS, f"tracker.uri=sqlite:///{db}", "--mlflow",
-               "--out", str(tmp_path / "doctor.md"), cwd=tmp_path)  # fmt: skip
+    r = doctor(
+        "cluster=cpu_x2",
+        "health.inject_slow_rank=1",
+        *FAST_CHECKS,
+        f"tracker.uri=sqlite:///{db}",
+        "--mlflow",
+        "--out",
+        str(tmp_path / "doctor.md"),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # one node, no peak: reported, not judged
     rows = table_rows(r.stdout)
     assert sorted(rows) == [0, 1]
@@ -87,10 +107,23 @@ def test_doctor_on_two_processes_measures_every_rank_and_notes_the_slow_one(tmp_
 
 def common(cache_dir: Path, tmp_path: Path) -> list[str]:
     # SMALL_RUN turns health off (as every test whose subject it is not); here it is the subject: back on.
-    return [*SMALL_RUN, "health=default", "cluster=cpu_x2", "train.global_batch_size=8", "train.micro_batch_size=2",
-            "train.log_every=2", "train.checkpoint_every=4", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}",
-            f"tracker.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracker.flush_every_s=0", "tracker.plots=false",
-            "tracker.system_metrics=false", f"hydra.run.dir={tmp_path / 'run'}", *FAST_CHECKS]  # fmt: skip
+    return [
+        *SMALL_RUN,
+        "health=default",
+        "cluster=cpu_x2",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.log_every=2",
+        "train.checkpoint_every=4",
+        "optimizer.warmup_steps=2",
+        f"data.cache_dir={cache_dir}",
+        f"tracker.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "tracker.flush_every_s=0",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *FAST_CHECKS,
+    ]
 
 
 def test_a_slow_rank_on_one_node_is_reported_and_the_killed_run_restarts(tmp_path: Path, cache_dir: Path) -> None:
@@ -100,8 +133,15 @@ def test_a_slow_rank_on_one_node_is_reported_and_the_killed_run_restarts(tmp_pat
     from mlflow import MlflowClient
 
     run_dir = tmp_path / "run"
-    r = cli(*common(cache_dir, tmp_path), "train.steps=6", "cluster.max_restarts=1", "fault.kill_at=[5]",
-            "health.inject_slow_rank=1", cwd=tmp_path, timeout=hang_guard(1200))  # fmt: skip
+    r = cli(
+        *common(cache_dir, tmp_path),
+        "train.steps=6",
+        "cluster.max_restarts=1",
+        "fault.kill_at=[5]",
+        "health.inject_slow_rank=1",
+        cwd=tmp_path,
+        timeout=hang_guard(1200),
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     log = (run_dir / "train.log").read_text()
@@ -118,16 +158,25 @@ def test_a_slow_rank_on_one_node_is_reported_and_the_killed_run_restarts(tmp_pat
     assert max(client.get_metric_history(run.info.run_id, "uptime/restarts"), key=lambda m: m.step).value == 1.0
 
 
-def test_a_configured_peak_far_above_the_cpu_stops_training_with_a_health_error(tmp_path: Path,
-                                                                              cache_dir: Path) -> None:  # fmt: skip
+def test_a_configured_peak_far_above_the_cpu_stops_training_with_a_health_error(
+    tmp_path: Path, cache_dir: Path
+) -> None:
     """Held to cluster.peak_tflops, the CPU fails on every rank before the model is built: a health failure (exit 3),
     not a configuration error, not retried, with advice a one-node job can follow."""
-    r = cli(*common(cache_dir, tmp_path), "train.steps=4", "cluster.max_restarts=2", "cluster.peak_tflops=1000",
-            cwd=tmp_path, timeout=hang_guard(900))  # fmt: skip
+    r = cli(
+        *common(cache_dir, tmp_path),
+        "train.steps=4",
+        "cluster.max_restarts=2",
+        "cluster.peak_tflops=1000",
+        cwd=tmp_path,
+        timeout=hang_guard(900),
+    )
     assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
     message = next(line for line in r.stderr.splitlines() if line.startswith("hlat: "))
-    want = (r"hlat: health check failed: pre-flight check failed on 1 of 1 node\(s\): node \S+: rank 0: "
-            r"matmul \S+ TFLOP/s is 0% of the expected 1e\+03 \(cluster.peak_tflops")  # fmt: skip
+    want = (
+        r"hlat: health check failed: pre-flight check failed on 1 of 1 node\(s\): node \S+: rank 0: "
+        r"matmul \S+ TFLOP/s is 0% of the expected 1e\+03 \(cluster.peak_tflops"
+    )
     assert re.match(want, message), message
     assert "rank 1: matmul" in message and "configuration error" not in r.stderr and "Exclude" not in message
     assert "stop other work on this host's devices and cores" in message and "health.preflight=off" in message
@@ -147,12 +196,20 @@ def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path
     # The watchdog's limits are hang guards too: a busy machine must not look like a hang before step 7.
     first_step_s = hang_guard(300)
     r = train_in_own_group(
-        *common(cache_dir, tmp_path), "train.steps=10", "cluster.max_restarts=1", "fault=hang", "fault.hang_at=6",
-        "health.watchdog_factor=5", f"health.watchdog_floor_s={hang_guard(10):g}",
+        *common(cache_dir, tmp_path),
+        "train.steps=10",
+        "cluster.max_restarts=1",
+        "fault=hang",
+        "fault.hang_at=6",
+        "health.watchdog_factor=5",
+        f"health.watchdog_floor_s={hang_guard(10):g}",
         f"health.watchdog_first_step_s={first_step_s:g}",
-        "health.watchdog_grace_s=1", "health.straggler_every=2", "health.min_relative_fraction=0.05",
-        cwd=tmp_path, timeout=hang_guard(1200),
-    )  # fmt: skip
+        "health.watchdog_grace_s=1",
+        "health.straggler_every=2",
+        "health.min_relative_fraction=0.05",
+        cwd=tmp_path,
+        timeout=hang_guard(1200),
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
 

@@ -18,8 +18,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_run_starts_from_exported_and_imported_weights(tmp_path: Path, cache_dir: Path) -> None:
-    common = [*SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", f"data.cache_dir={cache_dir}",
-              "tracker=console", "tracker.plots=false", "optimizer.warmup_steps=1", "health=off"]  # fmt: skip
+    common = [
+        *SMALL_RUN,
+        "train.steps=3",
+        "train.checkpoint_every=3",
+        f"data.cache_dir={cache_dir}",
+        "tracker=console",
+        "tracker.plots=false",
+        "optimizer.warmup_steps=1",
+        "health=off",
+    ]
     main(run_config(*common), run_dir=tmp_path / "a")
     source = tmp_path / "a" / "checkpoints"
     _, trained, ckpt = weights.load_checkpoint_weights(source)
@@ -33,8 +41,16 @@ def test_a_run_starts_from_exported_and_imported_weights(tmp_path: Path, cache_d
         main(run_config(*common, f"train.init_from={tmp_path / 'imported'}"), run_dir=tmp_path / "b")
 
     # lr 1e-12: AdamW moves each weight by ~1e-12, far below an fp32 ulp of these weights
-    main(run_config(*common, f"train.init_from={tmp_path / 'imported'}", f"data.tokenizer={tokenizer}",
-                     "optimizer.lr=1e-12", "optimizer.min_lr=1e-13"), run_dir=tmp_path / "c")  # fmt: skip
+    main(
+        run_config(
+            *common,
+            f"train.init_from={tmp_path / 'imported'}",
+            f"data.tokenizer={tokenizer}",
+            "optimizer.lr=1e-12",
+            "optimizer.min_lr=1e-13",
+        ),
+        run_dir=tmp_path / "c",
+    )
     _, started, _ = weights.load_checkpoint_weights(tmp_path / "c" / "checkpoints")
     assert trained.keys() == started.keys()
     for k in trained:

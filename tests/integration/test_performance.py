@@ -27,9 +27,18 @@ pytestmark = pytest.mark.slow
 
 
 def run(tmp_path: Path, cache_dir: Path, *overrides: str):
-    cfg = run_config(*SMALL_RUN, "train.steps=6", "train.log_every=2", "train.checkpoint_every=2",
-                      "train.async_checkpoint=false", "optimizer.warmup_steps=2", f"data.cache_dir={cache_dir}",
-                      "tracker=console", "health=off", *overrides)  # fmt: skip
+    cfg = run_config(
+        *SMALL_RUN,
+        "train.steps=6",
+        "train.log_every=2",
+        "train.checkpoint_every=2",
+        "train.async_checkpoint=false",
+        "optimizer.warmup_steps=2",
+        f"data.cache_dir={cache_dir}",
+        "tracker=console",
+        "health=off",
+        *overrides,
+    )
     return main(cfg, run_dir=tmp_path / "run")
 
 

@@ -32,10 +32,19 @@ STEPS = 40
 
 def common(cache_dir: Path, db: Path) -> list[str]:
     """A short run that checkpoints only at its end: any other checkpoint is the preempted one."""
-    return [*SMALL_RUN, f"train.steps={STEPS}", "train.checkpoint_every=0", "train.log_every=1",
-            f"data.cache_dir={cache_dir}", f"tracker.uri=sqlite:///{db}", "tracker.flush_every_s=0",
-            "tracker.plots=false", "tracker.system_metrics=false", "health=off",
-            "fault.min_step_s=0.1"]  # fmt: skip  # paced: the signal must find the run still going, however fast
+    return [
+        *SMALL_RUN,
+        f"train.steps={STEPS}",
+        "train.checkpoint_every=0",
+        "train.log_every=1",
+        f"data.cache_dir={cache_dir}",
+        f"tracker.uri=sqlite:///{db}",
+        "tracker.flush_every_s=0",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+        "health=off",
+        "fault.min_step_s=0.1",
+    ]  # paced: the signal must find the run still going, however fast
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +59,9 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen:
     """``python train.py <args>`` in the background, its output in files of ``cwd``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:  # the child keeps its copies
-        return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, stdout=out,
-                                stderr=err)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, stdout=out, stderr=err
+        )
 
 
 def logged_steps(db: Path, run_id: str) -> list[int]:
@@ -122,8 +132,10 @@ def test_a_signal_checkpoints_the_step_in_flight_and_the_printed_command_ends_bi
     ckpt = assert_preempted(db, run_id, root, output, code)
     assert json.loads((run_dir / MARKER).read_text())["signal"] == sig.name
     size = sum(f.stat().st_size for f in ckpt.iterdir())
-    print(f"\n{sig.name}: exit {took:.2f} s after the signal; checkpoint {ckpt.name} {size / 1e6:.1f} MB; "
-          + next((x for x in output.splitlines() if "the save took" in x), "").split(" - ")[-1])  # fmt: skip
+    print(
+        f"\n{sig.name}: exit {took:.2f} s after the signal; checkpoint {ckpt.name} {size / 1e6:.1f} MB; "
+        + next((x for x in output.splitlines() if "the save took" in x), "").split(" - ")[-1]
+    )
 
     again = cli(*continue_command(output), cwd=tmp_path, timeout=hang_guard(900))
     assert again.returncode == 0, again.stderr[-4000:]

@@ -32,8 +32,9 @@ def listening_sockets(root: psutil.Process) -> set[tuple[int, str, int]]:
         return found
     for p in procs:
         try:
-            found |= {(p.pid, c.laddr.ip, c.laddr.port) for c in p.net_connections("inet")
-                      if c.status == psutil.CONN_LISTEN}  # fmt: skip
+            found |= {
+                (p.pid, c.laddr.ip, c.laddr.port) for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN
+            }
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
@@ -41,15 +42,35 @@ def listening_sockets(root: psutil.Process) -> set[tuple[int, str, int]]:
 
 def test_a_supervised_one_node_run_listens_on_loopback_only(tmp_path: Path, cache_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [*SMALL_RUN, "cluster=cpu_x2", "cluster.max_restarts=1", "health=off", "tracker=console",
-            "train.steps=12", "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every=2",
-            "train.checkpoint_every=4", "optimizer.warmup_steps=2", "fault.kill_at=[6]", "tracker.plots=false",
-            f"data.cache_dir={cache_dir}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        *SMALL_RUN,
+        "cluster=cpu_x2",
+        "cluster.max_restarts=1",
+        "health=off",
+        "tracker=console",
+        "train.steps=12",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.log_every=2",
+        "train.checkpoint_every=4",
+        "optimizer.warmup_steps=2",
+        "fault.kill_at=[6]",
+        "tracker.plots=false",
+        f"data.cache_dir={cache_dir}",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the launcher's own choice, not the caller's
         env.pop(name, None)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     agent, seen = psutil.Process(proc.pid), set()
     deadline = time.monotonic() + hang_guard(1500)
     try:

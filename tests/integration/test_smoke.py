@@ -19,17 +19,29 @@ from tests.conftest import run_config
 from tests.integration.test_fault_recovery import check_nonfinite_policy
 
 MICRO = [
-    "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-    "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.log_every=1",
-    "optimizer.lr=3e-3", "optimizer.warmup_steps=2", "optimizer.decay_steps=4", "health=off",
-    "tracker.flush_every_s=0", "tracker.system_metrics=false",
-]  # fmt: skip
+    "model.n_layers=2",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "train.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.log_every=1",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=2",
+    "optimizer.decay_steps=4",
+    "health=off",
+    "tracker.flush_every_s=0",
+    "tracker.system_metrics=false",
+]
 """~0.1 s a step on 2 CPU cores; 2 micro-batches a step (gradient accumulation). ``decay_steps`` pins the schedule,
 so a 3-step leg sees the learning rates of the 6-step run."""
 
 
-def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(tmp_path: Path, cache_dir: Path,
-                                                                               monkeypatch) -> None:  # fmt: skip
+def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(
+    tmp_path: Path, cache_dir: Path, monkeypatch
+) -> None:
     """Fast cover of test_train.py's slow short-run, resume and restarted-job tests (and of the determinism test it
     replaces: the first leg's losses are the full run's)."""
     from mlflow import MlflowClient
@@ -46,8 +58,16 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(t
     assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]  # every step
     assert not any(k.startswith("time/") for _, row in full.history.rows for k in row)  # no step_breakdown: no timing
     assert loss[0][1] == pytest.approx(math.log(4096), abs=0.3)  # ~ln(vocab) at init
-    for key in ("train/grad_norm", "train/param_norm", "train/lr", "perf/tokens_per_s", "perf/step_time_s",
-                "perf/data_wait_s", "data/documents_consumed", "data/padding_fraction"):  # fmt: skip
+    for key in (
+        "train/grad_norm",
+        "train/param_norm",
+        "train/lr",
+        "perf/tokens_per_s",
+        "perf/step_time_s",
+        "perf/data_wait_s",
+        "data/documents_consumed",
+        "data/padding_fraction",
+    ):
         assert client.get_metric_history(run.info.run_id, key), key
     lr = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
     assert lr[2] == pytest.approx(3e-3) and lr[6] < lr[4] < lr[2]  # warm-up, then cosine decay
@@ -58,8 +78,10 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(t
     # The same job in two legs: steps 1-3, then resumed to 6 from the step-3 checkpoint.
     first = main(run_config(*common, "train.steps=3"), run_dir=tmp_path / "first")
     assert (tmp_path / "first" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
-    second = main(run_config(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
-                  run_dir=tmp_path / "second")  # fmt: skip
+    second = main(
+        run_config(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
+        run_dir=tmp_path / "second",
+    )
     assert first.history.series("train/loss") == full.history.series("train/loss")[:3]  # deterministic
     assert second.history.series("train/loss") == full.history.series("train/loss")[3:]  # resumed bit for bit
     assert second.mlflow_run_id == first.mlflow_run_id  # one MLflow run for the whole job
@@ -75,6 +97,12 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(t
 @pytest.mark.parametrize("policy", ["halt", "rollback", "skip_step"])
 def test_non_finite_step_policies(tmp_path: Path, cache_dir: Path, policy: str) -> None:
     """Fast cover of test_fault_recovery.py's slow policy test (the same checks): a NaN gradient at step 4 of 6."""
-    cfg = [*MICRO, f"data.cache_dir={cache_dir}", "tracker=console", "tracker.plots=false",
-           "train.checkpoint_every=2", "train.async_checkpoint=false"]  # fmt: skip
+    cfg = [
+        *MICRO,
+        f"data.cache_dir={cache_dir}",
+        "tracker=console",
+        "tracker.plots=false",
+        "train.checkpoint_every=2",
+        "train.async_checkpoint=false",
+    ]
     check_nonfinite_policy(cfg, tmp_path / "run", policy, at=4, steps=6, saved=2)

@@ -24,11 +24,24 @@ from tests.timeouts import hang_guard
 
 SWEEPS = ROOT / "sweeps"
 FAST = [
-    "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-    "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4", "train.log_every=1",
-    "train.checkpoint_every=2", "optimizer.warmup_steps=1", "tracker.plots=false", "tracker.system_metrics=false",
-    "tracker.flush_every_s=0", "tracker.experiment=sw", "train.async_checkpoint=false", "health=off",
-]  # fmt: skip
+    "model.n_layers=2",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "train.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    "train.log_every=1",
+    "train.checkpoint_every=2",
+    "optimizer.warmup_steps=1",
+    "tracker.plots=false",
+    "tracker.system_metrics=false",
+    "tracker.flush_every_s=0",
+    "tracker.experiment=sw",
+    "train.async_checkpoint=false",
+    "health=off",
+]
 
 
 def sweep_configs() -> list[str]:
@@ -123,8 +136,9 @@ def _kill_when_hanging(sweep: subprocess.Popen, root: Path, job: str, timeout_s:
         assert sweep.poll() is None and time.monotonic() < deadline, "the job never reached its hang"
         time.sleep(0.2)
     lock = str((markers[0].parents[1] / ".lock").resolve())  # held by the job's trainer (hlat.train.job_dir.hold_lock)
-    holders = [p for p in psutil.Process(sweep.pid).children(recursive=True)
-               if any(f.path == lock for f in p.open_files())]  # fmt: skip
+    holders = [
+        p for p in psutil.Process(sweep.pid).children(recursive=True) if any(f.path == lock for f in p.open_files())
+    ]
     assert len(holders) == 1, holders
     holders[0].send_signal(signal.SIGKILL)
 
@@ -153,7 +167,9 @@ def test_a_job_killed_under_submitit_fails_the_sweep_after_the_others_and_contin
     killed = client.get_run(rec["1"]["mlflow_run_id"])
     assert parent.info.status == "KILLED" and killed.info.status == "KILLED"  # never left RUNNING
     assert {killed.info.run_name, client.get_run(rec["0"]["mlflow_run_id"]).info.run_name} == {
-        "train.steps=6", "train.steps=4"}  # fmt: skip
+        "train.steps=6",
+        "train.steps=4",
+    }
 
     again = cli(*args, cwd=tmp_path, timeout=hang_guard(900))  # the fault is not part of the job's identity
     assert again.returncode == 0, again.stderr[-3000:]
@@ -166,9 +182,19 @@ def test_a_job_killed_under_submitit_fails_the_sweep_after_the_others_and_contin
 
 @pytest.mark.slow
 def test_optuna_sweep_minimizes_the_recorded_objective_and_replays_from_mlflow(tmp_path: Path, cache_dir) -> None:
-    args = ["-m", "--config-dir", str(SWEEPS), "--config-name", "lr_warmup_optuna", *FAST,
-            f"data.cache_dir={cache_dir}", "train.steps=4", "hydra.sweeper.n_trials=2",
-            "hydra.sweeper.sampler.n_startup_trials=1", "optimizer.warmup_steps=range(1, 3)"]  # fmt: skip
+    args = [
+        "-m",
+        "--config-dir",
+        str(SWEEPS),
+        "--config-name",
+        "lr_warmup_optuna",
+        *FAST,
+        f"data.cache_dir={cache_dir}",
+        "train.steps=4",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.n_startup_trials=1",
+        "optimizer.warmup_steps=range(1, 3)",
+    ]
     first = cli(*args, cwd=tmp_path, timeout=hang_guard(900))
     assert first.returncode == 0, first.stderr[-3000:]
     seen: set[Path] = set()
@@ -189,9 +215,21 @@ def test_multirun_under_torchrun_shares_one_directory_per_job(tmp_path: Path, ca
     from mlflow import MlflowClient
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           "-m", *FAST, f"data.cache_dir={cache_dir}", "cluster=cpu_x2", "train.steps=2", "train.global_batch_size=8",
-           "optimizer.beta2=0.95,0.99"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+        "-m",
+        *FAST,
+        f"data.cache_dir={cache_dir}",
+        "cluster=cpu_x2",
+        "train.steps=2",
+        "train.global_batch_size=8",
+        "optimizer.beta2=0.95,0.99",
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=hang_guard(900))
     assert r.returncode == 0, r.stderr[-3000:]
     sweep_dir = new_sweep(tmp_path, set())  # both ranks: one sweep directory (hlat.job_stamp through the agent store)
@@ -228,11 +266,19 @@ def test_slurm_launcher_preset_asks_one_exclusive_task_per_node_of_the_cluster(t
     params["cpus_per_task"] = cfg.cluster.cpus_per_task
     # The plugin's own mapping (SlurmLauncher.launch): base keys as they are, the others prefixed slurm_.
     base = set(OmegaConf.structured(BaseQueueConf).keys())
-    executor = submitit.AutoExecutor(folder=str(tmp_path), cluster="slurm",
-                                     slurm_max_num_timeout=params.pop("max_num_timeout"))  # fmt: skip
+    executor = submitit.AutoExecutor(
+        folder=str(tmp_path), cluster="slurm", slurm_max_num_timeout=params.pop("max_num_timeout")
+    )
     params.pop("_target_"), params.pop("submitit_folder")
     executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
     sbatch = executor._executor._make_submission_file_text("python -u -m submitit.core._submit x", "uid")
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --partition=train",
-                 "#SBATCH --time=4320", "#SBATCH --signal=USR2@120", "#SBATCH --cpus-per-task=128"):  # fmt: skip
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive",
+        "#SBATCH --partition=train",
+        "#SBATCH --time=4320",
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --cpus-per-task=128",
+    ):
         assert line in sbatch, sbatch

@@ -43,8 +43,16 @@ def forward_backward(tp: int, sp: bool) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, sp: bool, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     result = forward_backward(2, sp)
     if rank == 0:
         torch.save(result, out)
@@ -72,21 +80,40 @@ def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path:
     from tests.conftest import run_config
     from tests.integration.test_train import SMALL_RUN, cli
 
-    common = [*SMALL_RUN, "train.global_batch_size=8", "train.micro_batch_size=4", "train.checkpoint_every=4",
-              "train.log_every=2", "optimizer.warmup_steps=2", "optimizer.decay_steps=6", f"data.cache_dir={cache_dir}",
-              "tracker.plots=false", "tracker.system_metrics=false", "tracker.flush_every_s=0",
-              "health=off"]  # fmt: skip
+    common = [
+        *SMALL_RUN,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "train.checkpoint_every=4",
+        "train.log_every=2",
+        "optimizer.warmup_steps=2",
+        "optimizer.decay_steps=6",
+        f"data.cache_dir={cache_dir}",
+        "tracker.plots=false",
+        "tracker.system_metrics=false",
+        "tracker.flush_every_s=0",
+        "health=off",
+    ]
     db, run_dir = tmp_path / "mlflow.db", tmp_path / "tp2"
-    tp2 = [*common, "cluster=cpu_x2", "parallelism=tp2", "parallelism.sequence_parallel=true",
-           f"tracker.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    tp2 = [
+        *common,
+        "cluster=cpu_x2",
+        "parallelism=tp2",
+        "parallelism.sequence_parallel=true",
+        f"tracker.uri=sqlite:///{db}",
+        f"hydra.run.dir={run_dir}",
+    ]
     for steps in (4, 8):  # the second leg resumes from the first one's checkpoint
         r = cli(*tp2, f"train.steps={steps}", cwd=tmp_path, timeout=hang_guard(900))
         assert r.returncode == 0, r.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     tp_loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
-    one = dict(main(run_config(*common, "train.steps=8", "tracker=console"), run_dir=tmp_path / "one")
-               .history.series("train/loss"))  # fmt: skip
+    one = dict(
+        main(run_config(*common, "train.steps=8", "tracker=console"), run_dir=tmp_path / "one").history.series(
+            "train/loss"
+        )
+    )
     assert sorted(tp_loss) == list(range(1, 9))
     for step, value in one.items():
         assert tp_loss[step] == pytest.approx(value, abs=2e-3), step
@@ -125,8 +152,16 @@ def train_tp(tp: int, precision: PrecisionConfig, sp: bool = True) -> dict[str, 
 
 
 def _train_worker(rank: int, port: int, precision: PrecisionConfig, out: str, sp: bool = True) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.save(train_tp(2, precision, sp), f"{out}.rank{rank}")
     torch.distributed.destroy_process_group()
 
@@ -146,8 +181,15 @@ def test_tp2_trains_bf16_weights_like_one_process(tmp_path: Path, mode: str) -> 
 
     torch.set_num_threads(1)
     sr, master = mode == "bf16_sr", mode == "master_weights"
-    p = PrecisionConfig(name=mode, param_dtype="bfloat16", compute_dtype="bfloat16", stochastic_rounding=sr,
-                        master_weights=master, fp32_grad_accum=master, fp32_reduce=master)  # fmt: skip
+    p = PrecisionConfig(
+        name=mode,
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        stochastic_rounding=sr,
+        master_weights=master,
+        fp32_grad_accum=master,
+        fp32_reduce=master,
+    )
     one = train_tp(1, p)
     out = str(tmp_path / "tp2.pt")
     mp.spawn(_train_worker, args=(free_port(), p, out), nprocs=2, join=True)
@@ -165,8 +207,16 @@ def _tp_dp_worker(rank: int, port: int, out: str) -> None:
     from hlat.optim import param_groups
     from tests.integration.test_data_parallel import OPT, STEPS
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "4",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     par = ParallelismConfig(tp=2, sequence_parallel=True, zero1=True)
     backend = TorchBackend(backend_config(cluster=ClusterConfig(num_threads=1), parallelism=par, optimizer=OPT))
     backend.setup()

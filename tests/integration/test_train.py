@@ -19,11 +19,21 @@ from tests.timeouts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_RUN = [
-    "model.n_layers=2", "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=352",
-    "train.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=8", "train.steps=80",
-    "train.log_every=10", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4", "optimizer.warmup_steps=5",
+    "model.n_layers=2",
+    "model.dim=128",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=352",
+    "train.seq_len=64",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=8",
+    "train.steps=80",
+    "train.log_every=10",
+    "optimizer.lr=3e-3",
+    "optimizer.min_lr=3e-4",
+    "optimizer.warmup_steps=5",
     "health=off",  # no pre-flight check, watchdog or straggler report: load must not fail a test about training
-]  # fmt: skip
+]
 
 
 def cli(*args: str, cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
@@ -89,10 +99,18 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
     from tests.unit.test_telemetry import brute_force_spikes
 
     monkeypatch.chdir(tmp_path)
-    cfg = run_config(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0", "train.steps=60",
-                      "tracker.spike_window=4", "tracker.spike_threshold=0.02", "tracker.spike_summary_every=20",
-                      "cluster.peak_tflops=0.5", "cluster.price_per_hour=2.0",
-                      "tracker.layer_grad_norms_every=20")  # fmt: skip
+    cfg = run_config(
+        *SMALL_RUN,
+        f"data.cache_dir={cache_dir}",
+        "tracker.flush_every_s=0",
+        "train.steps=60",
+        "tracker.spike_window=4",
+        "tracker.spike_threshold=0.02",
+        "tracker.spike_summary_every=20",
+        "cluster.peak_tflops=0.5",
+        "cluster.price_per_hour=2.0",
+        "tracker.layer_grad_norms_every=20",
+    )
     result = main(cfg, run_dir=tmp_path / "run")
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     rid = result.mlflow_run_id
@@ -121,8 +139,13 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
     assert hist("perf/sequences_per_s")[60] == pytest.approx(tokens_per_s[60] / 64)
     # Per-layer gradient norms every 20 steps; their squares add up to the (pre-clip) global norm's square.
     layers = [k for k in client.get_run(rid).data.metrics if k.startswith("grad_norm/")]
-    assert sorted(layers) == ["grad_norm/embed", "grad_norm/layers.0", "grad_norm/layers.1", "grad_norm/lm_head",
-                              "grad_norm/norm"]  # fmt: skip
+    assert sorted(layers) == [
+        "grad_norm/embed",
+        "grad_norm/layers.0",
+        "grad_norm/layers.1",
+        "grad_norm/lm_head",
+        "grad_norm/norm",
+    ]
     for step in (20, 40, 60):
         total = sum(hist(k)[step] ** 2 for k in layers)
         assert total == pytest.approx(hist("train/grad_norm")[step] ** 2, rel=1e-4)
@@ -174,8 +197,16 @@ def test_resume_continues_exactly(tmp_path: Path, cache_dir: Path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     # decay_steps pins the schedule, so the 3-step first leg sees the 6-step run's learning rates. Under bf16_sr the
     # rounding is reseeded per step and master_weights' fp32 copies come back as fp32: both resume bit-identically.
-    common = [*SMALL_RUN, "train.steps=6", "train.log_every=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=4",
-              f"data.cache_dir={cache_dir}", "tracker=console", f"precision={precision}"]  # fmt: skip
+    common = [
+        *SMALL_RUN,
+        "train.steps=6",
+        "train.log_every=1",
+        "optimizer.warmup_steps=2",
+        "optimizer.decay_steps=4",
+        f"data.cache_dir={cache_dir}",
+        "tracker=console",
+        f"precision={precision}",
+    ]
     full = main(run_config(*common), run_dir=tmp_path / "full").history.series("train/loss")
     main(run_config(*common, "train.steps=3"), run_dir=tmp_path / "first")
     assert (tmp_path / "first" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
@@ -194,9 +225,17 @@ def test_own_jsonl_data_with_a_trained_tokenizer(tmp_path: Path, monkeypatch) ->
     monkeypatch.chdir(tmp_path)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"body": text}) + "\n" for text in topics.values()))
-    overrides = [*SMALL_RUN, "train.steps=4", "train.log_every=2", "optimizer.warmup_steps=1", "tracker=console",
-                 f"data.path={corpus}", "data.text_column=body", "model.vocab_size=512",
-                 f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    overrides = [
+        *SMALL_RUN,
+        "train.steps=4",
+        "train.log_every=2",
+        "optimizer.warmup_steps=1",
+        "tracker=console",
+        f"data.path={corpus}",
+        "data.text_column=body",
+        "model.vocab_size=512",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
     result = main(run_config(*overrides), run_dir=tmp_path / "run")
     assert result.state is not None and result.state.step == 4
     assert list((tmp_path / "cache" / "tokenizers").glob("*.model"))  # trained on this data, cached
@@ -206,13 +245,25 @@ def test_own_jsonl_data_with_a_trained_tokenizer(tmp_path: Path, monkeypatch) ->
 
 
 def test_precision_ablation_sweep_composes_every_arm(tmp_path: Path) -> None:
-    r = cli("-m", "--config-dir", str(ROOT / "sweeps"), "--config-name", "precision_ablation", "train.dry_run=true",
-            f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
+    r = cli(
+        "-m",
+        "--config-dir",
+        str(ROOT / "sweeps"),
+        "--config-name",
+        "precision_ablation",
+        "train.dry_run=true",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     summaries = [line for line in r.stdout.splitlines() if line.startswith("model=tiny")]
     assert [s.split("precision=")[1].split()[0] for s in summaries] == [
-        "fp32", "bf16", "bf16_sr", "master_weights", "bf16_sr",
-    ]  # fmt: skip
+        "fp32",
+        "bf16",
+        "bf16_sr",
+        "master_weights",
+        "bf16_sr",
+    ]
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "sweeps"), version_base="1.3"):  # as --cfg job composes it
@@ -224,16 +275,26 @@ def test_precision_ablation_sweep_composes_every_arm(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_restarted_job_continues_its_mlflow_run_and_counts_uptime(tmp_path: Path, cache_dir: Path,
-                                                                    monkeypatch) -> None:  # fmt: skip
+def test_a_restarted_job_continues_its_mlflow_run_and_counts_uptime(
+    tmp_path: Path, cache_dir: Path, monkeypatch
+) -> None:
     from mlflow import MlflowClient
 
     monkeypatch.chdir(tmp_path)
-    common = [*SMALL_RUN, "train.log_every=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=4",
-              f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0", "tracker.plots=false"]  # fmt: skip
+    common = [
+        *SMALL_RUN,
+        "train.log_every=1",
+        "optimizer.warmup_steps=2",
+        "optimizer.decay_steps=4",
+        f"data.cache_dir={cache_dir}",
+        "tracker.flush_every_s=0",
+        "tracker.plots=false",
+    ]
     first = main(run_config(*common, "train.steps=3"), run_dir=tmp_path / "first")
-    second = main(run_config(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
-                  run_dir=tmp_path / "second")  # fmt: skip
+    second = main(
+        run_config(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
+        run_dir=tmp_path / "second",
+    )
     assert second.mlflow_run_id == first.mlflow_run_id  # one MLflow run for the whole job
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(first.mlflow_run_id)
@@ -257,8 +318,14 @@ def test_a_restarted_job_continues_its_mlflow_run_and_counts_uptime(tmp_path: Pa
 @pytest.mark.slow
 def test_resume_with_another_model_shape_fails_before_any_work(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    common = [*SMALL_RUN, "train.steps=2", "optimizer.warmup_steps=1", f"data.cache_dir={cache_dir}",
-              "tracker=console", "tracker.plots=false"]  # fmt: skip
+    common = [
+        *SMALL_RUN,
+        "train.steps=2",
+        "optimizer.warmup_steps=1",
+        f"data.cache_dir={cache_dir}",
+        "tracker=console",
+        "tracker.plots=false",
+    ]
     main(run_config(*common), run_dir=tmp_path / "first")
     resume = f"train.resume={tmp_path / 'first' / 'checkpoints'}"
     with pytest.raises(ConfigError, match=r"cannot resume .*step_00000002: model\.dim=128 in the checkpoint but 64"):
@@ -278,13 +345,22 @@ def test_a_second_trainer_into_a_live_runs_directory_is_refused_before_any_work(
 @pytest.mark.slow
 def test_activation_checkpointing_modes_train_identically(tmp_path: Path, cache_dir: Path) -> None:
     """Recomputation changes memory and time, never the numbers: the same losses, bit for bit, in every mode."""
-    common = [*SMALL_RUN, "train.steps=3", "train.log_every=1", "optimizer.warmup_steps=1", "tracker=console",
-              "tracker.plots=false", f"data.cache_dir={cache_dir}", "train.checkpoint_every=0"]  # fmt: skip
+    common = [
+        *SMALL_RUN,
+        "train.steps=3",
+        "train.log_every=1",
+        "optimizer.warmup_steps=1",
+        "tracker=console",
+        "tracker.plots=false",
+        f"data.cache_dir={cache_dir}",
+        "train.checkpoint_every=0",
+    ]
     losses = {
-        mode: main(run_config(*common, f"parallelism.activation_checkpointing={mode}"), run_dir=tmp_path / mode)
-        .history.series("train/loss")
+        mode: main(
+            run_config(*common, f"parallelism.activation_checkpointing={mode}"), run_dir=tmp_path / mode
+        ).history.series("train/loss")
         for mode in ("none", "full", "selective")
-    }  # fmt: skip
+    }
     assert losses["full"] == losses["none"] and losses["selective"] == losses["none"]
     # ... and the backend really applies it: the recomputing subclass sits where the mode says.
     import functools

@@ -13,26 +13,52 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MICRO = [
-    "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-    "model.vocab_size=512", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-    "train.steps=3", "optimizer.warmup_steps=1", "train.log_every=1", "health=off", "train.checkpoint_every=0",
+    "model.n_layers=2",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.vocab_size=512",
+    "train.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.steps=3",
+    "optimizer.warmup_steps=1",
+    "train.log_every=1",
+    "health=off",
+    "train.checkpoint_every=0",
     "tracker.flush_every_s=0",
-]  # fmt: skip
+]
 
 
 KEYS = ("train/loss", "train/grad_norm")
 
 
-def train(tmp: Path, name: str, cache: Path, *overrides: str, keys: tuple[str, ...] = KEYS,
-          env: dict[str, str] | None = None, run_dir: Path | None = None) -> dict[str, list[float]]:  # fmt: skip
+def train(
+    tmp: Path,
+    name: str,
+    cache: Path,
+    *overrides: str,
+    keys: tuple[str, ...] = KEYS,
+    env: dict[str, str] | None = None,
+    run_dir: Path | None = None,
+) -> dict[str, list[float]]:
     """Run ``python train.py`` with ``overrides`` (and ``env`` added to this environment) as the MLflow run ``name``
     in ``run_dir`` (default ``tmp / name``; give another run the same one to resume it); each of ``keys``' logged
     values by step (default: the loss and the pre-clip grad norm)."""
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp / 'mlflow.db'}"
-    args = [sys.executable, str(ROOT / "train.py"), *MICRO, f"data.cache_dir={cache}", f"tracker.uri={store}",
-            f"tracker.run_name={name}", f"hydra.run.dir={run_dir or tmp / name}", *overrides]  # fmt: skip
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *MICRO,
+        f"data.cache_dir={cache}",
+        f"tracker.uri={store}",
+        f"tracker.run_name={name}",
+        f"hydra.run.dir={run_dir or tmp / name}",
+        *overrides,
+    ]
     r = subprocess.run(args, cwd=tmp, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     client = MlflowClient(tracking_uri=store)

@@ -88,8 +88,10 @@ def _trn1(*args: Any, **kwargs: Any) -> str:
     return "trn1"
 
 
-SPECIAL = {("torch_neuronx.utils", "get_platform_target"): _trn1,
-           ("torch_neuronx.utils.utils", "get_platform_target"): _trn1}  # fmt: skip
+SPECIAL = {
+    ("torch_neuronx.utils", "get_platform_target"): _trn1,
+    ("torch_neuronx.utils.utils", "get_platform_target"): _trn1,
+}
 """Attributes that must return a real value: NxD's ``hardware(get_platform_target())`` (parallel_state, qkv_linear)
 takes the platform's name, here trn1, the platform hlat targets."""
 

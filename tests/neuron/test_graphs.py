@@ -32,7 +32,7 @@ MODES = [
     pytest.param(("precision=bf16",), 3, id="bf16"),
     pytest.param(("precision=bf16_sr",), 2, id="bf16_sr"),
     pytest.param(("precision=master_weights", "parallelism.zero1=true"), 3, id="master_weights"),
-]  # fmt: skip
+]
 """Each mode with its log interval (2 or 3 steps, never 1: a per-step transfer must outnumber the per-interval one)."""
 
 
@@ -40,11 +40,16 @@ class FakeMetrics:
     """``torch_xla.debug.metrics`` as ``graph_metrics`` reads it, with torch-xla 2.9's conventions."""
 
     METRICS: ClassVar[dict[str, tuple]] = {
-        "CompileTime": (7, 4.5e9, ()), "ExecuteTime": (25, 1e6, ()), "TransferFromDeviceTime": (3, 9e5, ()),
-    }  # fmt: skip
+        "CompileTime": (7, 4.5e9, ()),
+        "ExecuteTime": (25, 1e6, ()),
+        "TransferFromDeviceTime": (3, 9e5, ()),
+    }
     COUNTERS: ClassVar[dict[str, int]] = {
-        "aten::_local_scalar_dense": 2, "aten::nonzero": 1, "MarkStep": 40, "UncachedCompile": 7,
-    }  # fmt: skip
+        "aten::_local_scalar_dense": 2,
+        "aten::nonzero": 1,
+        "MarkStep": 40,
+        "UncachedCompile": 7,
+    }
 
     def metric_data(self, name: str) -> tuple | None:
         return self.METRICS.get(name)  # None: no sample yet
@@ -82,8 +87,16 @@ def test_steady_steps_compile_nothing_and_fetch_once_per_interval(
     steps = INTERVALS * every
     keys = (GRAPHS_COMPILED, DEVICE_TO_HOST, CPU_FALLBACKS, "xla/compile_time_s", "train/loss")
     name = "-".join(o.split("=")[1] for o in overrides)
-    m = train(tmp_path, name, cache, "cluster=xla_cpu", *overrides, f"train.steps={steps}",
-              f"train.log_every={every}", keys=keys)  # fmt: skip
+    m = train(
+        tmp_path,
+        name,
+        cache,
+        "cluster=xla_cpu",
+        *overrides,
+        f"train.steps={steps}",
+        f"train.log_every={every}",
+        keys=keys,
+    )
     assert len(m["train/loss"]) == steps and all(math.isfinite(v) for v in m["train/loss"]), m["train/loss"]
     compiled, d2h, fallbacks = m[GRAPHS_COMPILED], m[DEVICE_TO_HOST], m[CPU_FALLBACKS]
     assert len(compiled) == len(d2h) == len(fallbacks) == INTERVALS, m  # logged with each interval's last row

@@ -38,8 +38,9 @@ def flat(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict[str, lis
         pytest.param(("parallelism.tp=2", "parallelism.pp=2", "cluster.nproc_per_node=4"), id="tp2xpp2"),
     ],
 )
-def test_layout_trains_like_the_flat_model(layout: tuple[str, ...], tmp_path: Path, cache: Path,
-                                           flat: dict[str, list[float]]) -> None:  # fmt: skip
+def test_layout_trains_like_the_flat_model(
+    layout: tuple[str, ...], tmp_path: Path, cache: Path, flat: dict[str, list[float]]
+) -> None:
     """``python train.py cluster=nxd_cpu`` with TP=2, PP=2 and both: the loss, the pre-clip grad norm (NxD's, which
     clipping uses) and the parameter norm of every step equal the flat model's.
 
@@ -65,8 +66,19 @@ def test_every_rank_starts_from_the_flat_models_weights(layout: str, tmp_path: P
     with socket.socket() as sock:  # a free port for the static rendezvous (0 would not tell the workers which)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-            str(ROOT / "tests" / "neuron" / "layout_probe.py"), *MICRO, "cluster=nxd_cpu", layout]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        str(ROOT / "tests" / "neuron" / "layout_probe.py"),
+        *MICRO,
+        "cluster=nxd_cpu",
+        layout,
+    ]
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
     r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]

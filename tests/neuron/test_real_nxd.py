@@ -29,7 +29,7 @@ def test_nxd_imports_and_hlat_binds_its_entry_points() -> None:
         "          api.layers.cross_entropy, api.manual_seed):\n"
         "    assert inspect.getsourcefile(f).count('neuronx_distributed'), f\n"
         "print('xla device', api.xm.xla_device())\n"
-    )  # fmt: skip
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "xla device xla:0" in r.stdout

@@ -21,9 +21,11 @@ learning rate is 10x the micro default, so that a lost optimizer state changes t
 
 @pytest.mark.parametrize(
     "mode",
-    [pytest.param((), id="fp32"),
-     pytest.param(("precision=master_weights", "parallelism.zero1=true"), id="master_weights_zero1")],
-)  # fmt: skip
+    [
+        pytest.param((), id="fp32"),
+        pytest.param(("precision=master_weights", "parallelism.zero1=true"), id="master_weights_zero1"),
+    ],
+)
 def test_a_run_resumed_from_its_step_2_xser_checkpoint_continues_bitwise(
     tmp_path: Path, cache: Path, mode: tuple[str, ...]
 ) -> None:

@@ -162,8 +162,9 @@ def recomputed(lane_tmp: Path, cache: Path) -> Callable[[str], Recomputed]:
         if mode not in runs:
             ir = lane_tmp / f"{mode}.ir"
             env = {"XLA_SAVE_TENSORS_FILE": str(ir), "XLA_SAVE_TENSORS_FMT": "text"}
-            metrics = train(lane_tmp, f"xla-{mode}", cache, *NEURON, LR,
-                            f"parallelism.activation_checkpointing={mode}", env=env)  # fmt: skip
+            metrics = train(
+                lane_tmp, f"xla-{mode}", cache, *NEURON, LR, f"parallelism.activation_checkpointing={mode}", env=env
+            )
             text = "".join(p.read_text() for p in sorted(lane_tmp.glob(f"{ir.name}*")))
             runs[mode] = metrics, Counter(re.findall(r"\b(?:aten|xla)::(\w+)\(", text))
         return runs[mode]

@@ -164,8 +164,10 @@ def policy(command: Command) -> Policy:
     """
     found = EXCEPTIONS.get(command.text) or _default(command.text)
     if found is None:
-        raise LookupError(f"{command.where}: no policy for {command.text!r}: add it to EXCEPTIONS in "
-                          f"{Path(__file__).relative_to(ROOT)}")  # fmt: skip
+        raise LookupError(
+            f"{command.where}: no policy for {command.text!r}: add it to EXCEPTIONS in "
+            f"{Path(__file__).relative_to(ROOT)}"
+        )
     return found
 
 

@@ -29,8 +29,16 @@ HANG_GUARD_S = 1800  # a hang guard only: no README command should come near it
 def _copy_checkout(dest: Path) -> None:
     """The checkout's tracked and untracked-but-not-ignored files, with their times (so make sees the venv as up to
     date), and the venvs as links."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            check=True, capture_output=True).stdout.decode().split("\0")  # fmt: skip
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         src = ROOT / name
         if src.is_file():
@@ -70,10 +78,15 @@ def _env(work: Path) -> dict[str, str]:
 def _shell(text: str, cwd: Path, work: Path, log: Path) -> subprocess.CompletedProcess[str]:
     script = f"{ACTIVATE}\n{text}\n" if not text.startswith("make ") else f"{text}\n"
     with log.open("w") as out:
-        done = subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in _env(work).items()), "bash", "--noprofile",
-                               "--norc", "-c", script],
-                              cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=HANG_GUARD_S,
-                              check=False)  # fmt: skip
+        done = subprocess.run(
+            ["env", "-i", *(f"{k}={v}" for k, v in _env(work).items()), "bash", "--noprofile", "--norc", "-c", script],
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=HANG_GUARD_S,
+            check=False,
+        )
     return done
 
 
@@ -107,9 +120,22 @@ SETUPS = {"corpus": _setup_corpus}
 def _serve(text: str, policy: Policy, work: Path, log: Path) -> str:
     """Start the server command, wait until it answers, return what its experiments page lists; stop it."""
     with log.open("w") as out:
-        proc = subprocess.Popen(["env", "-i", *(f"{k}={v}" for k, v in _env(work).items()), "bash", "--noprofile",
-                                 "--norc", "-c", f"{ACTIVATE}\nexec {text}\n"], cwd=work,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                "env",
+                "-i",
+                *(f"{k}={v}" for k, v in _env(work).items()),
+                "bash",
+                "--noprofile",
+                "--norc",
+                "-c",
+                f"{ACTIVATE}\nexec {text}\n",
+            ],
+            cwd=work,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{policy.port}/ajax-api/2.0/mlflow/experiments/search?max_results=1000"
         deadline = time.monotonic() + 300
@@ -149,6 +175,6 @@ def test_readme_command(command: Command, policy: Policy, workdirs: Callable[[st
     output = log.read_text(errors="replace")
     print(f"{command.where} ({time.monotonic() - t0:.0f} s): {text}")
     assert done.returncode == policy.returncode, (
-        f"{command.where} `{text}` exited {done.returncode} (expected {policy.returncode}):\n"
-        f"{output[-4000:]}")  # fmt: skip
+        f"{command.where} `{text}` exited {done.returncode} (expected {policy.returncode}):\n{output[-4000:]}"
+    )
     assert policy.output in output, f"`{text}` did not print {policy.output!r}:\n{output[-3000:]}"

@@ -21,8 +21,9 @@ from tests.timeouts import hang_guard
 WORLD = 3
 
 
-def run_attempt(store: dist.Store, world: int, ranks: list[int], timeout_s: float | None = None,
-                lead_s: float = 0.0) -> dict[int, int | str]:  # fmt: skip
+def run_attempt(
+    store: dist.Store, world: int, ranks: list[int], timeout_s: float | None = None, lead_s: float = 0.0
+) -> dict[int, int | str]:
     """Run the handshake of ``ranks`` concurrently: rank -> number, or the error's text.
 
     ``timeout_s`` is the handshake's own timeout: the subject where a test expects it to fire, else (None) a hang
@@ -69,8 +70,12 @@ def leave_debris(store: dist.Store, world: int, how: list[str]) -> None:
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.lists(st.sampled_from(["never", "hello", "counted", "done"]), min_size=WORLD, max_size=WORLD),
-                max_size=4), st.sampled_from([0.0, 0.3]))  # fmt: skip
+@given(
+    st.lists(
+        st.lists(st.sampled_from(["never", "hello", "counted", "done"]), min_size=WORLD, max_size=WORLD), max_size=4
+    ),
+    st.sampled_from([0.0, 0.3]),
+)
 def test_every_rank_agrees_whatever_earlier_attempts_left_behind(dead: list[list[str]], lead_s: float) -> None:
     store = loopback_store()
     seen = []

@@ -22,20 +22,32 @@ from tests.timeouts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
-    "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.ffn_dim=128", "train.seq_len=32",
-    "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=2", "optimizer.warmup_steps=1",
+    "model.n_layers=1",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.ffn_dim=128",
+    "train.seq_len=32",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=2",
+    "train.steps=2",
+    "optimizer.warmup_steps=1",
     "health=off",
-]  # fmt: skip
+]
 
 
 def train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """``python train.py ARGS`` in ``cwd``; MLflow gets no retries, so a regression fails fast instead of hanging
     (the timeout is a hang guard only)."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env |= {"PYTHONPATH": str(ROOT / "src"), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-            "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}  # fmt: skip
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=hang_guard(600))  # fmt: skip
+    env |= {"PYTHONPATH": str(ROOT / "src"), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=hang_guard(600),
+    )
 
 
 def one_clean_error(r: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -76,8 +88,9 @@ BAD_MANIFESTS = {
 
 
 @pytest.mark.parametrize("bad", list(BAD_MANIFESTS), ids=list(BAD_MANIFESTS))
-def test_a_manifest_of_the_wrong_shape_is_skipped_like_a_damaged_checkpoint(tmp_path: Path, caplog, bad: str,
-                                                                             monkeypatch) -> None:  # fmt: skip
+def test_a_manifest_of_the_wrong_shape_is_skipped_like_a_damaged_checkpoint(
+    tmp_path: Path, caplog, bad: str, monkeypatch
+) -> None:
     good = fake_checkpoint(tmp_path, 1)
     damaged = fake_checkpoint(tmp_path, 2, BAD_MANIFESTS[bad])
     assert checkpoint.manifest(damaged) is None
@@ -112,8 +125,17 @@ def test_a_failed_save_never_calls_a_damaged_checkpoint_intact(tmp_path: Path) -
     fake_checkpoint(tmp_path, 2, {"files": "w.bin"})
     model = torch.nn.Linear(2, 2)
     backend = TorchBackend(backend_config())
-    saver = checkpoint.Checkpointer(backend, tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                    lambda s: {}, every=0, last_step=3, keep_last=0, async_save=False)  # fmt: skip
+    saver = checkpoint.Checkpointer(
+        backend,
+        tmp_path,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda s: {},
+        every=0,
+        last_step=3,
+        keep_last=0,
+        async_save=False,
+    )
     try:
         err = saver._failed(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "step_00000003.tmp", 3)
     finally:
@@ -212,8 +234,9 @@ def test_train_py_with_a_dead_tracker_fails_before_data_and_model(tmp_path: Path
     # run before MLflow is asked anything; MLflow's own retries (~279 s) would end with another message.
     r = train_py("tracker.uri=http://127.0.0.1:9", *TINY, f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
     line = one_clean_error(r)
-    assert line.startswith("hlat: configuration error: tracker.uri=http://127.0.0.1:9: nothing answers at "
-                           "127.0.0.1:9 within 3 s")  # fmt: skip
+    assert line.startswith(
+        "hlat: configuration error: tracker.uri=http://127.0.0.1:9: nothing answers at 127.0.0.1:9 within 3 s"
+    )
     assert "start the server" in line and "tracker=console" in line
     assert not (tmp_path / "cache").exists()  # no tokenizer trained, no corpus read
 
@@ -257,15 +280,22 @@ def test_train_py_with_a_garbage_arrow_file_exits_2(tmp_path: Path) -> None:
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_a_run_dir_under_proc_is_a_configuration_error(tmp_path: Path) -> None:
     line = one_clean_error(train_py("hydra.run.dir=/proc/hlat", "tracker=console", *TINY, cwd=tmp_path))
-    assert line.startswith("hlat: configuration error: hydra.run.dir: cannot create or write the run directory "
-                           "/proc/hlat")  # fmt: skip
+    assert line.startswith(
+        "hlat: configuration error: hydra.run.dir: cannot create or write the run directory /proc/hlat"
+    )
     assert "set hydra.run.dir to a writable directory" in line
 
 
 def test_a_checkpoint_dir_under_a_file_is_a_configuration_error(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("")
-    r = train_py(f"train.checkpoint_dir={tmp_path / 'afile' / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}",
-                 "tracker=console", *TINY, f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)  # fmt: skip
+    r = train_py(
+        f"train.checkpoint_dir={tmp_path / 'afile' / 'ckpt'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "tracker=console",
+        *TINY,
+        f"data.cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+    )
     line = one_clean_error(r)
     assert f"train.checkpoint_dir={tmp_path / 'afile' / 'ckpt'}: {tmp_path / 'afile'} is a file" in line
     assert "set train.checkpoint_dir" in line and "to a writable directory" in line
@@ -300,14 +330,20 @@ def test_train_py_misspellings_say_did_you_mean_and_exit_2(tmp_path: Path, typo:
     assert typo.startswith("+") or not (tmp_path / "outputs").exists()  # Hydra stops before the run directory
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("trian.steps=3", "trian.steps is not a config key; did you mean train.steps=3?"),
-    ("+train.max_step=3", "train.max_step is not a config key; did you mean train.steps=3?"),
-    ("model=tinny", "did you mean model=tiny?"),
-    ("train.steps=abc", "train.steps: Value 'abc' of type 'str' could not be converted to Integer; give train.steps"),
-    ("eval.tasks=[hlat_local_mc]", "e.g. eval.tasks=[{task:hlat_local_mc,num_fewshot:0}]"),
-    ("train.steps=[", "cannot parse the override 'train.steps=['"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trian.steps=3", "trian.steps is not a config key; did you mean train.steps=3?"),
+        ("+train.max_step=3", "train.max_step is not a config key; did you mean train.steps=3?"),
+        ("model=tinny", "did you mean model=tiny?"),
+        (
+            "train.steps=abc",
+            "train.steps: Value 'abc' of type 'str' could not be converted to Integer; give train.steps",
+        ),
+        ("eval.tasks=[hlat_local_mc]", "e.g. eval.tasks=[{task:hlat_local_mc,num_fewshot:0}]"),
+        ("train.steps=[", "cannot parse the override 'train.steps=['"),
+    ],
+)
 def test_composition_errors_name_the_key_and_the_fix(override: str, expected: str) -> None:
     from hlat.config.compose import compose_run_config
 
@@ -346,8 +382,12 @@ def test_eval_tasks_from_the_command_line_reach_the_evaluation_along_training() 
     child = compose_run_config(["eval.checkpoint=/x", *scheduler.overrides])  # what `hlat eval` composes
     assert [(t.task, t.num_fewshot) for t in child.eval.tasks] == [("hlat_local_mc", 2)]
     assert (child.eval.limit, child.eval.batch_size, child.eval.device) == (3, cfg.eval.batch_size, None)
-    preset = compose_run_config(["eval.checkpoint=/x", *_eval_scheduler(
-        to_run_config(compose_cfg("eval=local", "eval.every_tokens=1024")), 512, 0).overrides])  # fmt: skip
+    preset = compose_run_config(
+        [
+            "eval.checkpoint=/x",
+            *_eval_scheduler(to_run_config(compose_cfg("eval=local", "eval.every_tokens=1024")), 512, 0).overrides,
+        ]
+    )
     assert [t.task for t in preset.eval.tasks] == ["hlat_local"]
 
 

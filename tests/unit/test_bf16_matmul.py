@@ -106,8 +106,9 @@ def test_attention_is_one_bf16_rounding_from_the_exact_result() -> None:
     g = _rand(*out.shape, seed=12)
     grads = torch.autograd.grad(out, (q, k, v), g)
     exact_grads = torch.autograd.grad(exact, leaves, g.double())
-    native_grads = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                                       (q, k, v), g)  # fmt: skip
+    native_grads = torch.autograd.grad(
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), (q, k, v), g
+    )
     for got, nat, ref in zip(grads, native_grads, exact_grads, strict=True):
         assert got.dtype == torch.bfloat16 and got.shape == ref.shape
         assert float((got.double() - ref).norm() / ref.norm()) < 2 * U
@@ -123,8 +124,7 @@ def test_masked_attention_falls_back_to_fp32_autograd() -> None:
     assert all(g.dtype == torch.bfloat16 for g in torch.autograd.grad(out.float().sum(), (q, k, v)))
 
 
-TINY = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256,
-                   max_seq_len=64)  # fmt: skip
+TINY = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
 
 
 def _forward_backward(model: Transformer, tokens: torch.Tensor):
@@ -211,8 +211,14 @@ def test_config_and_neuron_refuse_what_they_cannot_honour() -> None:
         PrecisionConfig(bf16_matmul="fast")
     from hlat.backends.neuron_plan import precision_plan
 
-    bf16 = dict(name="bf16", param_dtype="bfloat16", compute_dtype="bfloat16", fp32_grad_accum=False,
-                fp32_reduce=False, fp32_softmax_ce=False)  # fmt: skip
+    bf16 = dict(
+        name="bf16",
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        fp32_grad_accum=False,
+        fp32_reduce=False,
+        fp32_softmax_ce=False,
+    )
     with pytest.raises(ConfigError, match="bf16_matmul=auto"):
         precision_plan(PrecisionConfig(**bf16, bf16_matmul="emulated"), ParallelismConfig(), 0)
     precision_plan(PrecisionConfig(**bf16, bf16_matmul="native"), ParallelismConfig(), 0)  # the hardware's: fine
@@ -233,9 +239,17 @@ def test_stochastic_rounding_stays_unbiased_through_emulated_matmuls() -> None:
         apply_policy(lin, "emulated")
         assert isinstance(lin, EmulatedBf16Linear)
         start = lin.weight.detach().float().clone()
-        opt = PrecisionAdamW(lin.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                             master_weights=False, state_dtype=torch.bfloat16, stochastic_rounding=sr,
-                             seed=3)  # fmt: skip
+        opt = PrecisionAdamW(
+            lin.parameters(),
+            lr=1e-4,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.0,
+            master_weights=False,
+            state_dtype=torch.bfloat16,
+            stochastic_rounding=sr,
+            seed=3,
+        )
         x = torch.rand(8, 256, generator=torch.Generator().manual_seed(1)).bfloat16()  # positive: every grad > 0
         for _ in range(50):
             lin(x).float().sum().backward()

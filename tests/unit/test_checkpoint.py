@@ -30,8 +30,9 @@ def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def save(root: Path, model, opt, step: int, extra: dict | None = None, **kw) -> Path | None:
     """One checkpoint through the Checkpointer (synchronous unless async_save=True is passed)."""
     kw = {"keep_last": 0, "async_save": False, **kw}
-    saver = checkpoint.Checkpointer(TorchBackend(backend_config()), root, model, opt, lambda s: extra or {}, every=0,
-                                    last_step=step, **kw)  # fmt: skip
+    saver = checkpoint.Checkpointer(
+        TorchBackend(backend_config()), root, model, opt, lambda s: extra or {}, every=0, last_step=step, **kw
+    )
     try:
         saver.save(TrainState(step=step))
     finally:
@@ -62,8 +63,9 @@ def test_an_async_save_holds_the_state_of_its_step(tmp_path: Path) -> None:
     model, opt = model_and_opt()
     before = model.weight.detach().clone()
     backend = TorchBackend(backend_config())
-    saver = checkpoint.Checkpointer(backend, tmp_path, model, opt, lambda s: {}, every=0, last_step=1,
-                                    keep_last=0, async_save=True)  # fmt: skip
+    saver = checkpoint.Checkpointer(
+        backend, tmp_path, model, opt, lambda s: {}, every=0, last_step=1, keep_last=0, async_save=True
+    )
     saver.save(TrainState(step=1))
     with torch.no_grad():
         model.weight.add_(1.0)
@@ -130,8 +132,11 @@ def test_a_full_disk_is_a_clear_error_and_loses_no_checkpoint(tmp_path: Path, as
             (path / WEIGHTS).write_bytes(b"short")
             raise OSError(errno.ENOSPC, "No space left on device", str(path / WEIGHTS))
 
-    with pytest.raises(CheckpointError, match=r"no space left .* step_00000003 .* earlier checkpoints are intact "
-                                              r"\(step_00000001, step_00000002\)"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"no space left .* step_00000003 .* earlier checkpoints are intact "
+        r"\(step_00000001, step_00000002\)",
+    ):
         save(tmp_path, model, opt, 3, keep_last=2, async_save=async_save, fault=disk_full)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]  # no partial left
     assert checkpoint.latest(tmp_path) == tmp_path / "step_00000002"  # and retention deleted nothing
@@ -154,14 +159,22 @@ def test_keep_every_checkpoints_survive_retention(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000050", "step_00000060"]
     for step in range(70, 130, 10):
         save(tmp_path, model, opt, step, keep_last=2, keep_every=50)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000050", "step_00000100", "step_00000110",
-                                                         "step_00000120"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000050",
+        "step_00000100",
+        "step_00000110",
+        "step_00000120",
+    ]
 
 
 def test_an_incompatible_config_is_refused_naming_every_key(tmp_path: Path, caplog) -> None:
     model, opt = model_and_opt()
-    config = {"model": {"name": "tiny", "dim": 256, "init_std": 0.02}, "parallelism": {"tp": 1},
-              "precision": {"param_dtype": "float32"}, "train": {"steps": 10}}  # fmt: skip
+    config = {
+        "model": {"name": "tiny", "dim": 256, "init_std": 0.02},
+        "parallelism": {"tp": 1},
+        "precision": {"param_dtype": "float32"},
+        "train": {"steps": 10},
+    }
     path = save(tmp_path, model, opt, 1, meta={"config": config, "config_hash": checkpoint.config_hash(config)})
     assert checkpoint.manifest(path)["config_hash"] == checkpoint.config_hash(config)
     changed = {**config, "model": {**config["model"], "dim": 128}, "precision": {"param_dtype": "bfloat16"}}
@@ -172,8 +185,9 @@ def test_an_incompatible_config_is_refused_naming_every_key(tmp_path: Path, capl
     with pytest.raises(ConfigError, match=r"parallelism\.tp=1 in the checkpoint but 2 now \(.*sharded"):
         checkpoint.check_compatible(path, {**config, "parallelism": {"tp": 2}})
     with caplog.at_level("INFO", logger="hlat.train.checkpoint"):  # not a shape or layout: allowed, and logged
-        checkpoint.check_compatible(path, {**config, "model": {**config["model"], "name": "x", "init_std": 0.01},
-                                           "train": {"steps": 20}})  # fmt: skip
+        checkpoint.check_compatible(
+            path, {**config, "model": {**config["model"], "name": "x", "init_std": 0.01}, "train": {"steps": 20}}
+        )
     assert "model.init_std=0.02 in the checkpoint but 0.01 now" in caplog.text
     assert "train.steps=10 in the checkpoint but 20 now" in caplog.text
 
@@ -214,6 +228,9 @@ def test_other_write_failures_name_the_cause_and_what_is_intact(tmp_path: Path, 
     model, opt = model_and_opt()
     save(tmp_path, model, opt, 1)
     monkeypatch.setattr(fs, "_write_item", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "denied")))
-    with pytest.raises(CheckpointError, match=r"writing checkpoint step_00000002 failed .*denied.*earlier "
-                                              r"checkpoints are intact \(step_00000001\)"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"writing checkpoint step_00000002 failed .*denied.*earlier "
+        r"checkpoints are intact \(step_00000001\)",
+    ):
         save(tmp_path, model, opt, 2)

@@ -55,8 +55,9 @@ def test_launch_slurm_prints_the_rendered_script(
     cfg = to_run_config(compose_cfg(*O7))
     name = job_name(cfg, O7)
     pinned = [*O7, f"tracker.uri=sqlite:///{tmp_path}/mlflow.db"]
-    expected = sbatch_script(cfg, train_overrides(pinned, f"{tmp_path}/outputs/{name}"), ENV, name=name,
-                             install=install(), cpus_per_task=128)  # fmt: skip
+    expected = sbatch_script(
+        cfg, train_overrides(pinned, f"{tmp_path}/outputs/{name}"), ENV, name=name, install=install(), cpus_per_task=128
+    )
     assert out == expected
     assert install().python == os.path.abspath(sys.executable) and install().root == str(ROOT)
     assert len(fake_neuron_env) == 1 and fake_neuron_env[0] == cfg
@@ -64,22 +65,46 @@ def test_launch_slurm_prints_the_rendered_script(
 
 @pytest.mark.usefixtures("fake_neuron_env")
 def test_launch_eks_writes_the_manifest(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    argv = ["launch", "--target", "eks", "--image", "reg/hlat:1", "--name", "h7", "--fsx-claim", "lustre",
-            "--out", str(tmp_path), "--", *O7]  # fmt: skip
+    argv = [
+        "launch",
+        "--target",
+        "eks",
+        "--image",
+        "reg/hlat:1",
+        "--name",
+        "h7",
+        "--fsx-claim",
+        "lustre",
+        "--out",
+        str(tmp_path),
+        "--",
+        *O7,
+    ]
     code, out, _ = hlat(capsys, *argv)
     path = tmp_path / "h7.yaml"
     assert (code, out) == (0, f"{path}\n")
     cfg = to_run_config(compose_cfg(*O7))
-    expected = pytorchjob(cfg, train_overrides(O7, "/fsx/hlat/h7"), ENV, name="h7", image="reg/hlat:1",
-                          fsx_claim="lustre")  # fmt: skip
+    expected = pytorchjob(
+        cfg, train_overrides(O7, "/fsx/hlat/h7"), ENV, name="h7", image="reg/hlat:1", fsx_claim="lustre"
+    )
     assert path.read_text() == to_yaml(expected)
     assert yaml.safe_load(path.read_text())["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 64
 
 
 @pytest.mark.usefixtures("fake_neuron_env")
 def test_launch_torchrun_writes_an_executable_script(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, _ = hlat(capsys, "launch", "--target", "torchrun", "--run-dir", "/fsx/r", "--out", str(tmp_path), *O7,
-                        "tracker.uri=http://mlflow.internal:5000")  # fmt: skip
+    code, out, _ = hlat(
+        capsys,
+        "launch",
+        "--target",
+        "torchrun",
+        "--run-dir",
+        "/fsx/r",
+        "--out",
+        str(tmp_path),
+        *O7,
+        "tracker.uri=http://mlflow.internal:5000",
+    )
     path = Path(out.strip())
     assert code == 0 and path.parent == tmp_path and path.suffix == ".sh" and os.access(path, os.X_OK)
     text = path.read_text()
@@ -138,8 +163,17 @@ def test_cpus_per_task_reaches_sbatch_and_srun(
 
 
 def test_torch_clusters_export_nothing(capsys: pytest.CaptureFixture[str], fake_neuron_env: list) -> None:
-    code, out, _ = hlat(capsys, "launch", "--target", "slurm", "--cpus-per-task", "96", "cluster=gpu_8x",
-                        "cluster.nodes=2", "train.micro_batch_size=1")  # fmt: skip
+    code, out, _ = hlat(
+        capsys,
+        "launch",
+        "--target",
+        "slurm",
+        "--cpus-per-task",
+        "96",
+        "cluster=gpu_8x",
+        "cluster.nodes=2",
+        "train.micro_batch_size=1",
+    )
     assert code == 0 and "--gpus-per-node=8" in out and "export NEURON" not in out and not fake_neuron_env
 
 
@@ -171,26 +205,36 @@ def test_compile_keeps_the_run_command(capsys: pytest.CaptureFixture[str]) -> No
     ("argv", "message"),
     [
         (["launch", "--target", "eks", *O7], "--target eks needs --image"),
-        (["launch", "--target", "slurm", "cluster=trn1_1node", "cluster.nodes=4", "cluster.efa_devices=0"],
-         "trn1 nodes talk to each other only over EFA"),
-        (["launch", "--target", "slurm", "experiment=hlat_70b", "cluster=trn1_x4", "parallelism=hlat_70b"],
-         "configuration error: world size 128 is not divisible by parallelism.tp=32 x parallelism.pp=8"),
-        (["launch", "--target", "slurm", "cluster=trn1_x4", "modle=7b"],
-         "configuration error: modle is not a config key; did you mean model=7b?"),
+        (
+            ["launch", "--target", "slurm", "cluster=trn1_1node", "cluster.nodes=4", "cluster.efa_devices=0"],
+            "trn1 nodes talk to each other only over EFA",
+        ),
+        (
+            ["launch", "--target", "slurm", "experiment=hlat_70b", "cluster=trn1_x4", "parallelism=hlat_70b"],
+            "configuration error: world size 128 is not divisible by parallelism.tp=32 x parallelism.pp=8",
+        ),
+        (
+            ["launch", "--target", "slurm", "cluster=trn1_x4", "modle=7b"],
+            "configuration error: modle is not a config key; did you mean model=7b?",
+        ),
         (["launch", "--target", "slurm", "cluster=trn1_x4", "train.steps=many"], "could not be converted to Integer"),
         (["launch", "--target", "slurm", "cluster=trn1_x99"], "cluster=trn1_x99: conf/cluster/ has no option"),
-        (["launch", "--target", "slurm", "experiment=hlat_7b", "optimizer.warmup_steps=500000"],
-         "optimizer.warmup_steps=500000 is not below train.steps=450000"),
+        (
+            ["launch", "--target", "slurm", "experiment=hlat_7b", "optimizer.warmup_steps=500000"],
+            "optimizer.warmup_steps=500000 is not below train.steps=450000",
+        ),
         (["launch", "--target", "slurm", "--name", "HLAT_7b", *O7], "DNS-1035"),
-        (["launch", "--target", "slurm", "cluster=cpu", "cluster.cpus_per_task=0"],
-         "cluster.cpus_per_task=0 must be >= 1 or null"),
+        (
+            ["launch", "--target", "slurm", "cluster=cpu", "cluster.cpus_per_task=0"],
+            "cluster.cpus_per_task=0 must be >= 1 or null",
+        ),
         (["compile", "cluster=gpu_8x", "train.micro_batch_size=1"], "cluster=gpu_8x uses backend torch"),
         (["compile", "--steps", "0", *O7], "--steps=0 must be >= 1"),
         (["launch", "--target", "slurm", "--port", "70000", *O7], "--port=70000 is not a TCP port"),
         (["compile", "--target", "slurm", "--run", *O7], "submit the script with sbatch"),
         (["compile", "--run", *SMALL_TRN], "neuron_parallel_compile is not on PATH"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_line_and_exit_2(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str
 ) -> None:
@@ -214,16 +258,32 @@ def test_compile_run_executes_the_node_script(
     monkeypatch.chdir(tmp_path)
     stale = tmp_path / "outputs" / "job" / "compile" / "checkpoints"
     stale.mkdir(parents=True)  # a previous compile's directory: removed first (train.resume=never would refuse it)
-    code, _, _ = hlat(capsys, "compile", "--run", "--name", "job", "--steps", "3", *SMALL_TRN,
-                      "cluster.compile_cache=/tmp/cc")  # fmt: skip
+    code, _, _ = hlat(
+        capsys, "compile", "--run", "--name", "job", "--steps", "3", *SMALL_TRN, "cluster.compile_cache=/tmp/cc"
+    )
     assert code == 3  # the wrapper's exit status
     assert log.read_text().splitlines() == [
-        "/tmp/cc", os.path.abspath(sys.executable), "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", "32", "--max-restarts", "0", str(ROOT / "train.py"), *SMALL_TRN,
-        "cluster.compile_cache=/tmp/cc", f"tracker.uri=sqlite:///{tmp_path}/mlflow.db", "train.steps=3",
-        "optimizer.warmup_steps=2", "train.resume=never", "tracker.kind=console",
+        "/tmp/cc",
+        os.path.abspath(sys.executable),
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "32",
+        "--max-restarts",
+        "0",
+        str(ROOT / "train.py"),
+        *SMALL_TRN,
+        "cluster.compile_cache=/tmp/cc",
+        f"tracker.uri=sqlite:///{tmp_path}/mlflow.db",
+        "train.steps=3",
+        "optimizer.warmup_steps=2",
+        "train.resume=never",
+        "tracker.kind=console",
         f"hydra.run.dir={tmp_path}/outputs/job/compile",
-    ]  # fmt: skip
+    ]
     assert not stale.exists()
 
 
@@ -237,8 +297,10 @@ def test_the_neuron_backends_variables_are_exported(capsys: pytest.CaptureFixtur
     assert code == 0 and env["XLA_USE_BF16"] == "1"  # HLAT-7B: BF16 with stochastic rounding
     exports = [line for line in out.splitlines() if line.startswith("export ") and "MASTER_ADDR" not in line]
     assert exports.pop(0) == f'export PATH={shlex.quote(str(Path(install().python).parent))}:"$PATH"'  # first
-    elastic = ["export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
-               "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30"]  # torch elastic's, after the backend's  # fmt: skip
+    elastic = [
+        "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+        "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30",
+    ]  # torch elastic's, after the backend's
     assert exports == [f"export {k}={shlex.quote(v)}" for k, v in env.items()] + elastic
 
 

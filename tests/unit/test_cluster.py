@@ -17,12 +17,24 @@ GiB = 1024**3
 
 @pytest.mark.parametrize(
     ("preset", "backend", "nodes", "world"),
-    [("cpu", "torch", 1, 1), ("cpu_x2", "torch", 1, 2), ("gpu_1x", "torch", 1, 1), ("gpu_8x", "torch", 1, 8),
-     ("trn1_1node", "neuron", 1, 32), ("trn1_x4", "neuron", 4, 128), ("trn1_x32", "neuron", 32, 1024),
-     ("trn1_x64", "neuron", 64, 2048), ("trn1_x256", "neuron", 256, 8192), ("p4d_1node", "torch", 1, 8),
-     ("p4d_x64", "torch", 64, 512), ("p5_1node", "torch", 1, 8), ("trn1n_1node", "neuron", 1, 32),
-     ("xla_cpu", "neuron", 1, 1), ("nxd_cpu", "neuron", 1, 2)],
-)  # fmt: skip
+    [
+        ("cpu", "torch", 1, 1),
+        ("cpu_x2", "torch", 1, 2),
+        ("gpu_1x", "torch", 1, 1),
+        ("gpu_8x", "torch", 1, 8),
+        ("trn1_1node", "neuron", 1, 32),
+        ("trn1_x4", "neuron", 4, 128),
+        ("trn1_x32", "neuron", 32, 1024),
+        ("trn1_x64", "neuron", 64, 2048),
+        ("trn1_x256", "neuron", 256, 8192),
+        ("p4d_1node", "torch", 1, 8),
+        ("p4d_x64", "torch", 64, 512),
+        ("p5_1node", "torch", 1, 8),
+        ("trn1n_1node", "neuron", 1, 32),
+        ("xla_cpu", "neuron", 1, 1),
+        ("nxd_cpu", "neuron", 1, 2),
+    ],
+)
 def test_cluster_presets(preset: str, backend: str, nodes: int, world: int) -> None:
     c = to_run_config(compose_cfg(f"cluster={preset}")).cluster
     assert (c.name, c.backend, c.nodes, c.world_size) == (preset, backend, nodes, world)
@@ -34,17 +46,33 @@ def test_cluster_presets(preset: str, backend: str, nodes: int, world: int) -> N
 
 def test_every_cluster_file_is_listed() -> None:
     names = sorted(p.stem for p in (CONF / "cluster").glob("*.yaml"))
-    assert names == sorted(["cpu", "cpu_x2", "gpu", "gpu_1x", "gpu_8x", "trn1_1node", "trn1_x4", "trn1_x32",
-                            "trn1_x64", "trn1_x256", "trn1n_1node", "p4d_1node", "p4d_x64", "p5_1node",
-                            "xla_cpu", "nxd_cpu"])  # fmt: skip
+    assert names == sorted(
+        [
+            "cpu",
+            "cpu_x2",
+            "gpu",
+            "gpu_1x",
+            "gpu_8x",
+            "trn1_1node",
+            "trn1_x4",
+            "trn1_x32",
+            "trn1_x64",
+            "trn1_x256",
+            "trn1n_1node",
+            "p4d_1node",
+            "p4d_x64",
+            "p5_1node",
+            "xla_cpu",
+            "nxd_cpu",
+        ]
+    )
 
 
 @pytest.mark.parametrize(
     ("experiment", "layout"),
     [("hlat_7b", "world 2048 (tp 8, pp 1, dp 256)"), ("hlat_70b", "world 1024 (tp 32, pp 8, dp 4)")],
 )
-def test_paper_experiments_plan_their_cluster_on_any_host(experiment: str, layout: str, tmp_path: Path,
-                                                           capsys) -> None:  # fmt: skip
+def test_paper_experiments_plan_their_cluster_on_any_host(experiment: str, layout: str, tmp_path: Path, capsys) -> None:
     """A dry run needs neither the Neuron packages nor the nodes: it plans for the preset's world and memory."""
     main(run_config(f"experiment={experiment}", "train.dry_run=true"), run_dir=tmp_path)
     out = capsys.readouterr().out
@@ -59,8 +87,11 @@ def test_planned_budget_uses_the_device_memory_of_the_preset() -> None:
 def test_a_partial_world_is_refused_for_a_multi_node_preset() -> None:
     c = to_run_config(compose_cfg("cluster=trn1_x4")).cluster
     check_world(c, 128)
-    with pytest.raises(ConfigError, match=r"cluster=trn1_x4 plans 4 nodes x 32 processes = 128 ranks, but this job "
-                                          r"has 32; start it on every node as `hlat launch`"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster=trn1_x4 plans 4 nodes x 32 processes = 128 ranks, but this job "
+        r"has 32; start it on every node as `hlat launch`",
+    ):
         check_world(c, 32)
     check_world(to_run_config(compose_cfg("cluster=gpu_1x")).cluster, 8)  # one node: an external torchrun decides
 

@@ -281,9 +281,15 @@ def test_summary_table_values(store: Store) -> None:
     runs = select_runs(store.uri, experiment="ablation")
     header, *rows = table_rows(summary_table(runs))
     assert header == [  # the precision fields and memory figures are folded into precision.name
-        "run", "run id", "precision.name",
-        "final loss (last 10%)", "min loss", "grad norm median (2nd half)", "param norm (end)", "tokens/s (median)",
-    ]  # fmt: skip
+        "run",
+        "run id",
+        "precision.name",
+        "final loss (last 10%)",
+        "min loss",
+        "grad norm median (2nd half)",
+        "param norm (end)",
+        "tokens/s (median)",
+    ]
     assert rows == [
         ["fp32", f"`{store.ids['fp32'][:8]}`", "fp32", "3.0500", "3.0000", "15.500", "42.00", "10,500"],
         ["bf16", f"`{store.ids['bf16'][:8]}`", "bf16", "3.5500", "3.5000", "31.000", "31.25", "200"],

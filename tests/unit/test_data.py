@@ -444,8 +444,15 @@ def test_bad_layout_fails_before_reading_data(env, docs, tmp_path):
         build_loader(cfg, vocab_size=VOCAB, seq_len=0, micro_batch_size=1, seed=0)
     path = _docs_file(tmp_path, docs[:3])
     with pytest.raises(ConfigError, match="fewer than the 4 data-parallel ranks"):
-        build_loader(_cfg(env, path=str(path), tokenizer=str(env["tok"].path)), vocab_size=VOCAB, seq_len=8,
-                     micro_batch_size=1, seed=0, dp_rank=3, dp_size=4)  # fmt: skip
+        build_loader(
+            _cfg(env, path=str(path), tokenizer=str(env["tok"].path)),
+            vocab_size=VOCAB,
+            seq_len=8,
+            micro_batch_size=1,
+            seed=0,
+            dp_rank=3,
+            dp_size=4,
+        )
 
 
 def test_resume_rejects_a_different_stream(env, docs, tmp_path):

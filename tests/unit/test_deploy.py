@@ -273,8 +273,15 @@ def test_gpu_sbatch_asks_for_the_gpus_and_exports_nothing_of_neuron() -> None:
         "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30",
     ]  # torch elastic's only: nothing of Neuron's
     srun = next(line for line in script.replace("\\\n", " ").splitlines() if line.startswith("srun "))
-    assert shlex.split(srun)[:7] == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=96", INSTALL.python, "-m",
-                                     "torch.distributed.run", "--nnodes"]  # fmt: skip
+    assert shlex.split(srun)[:7] == [
+        "srun",
+        "--kill-on-bad-exit=1",
+        "--cpus-per-task=96",
+        INSTALL.python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+    ]
 
 
 def test_without_cpus_per_task_the_job_and_its_step_get_every_cpu_of_the_node() -> None:
@@ -295,8 +302,9 @@ def test_without_cpus_per_task_the_job_and_its_step_get_every_cpu_of_the_node() 
 
 
 def test_the_launchers_give_the_trainers_their_preemption_grace_and_a_margin() -> None:
-    cfg = to_run_config(compose_cfg("cluster=gpu_8x", "cluster.nodes=2", "train.micro_batch_size=1",
-                                    "train.preempt_grace_s=50"))  # fmt: skip
+    cfg = to_run_config(
+        compose_cfg("cluster=gpu_8x", "cluster.nodes=2", "train.micro_batch_size=1", "train.preempt_grace_s=50")
+    )
     script = sbatch_script(cfg, ["hydra.run.dir=out"], {}, name="g", install=INSTALL, cpus_per_task=96)
     assert "#SBATCH --signal=USR1@60\n" in script and "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60\n" in script
     node = node_script(cfg, ["hydra.run.dir=out"], {}, name="g", install=INSTALL)
@@ -318,8 +326,9 @@ def test_the_sbatch_script_requeues_the_job_only_when_the_trainers_checkpointed_
     run_dir = tmp_path / "run dir"
     root = tmp_path / "checkout"
     root.mkdir()
-    script = sbatch_script(cfg, [f"hydra.run.dir={run_dir}"], {}, name="g", install=Install(sys.executable, str(root)),
-                           cpus_per_task=96)  # fmt: skip
+    script = sbatch_script(
+        cfg, [f"hydra.run.dir={run_dir}"], {}, name="g", install=Install(sys.executable, str(root)), cpus_per_task=96
+    )
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     run_dir.mkdir()
@@ -347,10 +356,14 @@ def scripts(cfg7: RunConfig, cfg70: RunConfig) -> list[str]:
     for cfg, o, n in ((cfg7, O7, N7), (cfg70, O70, N70), (one, ["cluster=trn1_1node"], "one")):
         for steps in (None, 10):
             for inst, cpus in ((INSTALL, 128), (spaced, None), (install(), None)):
-                out.append(node_script(cfg, ov(o, n), {**ENV, "EMPTY": "", "Q": "it's"}, name=n, install=inst,
-                                       compile_steps=steps))  # fmt: skip
-                out.append(sbatch_script(cfg, ov(o, n), ENV, name=n, install=inst, cpus_per_task=cpus,
-                                         compile_steps=steps))  # fmt: skip
+                out.append(
+                    node_script(
+                        cfg, ov(o, n), {**ENV, "EMPTY": "", "Q": "it's"}, name=n, install=inst, compile_steps=steps
+                    )
+                )
+                out.append(
+                    sbatch_script(cfg, ov(o, n), ENV, name=n, install=inst, cpus_per_task=cpus, compile_steps=steps)
+                )
     return out
 
 
@@ -404,8 +417,12 @@ def test_scripts_started_from_an_empty_environment_run_hlats_interpreter(tmp_pat
     script = tmp_path / "n.sbatch"
     script.write_text(sbatch_script(cfg, overrides, {}, name="n", install=inst, cpus_per_task=None))
     slurm_env = ["SLURM_JOB_ID=7", "SLURM_JOB_NODELIST=n[1-2]", "SLURM_CPUS_ON_NODE=2"]
-    r = subprocess.run([*empty[:2], f"PATH={fake_bin}:/usr/bin:/bin", *slurm_env, "bash", str(script)], cwd=tmp_path,
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [*empty[:2], f"PATH={fake_bin}:/usr/bin:/bin", *slurm_env, "bash", str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert (r.returncode, r.stdout) == (0, f"{inst.root} {sys.prefix} True\n"), r.stderr
     args = (tmp_path / "srun.args").read_text().splitlines()
     assert args[:5] == ["--kill-on-bad-exit=1", "--cpus-per-task=2", inst.python, "-m", "torch.distributed.run"]
@@ -437,9 +454,13 @@ def test_compile_keeps_every_argument_but_the_host_only_keys() -> None:
     assert kept == [w for w in run[cut + 1 :] if override_key(w) not in {override_key(c) for c in changed}]
     assert kept == O7  # the user's overrides, in order; train.steps and the directories are replaced
     assert changed == [
-        "train.steps=7", "optimizer.warmup_steps=6", "train.resume=never", "train.checkpoint_dir=null",
-        "tracker.kind=console", f"hydra.run.dir=/fsx/runs/{N7}/compile",
-    ]  # fmt: skip
+        "train.steps=7",
+        "optimizer.warmup_steps=6",
+        "train.resume=never",
+        "train.checkpoint_dir=null",
+        "tracker.kind=console",
+        f"hydra.run.dir=/fsx/runs/{N7}/compile",
+    ]
     assert {override_key(w) for w in changed} <= set(HOST_ONLY_KEYS)
 
 

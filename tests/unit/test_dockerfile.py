@@ -28,15 +28,49 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Real only on the Neuron pip repository; PyPI has empty placeholders under these names. The DLC ships them.
 NEURON_PACKAGES = {"torch-neuronx", "neuronx-distributed", "neuronx-distributed-training", "neuronx-cc", "libneuronxla"}
 # pip options that take a value (so the value is not a requirement); -e/--editable's value is one.
-PIP_SHORT = {"-c": "--constraint", "-r": "--requirement", "-i": "--index-url", "-f": "--find-links", "-t": "--target",
-             "-C": "--config-settings", "-e": "--editable"}  # fmt: skip
+PIP_SHORT = {
+    "-c": "--constraint",
+    "-r": "--requirement",
+    "-i": "--index-url",
+    "-f": "--find-links",
+    "-t": "--target",
+    "-C": "--config-settings",
+    "-e": "--editable",
+}
 PIP_VALUE_OPTIONS = {
-    "--constraint", "--requirement", "--index-url", "--extra-index-url", "--find-links", "--target", "--prefix",
-    "--root", "--platform", "--python-version", "--implementation", "--abi", "--upgrade-strategy", "--progress-bar",
-    "--src", "--trusted-host", "--cache-dir", "--log", "--timeout", "--retries", "--exists-action", "--cert",
-    "--client-cert", "--proxy", "--config-settings", "--global-option", "--no-binary", "--only-binary", "--report",
-    "--root-user-action", "--python", "--editable",
-}  # fmt: skip
+    "--constraint",
+    "--requirement",
+    "--index-url",
+    "--extra-index-url",
+    "--find-links",
+    "--target",
+    "--prefix",
+    "--root",
+    "--platform",
+    "--python-version",
+    "--implementation",
+    "--abi",
+    "--upgrade-strategy",
+    "--progress-bar",
+    "--src",
+    "--trusted-host",
+    "--cache-dir",
+    "--log",
+    "--timeout",
+    "--retries",
+    "--exists-action",
+    "--cert",
+    "--client-cert",
+    "--proxy",
+    "--config-settings",
+    "--global-option",
+    "--no-binary",
+    "--only-binary",
+    "--report",
+    "--root-user-action",
+    "--python",
+    "--editable",
+}
 
 
 def _load_stages():
@@ -161,10 +195,25 @@ def test_trn1_installs_hlat_against_pins_of_the_dlc_stack_only() -> None:
     assert "--no-deps" not in hlat[0]["options"]  # dependencies are resolved, around the pins
 
     stack = re.compile(DF.values(DF.stage("trn1"))["DLC_STACK"], re.IGNORECASE)  # grep -iE, as in the RUN step
-    pinned = ["torch", "torch-xla", "torch_xla", "torch-neuronx", "torch_neuronx", "neuronx-cc", "numpy",
-              "neuronx_distributed", "neuronx-distributed", "neuronx-distributed-training", "libneuronxla",
-              "neuronx_distributed_training", "aws-neuronx-runtime-discovery", "nki", "torchvision", "triton",
-              "nvidia-cublas-cu12"]  # fmt: skip
+    pinned = [
+        "torch",
+        "torch-xla",
+        "torch_xla",
+        "torch-neuronx",
+        "torch_neuronx",
+        "neuronx-cc",
+        "numpy",
+        "neuronx_distributed",
+        "neuronx-distributed",
+        "neuronx-distributed-training",
+        "libneuronxla",
+        "neuronx_distributed_training",
+        "aws-neuronx-runtime-discovery",
+        "nki",
+        "torchvision",
+        "triton",
+        "nvidia-cublas-cu12",
+    ]
     for name in pinned:
         assert stack.search(f"{name}==1.2.3+abc"), f"{name} is not pinned to the DLC's version"
     ours = [Requirement(d).name for d in pyproject()["project"]["dependencies"] if Requirement(d).name != "torch"]
@@ -203,27 +252,42 @@ case "$*" in
   *) echo "unexpected: $*" >&2; exit 3 ;;
 esac
 """
-DLC_PACKAGES = ("mlflow==2.0.0", "neuronx-cc==2.23.6484.0", "neuronx_distributed==0.17.26814", "torch==2.9.0",
-                "torch-neuronx==2.9.0.2.12.22436")  # fmt: skip
+DLC_PACKAGES = (
+    "mlflow==2.0.0",
+    "neuronx-cc==2.23.6484.0",
+    "neuronx_distributed==0.17.26814",
+    "torch==2.9.0",
+    "torch-neuronx==2.9.0.2.12.22436",
+)
 DLC_LIST = "".join(f"{line}\n" for line in DLC_PACKAGES)
 
 
-def run_trn1_step(tmp_path: Path, after_list: str, after_check: str = "", before_list: str = DLC_LIST,
-                  **env: str) -> subprocess.CompletedProcess:  # fmt: skip
+def run_trn1_step(
+    tmp_path: Path, after_list: str, after_check: str = "", before_list: str = DLC_LIST, **env: str
+) -> subprocess.CompletedProcess:
     """Run the trn1 install RUN step against a fake DLC whose pip reports the given package lists."""
     fake = tmp_path / "fake"
     (fake / "bin").mkdir(parents=True)
     (fake / "bin" / "python").write_text(FAKE_PYTHON)
     (fake / "bin" / "python").chmod(0o755)
-    for name, text in {"before.list": before_list, "before.check": "", "after.list": after_list,
-                       "after.check": after_check}.items():  # fmt: skip
+    for name, text in {
+        "before.list": before_list,
+        "before.check": "",
+        "after.list": after_list,
+        "after.check": after_check,
+    }.items():
         (fake / name).write_text(text)
     stage = DF.stage("trn1")
     [step] = [r for r in stage.runs() if "pip install" in r]
     step = step.replace("/tmp/", f"{tmp_path}/")  # the step's scratch files, kept out of the shared /tmp
     shell = json.loads(stage.all("SHELL")[-1].args)
-    variables = {**os.environ, **DF.values(stage), **env, "FAKE": str(fake),
-                 "PATH": f"{fake / 'bin'}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    variables = {
+        **os.environ,
+        **DF.values(stage),
+        **env,
+        "FAKE": str(fake),
+        "PATH": f"{fake / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    }
     return subprocess.run([*shell, step], cwd=tmp_path, env=variables, capture_output=True, text=True)
 
 
@@ -231,8 +295,14 @@ def test_trn1_step_pins_the_stack_and_accepts_new_packages(tmp_path: Path) -> No
     result = run_trn1_step(tmp_path, after_list=DLC_LIST + "numpy==2.4.6\n")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "fake" / "installed").read_text().split() == [
-        "-m", "pip", "install", "--no-cache-dir", "-c", f"{tmp_path}/dlc-stack.txt", "."
-    ]  # fmt: skip
+        "-m",
+        "pip",
+        "install",
+        "--no-cache-dir",
+        "-c",
+        f"{tmp_path}/dlc-stack.txt",
+        ".",
+    ]
     pinned = (tmp_path / "fake" / "constraints").read_text().split()
     assert pinned == [line for line in DLC_LIST.split() if not line.startswith("mlflow")]
     assert not list(tmp_path.glob("dlc-stack*.txt")), "scratch files are removed"

@@ -32,10 +32,25 @@ from tests.conftest import run_config  # noqa: E402
 from tests.timeouts import hang_guard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-        "model.vocab_size=384", "model.max_seq_len=256", "train.seq_len=64", "train.global_batch_size=4",
-        "train.micro_batch_size=4", "train.steps=2", "optimizer.warmup_steps=1", "tracker=console",
-        "tracker.plots=false", "data.worker=none", "train.async_checkpoint=false", "health=off"]  # fmt: skip
+TINY = [
+    "model.n_layers=2",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.vocab_size=384",
+    "model.max_seq_len=256",
+    "train.seq_len=64",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    "train.steps=2",
+    "optimizer.warmup_steps=1",
+    "tracker=console",
+    "tracker.plots=false",
+    "data.worker=none",
+    "train.async_checkpoint=false",
+    "health=off",
+]
 TEXT = "Return the number of items in the container. Raise ValueError if the argument is negative."
 
 
@@ -45,8 +60,12 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from hlat.train.run import main
 
     tmp = tmp_path_factory.mktemp("evalrun")
-    docs = [d for m in (os, json, shutil, subprocess) for n in dir(m)
-            if isinstance(d := getattr(getattr(m, n), "__doc__", None), str) and len(d) > 40]  # fmt: skip
+    docs = [
+        d
+        for m in (os, json, shutil, subprocess)
+        for n in dir(m)
+        if isinstance(d := getattr(getattr(m, n), "__doc__", None), str) and len(d) > 40
+    ]
     corpus = tmp / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     cfg = run_config(*TINY, f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}")
@@ -61,8 +80,11 @@ def lm(run_dir: Path) -> HlatLM:
 
 def small_model(seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50,
-                                    max_seq_len=64, init_std=0.2))  # fmt: skip
+    model = Transformer(
+        ModelConfig(
+            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50, max_seq_len=64, init_std=0.2
+        )
+    )
     model.init_weights()
     return model.eval()
 
@@ -150,7 +172,7 @@ def test_loglikelihood_equals_a_direct_forward_pass(lm: HlatLM) -> None:
         ("Open the file and return a corresponding file", " object."),
         ("", "Return True."),
         (TEXT * 4, " The end."),
-    ]  # fmt: skip  (the last one is cut to max_length)
+    ]  # the last one is cut to max_length
     reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
     got = lm.loglikelihood(reqs, disable_tqdm=True)
     eos = lm.tok.eos_id
@@ -198,8 +220,14 @@ def test_generate_until_is_greedy_and_cut_at_the_stop_string(lm: HlatLM) -> None
 
 
 def test_batched_generate_until_equals_one_at_a_time(lm: HlatLM) -> None:
-    contexts = ["Return the number of", "Raise", "Return the number of items in the container. Raise ValueError if",
-                "the argument", "items", "Return"]  # fmt: skip
+    contexts = [
+        "Return the number of",
+        "Raise",
+        "Return the number of items in the container. Raise ValueError if",
+        "the argument",
+        "items",
+        "Return",
+    ]
     kwargs = [{"until": ["\n"], "max_gen_toks": 10}, {"until": ["e"], "max_gen_toks": 7}]
     reqs = [Instance("generate_until", {}, (c, kwargs[i % 2]), i) for i, c in enumerate(contexts)]
     assert lm.batch_size == 3
@@ -238,15 +266,23 @@ def test_lm_eval_finds_the_model_by_name(run_dir: Path) -> None:
     from lm_eval.api.registry import get_model, model_registry
 
     assert get_model("hlat") is HlatLM and "hf" in model_registry  # lm-eval's own models stay registered
-    out = simple_evaluate(model="hlat", model_args=f"checkpoint={run_dir / 'checkpoints'},max_length=60",
-                          tasks=["hlat_local_mc"], limit=4, device="cpu", batch_size=2, task_manager=task_manager(),
-                          bootstrap_iters=0)  # fmt: skip
+    out = simple_evaluate(
+        model="hlat",
+        model_args=f"checkpoint={run_dir / 'checkpoints'},max_length=60",
+        tasks=["hlat_local_mc"],
+        limit=4,
+        device="cpu",
+        batch_size=2,
+        task_manager=task_manager(),
+        bootstrap_iters=0,
+    )
     assert out["results"]["hlat_local_mc"]["sample_len"] == 4
 
 
 def test_shots_per_task(run_dir: Path) -> None:
-    out = evaluate(run_dir, ["hlat_local_mc", "hlat_local_gen"], num_fewshot={"hlat_local_mc": 2}, limit=3,
-                   bootstrap_iters=0)  # fmt: skip
+    out = evaluate(
+        run_dir, ["hlat_local_mc", "hlat_local_gen"], num_fewshot={"hlat_local_mc": 2}, limit=3, bootstrap_iters=0
+    )
     assert out["n-shot"] == {"hlat_local_mc": 2, "hlat_local_gen": 0}
     assert {"hlat_local_mc", "hlat_local_gen"} <= set(out["results"]) and "hlat" in out
 
@@ -255,10 +291,30 @@ def test_shots_per_task(run_dir: Path) -> None:
 def test_command_line(run_dir: Path, tmp_path: Path) -> None:
     # lm-eval's CLI indexes its ~15k built-in task YAMLs first: ~10-20 s.
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-m", "hlat.eval.harness", "--model", "hlat", "--model_args",
-                           f"checkpoint={run_dir}", "--tasks", "hlat_local", "--device", "cpu", "--limit", "2",
-                           "--output_path", str(tmp_path / "out")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=hang_guard(900))  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hlat.eval.harness",
+            "--model",
+            "hlat",
+            "--model_args",
+            f"checkpoint={run_dir}",
+            "--tasks",
+            "hlat_local",
+            "--device",
+            "cpu",
+            "--limit",
+            "2",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=hang_guard(900),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hlat_local_mc" in proc.stdout and "bits_per_byte" in proc.stdout
     (result,) = (tmp_path / "out").rglob("results_*.json")
@@ -310,8 +366,10 @@ def test_the_tokenizer_must_be_the_runs(run_dir: Path, tmp_path: Path) -> None:
     extra["data"]["tokenizer"] = "0123456789abcdef"  # as if the run had trained another tokenizer
     torch.save(extra, step / "extra.rank0.pt")
     meta = json.loads((step / "manifest.json").read_text())
-    meta["files"]["extra.rank0.pt"] = {"size": (step / "extra.rank0.pt").stat().st_size,
-                                       "sha256": checkpoint.sha256(step / "extra.rank0.pt")}  # fmt: skip
+    meta["files"]["extra.rank0.pt"] = {
+        "size": (step / "extra.rank0.pt").stat().st_size,
+        "sha256": checkpoint.sha256(step / "extra.rank0.pt"),
+    }
     (step / "manifest.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="not the one the run trained with"):
         load(step)
@@ -324,8 +382,10 @@ def test_the_tokenizer_must_be_the_runs(run_dir: Path, tmp_path: Path) -> None:
 def test_cuda_matches_cpu(lm: HlatLM, run_dir: Path) -> None:
     gpu = HlatLM(str(run_dir), device="cuda", batch_size=3)
     assert gpu.model.embed.weight.is_cuda
-    reqs = [Instance("loglikelihood", {}, ("Return the number", " of items."), 0),
-            Instance("loglikelihood", {}, ("Raise ValueError if the argument is", " negative."), 1)]  # fmt: skip
+    reqs = [
+        Instance("loglikelihood", {}, ("Return the number", " of items."), 0),
+        Instance("loglikelihood", {}, ("Raise ValueError if the argument is", " negative."), 1),
+    ]
     for (a, _), (b, _) in zip(lm.loglikelihood(reqs), gpu.loglikelihood(reqs), strict=True):
         assert a == pytest.approx(b, abs=1e-3)
     prompt = gpu.tok_encode("Return the number of")
@@ -358,8 +418,10 @@ def test_tensor_parallel_gate_up_layout_is_undone(run_dir: Path, tmp_path: Path)
 
 
 def test_weights_only_checkpoints_bring_their_tokenizer(run_dir: Path, tmp_path: Path, lm: HlatLM) -> None:
-    meta = {"config": {"model": json.loads((lm.loaded.path / "manifest.json").read_text())["config"]["model"]},
-            "weights_only": True}  # fmt: skip
+    meta = {
+        "config": {"model": json.loads((lm.loaded.path / "manifest.json").read_text())["config"]["model"]},
+        "weights_only": True,
+    }
     save_weights(tmp_path / "bare", lm.model.state_dict(), meta)
     with pytest.raises(ConfigError, match="pass tokenizer="):
         load(tmp_path / "bare")

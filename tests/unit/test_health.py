@@ -33,14 +33,36 @@ NCCOM_FAILED = """     size(B)    count(elems)    type    time(us)    algbw(GB/s
 1 errors found - test failed
 """
 # neuron-ls --json-output on a trn1.2xlarge (one device, two NeuronCores, memory in bytes).
-NEURON_LS = json.dumps([{"neuron_device": 0, "bdf": "0000:00:1e.0", "cpu_affinity": "0-7", "numa_node": "-1",
-                         "connected_to": None, "nc_count": 2, "memory_size": 34359738368, "neuroncore_ids": [0, 1],
-                         "neuron_processes": []}])  # fmt: skip
+NEURON_LS = json.dumps(
+    [
+        {
+            "neuron_device": 0,
+            "bdf": "0000:00:1e.0",
+            "cpu_affinity": "0-7",
+            "numa_node": "-1",
+            "connected_to": None,
+            "nc_count": 2,
+            "memory_size": 34359738368,
+            "neuroncore_ids": [0, 1],
+            "neuron_processes": [],
+        }
+    ]
+)
 
 
 def rank(r: int, node: str = "a", tflops: float = 100.0, expected: float | None = None, **kw) -> RankResult:
-    return RankResult(r, node, r % 2, "cuda", kw.pop("ok", True), kw.pop("note", "fine"), tflops, expected,
-                      "cluster.peak_tflops" if expected else "none known", **kw)  # fmt: skip
+    return RankResult(
+        r,
+        node,
+        r % 2,
+        "cuda",
+        kw.pop("ok", True),
+        kw.pop("note", "fine"),
+        tflops,
+        expected,
+        "cluster.peak_tflops" if expected else "none known",
+        **kw,
+    )
 
 
 def figures(bw: float) -> dict[str, float]:
@@ -53,8 +75,10 @@ def figures(bw: float) -> dict[str, float]:
 def ranks_at(where: list[tuple[str, int]], tflops: list[float], expected: float | None = None) -> list[RankResult]:
     """What ``run_checks`` gathers: rank ``r`` on host ``where[r][0]`` (local rank ``where[r][1]``) measured
     ``tflops[r]``."""
-    return [RankResult(r, host, local, "cpu", True, "fine", t, expected, "cluster.peak_tflops" if expected else "none")
-            for r, ((host, local), t) in enumerate(zip(where, tflops, strict=True))]  # fmt: skip
+    return [
+        RankResult(r, host, local, "cpu", True, "fine", t, expected, "cluster.peak_tflops" if expected else "none")
+        for r, ((host, local), t) in enumerate(zip(where, tflops, strict=True))
+    ]
 
 
 def test_nodes_not_ranks_are_compared_and_a_slow_host_is_named() -> None:
@@ -98,8 +122,10 @@ def test_one_node_against_a_configured_peak_fails_with_advice_for_one_node() -> 
     failures = evaluate(ranks, [], HealthConfig())
     assert [(f.node, f.rank) for f in failures] == [("vm", 0), ("vm", 1)]
     msg = HealthReport(ranks, [], failures, nodes=1).failure_message()
-    assert msg.startswith("pre-flight check failed on 1 of 1 node(s): node vm: rank 0: matmul 0.1 TFLOP/s is 0% of "
-                          "the expected 1e+03 (cluster.peak_tflops; health.min_matmul_fraction=0.5)")  # fmt: skip
+    assert msg.startswith(
+        "pre-flight check failed on 1 of 1 node(s): node vm: rank 0: matmul 0.1 TFLOP/s is 0% of "
+        "the expected 1e+03 (cluster.peak_tflops; health.min_matmul_fraction=0.5)"
+    )
     assert "Exclude" not in msg and "no other node to move to: stop other work on this host" in msg
     assert "set cluster.peak_tflops to this device's real peak" in msg and "health.preflight=off" in msg
     broken = [dataclasses.replace(ranks[0], device_ok=False, device_note="matmul relative error 3e-01")]
@@ -129,21 +155,32 @@ def test_the_expected_peak_is_an_absolute_bar() -> None:
 
 
 def test_device_errors_slow_nodes_the_world_and_tools_all_fail() -> None:
-    cfg = HealthConfig(expected_busbw_gbps_intra=100, expected_busbw_gbps_world=50, min_bandwidth_fraction=0.5,
-                       min_relative_fraction=0.6)  # fmt: skip
+    cfg = HealthConfig(
+        expected_busbw_gbps_intra=100,
+        expected_busbw_gbps_world=50,
+        min_bandwidth_fraction=0.5,
+        min_relative_fraction=0.6,
+    )
     w = figures(20)
-    ranks = [rank(0, "a", intra=figures(120), world=w), rank(1, "a", intra=figures(110), world=w),
-             rank(2, "b", intra=figures(40), world=w, ok=False, note="matmul relative error 3e-01"),
-             rank(3, "b", intra=figures(45), world=w), rank(4, "c", intra=figures(115), world=w)]  # fmt: skip
+    ranks = [
+        rank(0, "a", intra=figures(120), world=w),
+        rank(1, "a", intra=figures(110), world=w),
+        rank(2, "b", intra=figures(40), world=w, ok=False, note="matmul relative error 3e-01"),
+        rank(3, "b", intra=figures(45), world=w),
+        rank(4, "c", intra=figures(115), world=w),
+    ]
     tools = [ToolResult("c", "neuron-ls", False, "exit 1: failed to discover Neuron devices")]
     failures = [(f.node, f.rank, f.reason.split(" ")[0]) for f in evaluate(ranks, tools, cfg)]
-    assert sorted(failures, key=str) == sorted([
-        ("b", 2, "device"),  # the wrong matmul
-        ("b", None, "intra-node"),  # node b: 40 GB/s < 0.5 x 100 (absolute) ...
-        ("b", None, "intra-node"),  # ... and < 0.6 x the nodes' median 110 (relative)
-        ("c", None, "neuron-ls:"),
-        (JOB, None, "world"),  # 20 GB/s < 0.5 x 50 over the world
-    ], key=str)  # fmt: skip
+    assert sorted(failures, key=str) == sorted(
+        [
+            ("b", 2, "device"),  # the wrong matmul
+            ("b", None, "intra-node"),  # node b: 40 GB/s < 0.5 x 100 (absolute) ...
+            ("b", None, "intra-node"),  # ... and < 0.6 x the nodes' median 110 (relative)
+            ("c", None, "neuron-ls:"),
+            (JOB, None, "world"),  # 20 GB/s < 0.5 x 50 over the world
+        ],
+        key=str,
+    )
     reasons = [f.reason for f in evaluate(ranks, tools, cfg) if f.node == "b" and f.rank is None]
     assert "health.expected_busbw_gbps_intra=100" in reasons[0] and "of the nodes' median 110" in reasons[1]
 
@@ -153,8 +190,10 @@ def test_the_report_names_the_failing_nodes_in_the_table_the_message_and_the_met
     report = HealthReport(ranks, [], evaluate(ranks, [], HealthConfig()), nodes=2)
     assert not report.passed
     msg = report.failure_message()
-    assert msg.startswith("pre-flight check failed on 1 of 2 node(s): node bad: matmul 10 TFLOP/s (the median of its "
-                          "ranks) is 18% of the nodes' median 55")  # fmt: skip
+    assert msg.startswith(
+        "pre-flight check failed on 1 of 2 node(s): node bad: matmul 10 TFLOP/s (the median of its "
+        "ranks) is 18% of the nodes' median 55"
+    )
     assert "Exclude node(s) bad from the job" in msg and "health.preflight=off" in msg and "good" not in msg
     rows = [line for line in report.table().splitlines() if line.startswith("| good") or line.startswith("| bad")]
     assert rows[0].endswith("| ok |") and rows[1].endswith("| FAIL |")
@@ -220,8 +259,20 @@ def test_collective_figures_follow_the_nccl_tests_formulas(monkeypatch) -> None:
 
 def test_the_documented_tool_outputs_parse() -> None:
     rows, avg, errors = parse_nccom_test(NCCOM_OK)
-    assert rows == [{"size_bytes": 33554432.0, "count": 33554432.0, "time_us": 768.0, "algbw_gibps": 40.69,
-                     "busbw_gibps": 40.69}] and avg == 40.6901 and errors == []  # fmt: skip
+    assert (
+        rows
+        == [
+            {
+                "size_bytes": 33554432.0,
+                "count": 33554432.0,
+                "time_us": 768.0,
+                "algbw_gibps": 40.69,
+                "busbw_gibps": 40.69,
+            }
+        ]
+        and avg == 40.6901
+        and errors == []
+    )
     rows, avg, errors = parse_nccom_test(NCCOM_FAILED)
     assert rows == [] and avg is None and len(errors) == 2
     (device,) = parse_neuron_ls(NEURON_LS)
@@ -233,8 +284,10 @@ def test_the_documented_tool_outputs_parse() -> None:
 def fake_tool(bin_dir: Path, name: str, stdout: str, code: int = 0, stderr: str = "") -> None:
     bin_dir.mkdir(exist_ok=True)
     script = bin_dir / name
-    script.write_text(f"#!/bin/sh\necho \"$@\" > {bin_dir / (name + '.args')}\ncat <<'EOF'\n{stdout}\nEOF\n"
-                      f"echo '{stderr}' >&2\nexit {code}\n")  # fmt: skip
+    script.write_text(
+        f"#!/bin/sh\necho \"$@\" > {bin_dir / (name + '.args')}\ncat <<'EOF'\n{stdout}\nEOF\n"
+        f"echo '{stderr}' >&2\nexit {code}\n"
+    )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
 
 
@@ -247,8 +300,17 @@ def test_the_tools_run_when_installed_and_fail_the_node_when_they_fail(tmp_path:
     assert ls.ok and ls.figures == {"neuron_devices": 1, "neuroncores": 2} and "2 NeuronCore(s), 32 GiB" in ls.summary
     assert not neuron_ls("n1", 32).ok  # 32 processes, 2 NeuronCores
     allr = nccom_test("n1", "allr", 2, 33554432, min_gbps=40.0)
-    assert (tmp_path / "bin" / "nccom-test.args").read_text().split() == ["-r", "2", "-b", "33554432", "-e",
-                                                                          "33554432", "-d", "fp32", "allr"]  # fmt: skip
+    assert (tmp_path / "bin" / "nccom-test.args").read_text().split() == [
+        "-r",
+        "2",
+        "-b",
+        "33554432",
+        "-e",
+        "33554432",
+        "-d",
+        "fp32",
+        "allr",
+    ]
     assert allr.ok and allr.figures["busbw_gbps"] == pytest.approx(40.6901 * 2**30 / 1e9)
     assert not nccom_test("n1", "allr", 2, 33554432, min_gbps=50.0).ok  # 43.7 GB/s < 50
     fake_tool(tmp_path / "bin", "nccom-test", NCCOM_FAILED, code=1)
@@ -303,8 +365,14 @@ def test_the_threshold_is_the_allowance_then_factor_times_the_median_with_a_floo
 
 def test_the_watchdog_stands_down_after_the_last_step(tmp_path: Path) -> None:
     clock, exits = FakeClock(), []
-    wd = HangWatchdog(HealthConfig(watchdog_first_step_s=1, watchdog_floor_s=1), tmp_path, 0, last_step=2,
-                      exit_fn=exits.append, clock=clock).start()  # fmt: skip
+    wd = HangWatchdog(
+        HealthConfig(watchdog_first_step_s=1, watchdog_floor_s=1),
+        tmp_path,
+        0,
+        last_step=2,
+        exit_fn=exits.append,
+        clock=clock,
+    ).start()
     wd(Step(1))
     wd(Step(2))  # the last step: the final save, plots and evaluations are not steps
     assert wd._thread is not None and not wd._thread.is_alive()
@@ -337,11 +405,17 @@ def test_py_spy_is_called_on_this_process_when_installed(tmp_path: Path, monkeyp
 # --- configuration ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("override", "key"), [
-    ("health.preflight=sometimes", "health.preflight"), ("health.min_relative_fraction=1.5", "min_relative_fraction"),
-    ("health.watchdog_factor=1", "health.watchdog_factor"), ("health.straggler_every=-1", "health.straggler_every"),
-    ("health.collective_timeout_s=0", "health.collective_timeout_s"), ("health.inject_slow_factor=0", "inject_slow"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("health.preflight=sometimes", "health.preflight"),
+        ("health.min_relative_fraction=1.5", "min_relative_fraction"),
+        ("health.watchdog_factor=1", "health.watchdog_factor"),
+        ("health.straggler_every=-1", "health.straggler_every"),
+        ("health.collective_timeout_s=0", "health.collective_timeout_s"),
+        ("health.inject_slow_factor=0", "inject_slow"),
+    ],
+)
 def test_bad_health_values_name_the_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         to_run_config(compose_cfg(override))
@@ -410,8 +484,15 @@ def test_hlat_doctor_is_a_subcommand_and_checks_one_process(capsys, tmp_path: Pa
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        hlat_main(["doctor", "health.matmul_size=128", "health.matmul_seconds=0.05",
-                   "health.matmul_repeats=1", "health.min_matmul_fraction=0"])  # fmt: skip  # no peak to hold it to
+        hlat_main(
+            [
+                "doctor",
+                "health.matmul_size=128",
+                "health.matmul_seconds=0.05",
+                "health.matmul_repeats=1",
+                "health.min_matmul_fraction=0",
+            ]
+        )  # no peak to hold it to
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     row = next(line for line in out.splitlines() if line.startswith("| ") and "| 0 |" in line)

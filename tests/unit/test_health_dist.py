@@ -39,9 +39,16 @@ def free_port() -> int:
 
 def join(rank: int, port: int, timeout_s: float | None = None) -> None:
     """Become rank ``rank`` of a 2-process gloo job, as torchrun's variables would make it."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})  # fmt: skip
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.set_num_threads(1)
     init_process_group(Ranks.from_env(), torch.device("cpu"), timeout_s)
 
@@ -75,8 +82,11 @@ def run_two(target, *args, timeout: float | None = None) -> list[int | None]:
 
 
 def run_config(health: HealthConfig, peak_tflops: float | None = None) -> RunConfig:
-    return RunConfig(cluster=ClusterConfig(nproc_per_node=2, peak_tflops=peak_tflops),
-                     optimizer=OptimizerConfig(warmup_steps=0), health=health)  # fmt: skip
+    return RunConfig(
+        cluster=ClusterConfig(nproc_per_node=2, peak_tflops=peak_tflops),
+        optimizer=OptimizerConfig(warmup_steps=0),
+        health=health,
+    )
 
 
 def _preflight(rank: int, port: int, out: str) -> None:
@@ -152,8 +162,9 @@ def test_the_collective_timeout_comes_from_the_config(tmp_path: Path) -> None:
 def _hang_worker(rank: int, port: int, tmp: str) -> None:
     join(rank, port)
     # The floor is a hang guard too: a busy machine must not make a step before the injected hang look like one.
-    cfg = HealthConfig(watchdog_factor=5, watchdog_floor_s=hang_guard(3), watchdog_first_step_s=hang_guard(60),
-                       watchdog_grace_s=1.0)  # fmt: skip
+    cfg = HealthConfig(
+        watchdog_factor=5, watchdog_floor_s=hang_guard(3), watchdog_first_step_s=hang_guard(60), watchdog_grace_s=1.0
+    )
     faults = FaultInjector(FaultConfig(hang_at=3, hang_rank=1), steps=8, markers=Path(tmp) / "faults", rank=rank)
     watchdog = HangWatchdog(cfg, Path(tmp) / "hang", rank, last_step=8).start()
 

@@ -24,8 +24,20 @@ from tests.conftest import backend_config
 
 VOCAB = 512
 # GQA with 2 query heads per kv head: the grouping of the fused qkv rows matters.
-CFG = ModelConfig(name="hf-test", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=VOCAB,
-                  max_seq_len=64, norm_eps=1e-5, rope_theta=500.0, init_std=0.02, scaled_init=False)  # fmt: skip
+CFG = ModelConfig(
+    name="hf-test",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=96,
+    vocab_size=VOCAB,
+    max_seq_len=64,
+    norm_eps=1e-5,
+    rope_theta=500.0,
+    init_std=0.02,
+    scaled_init=False,
+)
 # Texts led by spaces too: sentencepiece's dummy prefix gives "▁▁▁" for "  x" (HF's LlamaTokenizer gave "▁▁").
 TEXTS = [
     "Hello world, this is hlat.",
@@ -65,8 +77,13 @@ def random_model(cfg: ModelConfig = CFG, dtype: torch.dtype = torch.float32) -> 
 
 
 def run_config(tok: Tokenizer, tp: int = 1) -> dict:
-    cfg = RunConfig(model=CFG, data=DataConfig(cache_dir=str(tok.path.parents[1])), train=TrainConfig(seq_len=32),
-                    optimizer=OptimizerConfig(warmup_steps=10), parallelism=ParallelismConfig(tp=tp))  # fmt: skip
+    cfg = RunConfig(
+        model=CFG,
+        data=DataConfig(cache_dir=str(tok.path.parents[1])),
+        train=TrainConfig(seq_len=32),
+        optimizer=OptimizerConfig(warmup_steps=10),
+        parallelism=ParallelismConfig(tp=tp),
+    )
     return dataclasses.asdict(cfg)
 
 
@@ -78,8 +95,18 @@ def save_checkpoint(
     extra = {"train_state": {"step": 3}, "data": {"tokenizer": fingerprint or tok.fingerprint}}
     config = run_config(tok, tp)
     backend = TorchBackend(backend_config())
-    saver = checkpoint.Checkpointer(backend, root, model, opt, lambda s: extra, every=0, last_step=3,
-                                    keep_last=0, async_save=False, meta={"config": config})  # fmt: skip
+    saver = checkpoint.Checkpointer(
+        backend,
+        root,
+        model,
+        opt,
+        lambda s: extra,
+        every=0,
+        last_step=3,
+        keep_last=0,
+        async_save=False,
+        meta={"config": config},
+    )
     saver.save(TrainState(step=3))
     saver.close()
     return saver.last_saved
@@ -171,8 +198,25 @@ def test_transformers_computes_the_same_logits(exported, tok) -> None:
 # Pieces of text where tokenizers disagree: whitespace of every kind and length, the dummy prefix's "▁" typed in,
 # code, digits (split one by one), characters outside the vocabulary (byte fallback), the control pieces as text.
 SPACES = st.sampled_from([" ", "  ", "   ", "    ", "\t", "\n", "\r\n", "\u3000", "\u00a0", "▁"])
-WORDS = st.sampled_from(["the", "Return", "def f(x):", "__init__", "0", "2024", "3.14", "naïve", "😀", "日本語", "</s>",
-                         "<s>", "<unk>", "<0x41>", "x"])  # fmt: skip
+WORDS = st.sampled_from(
+    [
+        "the",
+        "Return",
+        "def f(x):",
+        "__init__",
+        "0",
+        "2024",
+        "3.14",
+        "naïve",
+        "😀",
+        "日本語",
+        "</s>",
+        "<s>",
+        "<unk>",
+        "<0x41>",
+        "x",
+    ]
+)
 TEXT = st.one_of(
     st.text(max_size=40), st.lists(st.one_of(SPACES, WORDS, st.text(max_size=3)), max_size=20).map("".join)
 )
@@ -234,16 +278,19 @@ def _hf(**kw) -> dict:
     return base | kw
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "mistral"}, "model_type='mistral'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope scaling 'linear'"),
-    ({"head_dim": 32}, "head_dim=32"),
-    ({"tie_word_embeddings": True}, "untie_embeddings=True"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope scaling 'linear'"),
+        ({"head_dim": 32}, "head_dim=32"),
+        ({"tie_word_embeddings": True}, "untie_embeddings=True"),
+    ],
+)
 def test_unsupported_hf_configs_are_refused(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         hf_layout.model_config_from_hf(_hf(**change), "x")

@@ -38,8 +38,12 @@ def run_and_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     from hlat.train.run import main
 
     tmp = tmp_path_factory.mktemp("hflm")
-    docs = [d for m in (json, Path, pytest) for n in dir(m)
-            if isinstance(d := getattr(getattr(m, n), "__doc__", None), str) and len(d) > 40]  # fmt: skip
+    docs = [
+        d
+        for m in (json, Path, pytest)
+        for n in dir(m)
+        if isinstance(d := getattr(getattr(m, n), "__doc__", None), str) and len(d) > 40
+    ]
     corpus = tmp / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     main(run_config(*RUN, f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}"), run_dir=tmp / "run")
@@ -48,16 +52,26 @@ def run_and_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
 
 def loglikelihoods(out: dict[str, Any], task: str) -> dict[int, list[float]]:
     """Per document, the log-likelihood of each request (one per text, or one per choice)."""
-    return {s["doc_id"]: [float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in s["filtered_resps"]]
-            for s in out["samples"][task]}  # fmt: skip
+    return {
+        s["doc_id"]: [float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in s["filtered_resps"]]
+        for s in out["samples"][task]
+    }
 
 
 def hf_model(export: Path, task: str, extra: str = "", limit: int | None = None) -> dict[str, Any]:
     from lm_eval import simple_evaluate
 
-    return simple_evaluate(model="hf", model_args=f"pretrained={export},dtype=float32{extra}", tasks=[task],
-                           device="cpu", batch_size=4, task_manager=task_manager(), bootstrap_iters=0,
-                           log_samples=True, limit=limit)  # fmt: skip
+    return simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={export},dtype=float32{extra}",
+        tasks=[task],
+        device="cpu",
+        batch_size=4,
+        task_manager=task_manager(),
+        bootstrap_iters=0,
+        log_samples=True,
+        limit=limit,
+    )
 
 
 def close(a: dict[int, list[float]], b: dict[int, list[float]], rel: float) -> bool:

@@ -46,10 +46,16 @@ def test_neuron_backend_imports_them_lazily() -> None:
 
 
 HYDRA_ALLOWED = {
-    "cli.py", "config/__init__.py", "config/compose.py", "config/resolvers.py",  # ConfigStore, compose, resolvers
+    "cli.py",
+    "config/__init__.py",
+    "config/compose.py",
+    "config/resolvers.py",  # ConfigStore, compose, resolvers
     "train/launch.py",  # the composed config in, converted once (to_run_config): below it, only RunConfig
-    "train/sweep_job.py", "train/sweep_callback.py", "train/sweep_launcher.py", "track/sweep.py",  # the multirun
-}  # fmt: skip
+    "train/sweep_job.py",
+    "train/sweep_callback.py",
+    "train/sweep_launcher.py",
+    "track/sweep.py",  # the multirun
+}
 """The modules that see Hydra / OmegaConf: the entry points, the config layer, and the multirun's side of them."""
 
 
@@ -78,15 +84,31 @@ def test_only_the_launcher_imports_run() -> None:
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.config",),
-    ("hlat", "hlat.attempt", "hlat.model", "hlat.attention", "hlat.experiments", "hlat.parallel", "hlat.precision",
-     "hlat.optim", "hlat.sizing", "hlat.layouts", "hlat.safe_load", "hlat.bf16_matmul", "hlat.host", "hlat.logs",
-     "hlat.state", "hlat.recompute", "hlat.hf_layout"),
+    (
+        "hlat",
+        "hlat.attempt",
+        "hlat.model",
+        "hlat.attention",
+        "hlat.experiments",
+        "hlat.parallel",
+        "hlat.precision",
+        "hlat.optim",
+        "hlat.sizing",
+        "hlat.layouts",
+        "hlat.safe_load",
+        "hlat.bf16_matmul",
+        "hlat.host",
+        "hlat.logs",
+        "hlat.state",
+        "hlat.recompute",
+        "hlat.hf_layout",
+    ),
     ("hlat.plan",),
     ("hlat.data", "hlat.backends", "hlat.track"),
     ("hlat.health",),
     ("hlat.train",),
     ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.health.doctor", "hlat.plan.command"),
-)  # fmt: skip
+)
 """Bottom to top: the config layer; the core (model, layouts, precision, ...); the planner; data, backends and
 tracking; the health checks the trainer runs; training; the commands (evaluation, deployment, the command line,
 ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed prefix (a module directly in
@@ -128,8 +150,15 @@ def _owner(target: str, names: dict[str, Path]) -> str | None:
 
 
 def layer(name: str) -> int:
-    best = max(((len(p), i) for i, prefixes in enumerate(LAYERS) for p in prefixes
-                if name == p or (p != "hlat" and name.startswith(p + "."))), default=None)  # fmt: skip
+    best = max(
+        (
+            (len(p), i)
+            for i, prefixes in enumerate(LAYERS)
+            for p in prefixes
+            if name == p or (p != "hlat" and name.startswith(p + "."))
+        ),
+        default=None,
+    )
     assert best is not None, f"{name} is in no layer: add it to LAYERS (and its package's docstring)"
     return best[1]
 
@@ -182,6 +211,7 @@ def test_no_import_circle() -> None:
 
 def test_imports_only_go_down_the_layers() -> None:
     graph = import_graph()
-    upward = sorted(f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
-                    for a in graph for b in graph[a] if layer(b) > layer(a))  # fmt: skip
+    upward = sorted(
+        f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})" for a in graph for b in graph[a] if layer(b) > layer(a)
+    )
     assert not upward, "imports up the layers:\n" + "\n".join(upward)

@@ -38,23 +38,31 @@ from tests.fakes.neuron_api import FakeNeuronApi
 MODEL = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)
 PRECISION = {
     "fp32": PrecisionConfig(),
-    "bf16_sr": PrecisionConfig(name="bf16_sr", param_dtype="bfloat16", compute_dtype="bfloat16",
-                               stochastic_rounding=True, fp32_grad_accum=False, fp32_reduce=False,
-                               fp32_softmax_ce=False),
-    "master_weights": PrecisionConfig(name="master_weights", param_dtype="bfloat16", compute_dtype="bfloat16",
-                                      master_weights=True),
-}  # fmt: skip
+    "bf16_sr": PrecisionConfig(
+        name="bf16_sr",
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        stochastic_rounding=True,
+        fp32_grad_accum=False,
+        fp32_reduce=False,
+        fp32_softmax_ce=False,
+    ),
+    "master_weights": PrecisionConfig(
+        name="master_weights", param_dtype="bfloat16", compute_dtype="bfloat16", master_weights=True
+    ),
+}
 GRAD_ACCUM = 2  # global batch 4 = micro-batch 2 x 2 on one data-parallel rank
 
 
 def run_config(precision: str = "fp32", *, pp: int = 1, zero1: bool = False, ac: str = "selective") -> RunConfig:
     return RunConfig(
-        model=MODEL, precision=PRECISION[precision],
+        model=MODEL,
+        precision=PRECISION[precision],
         cluster=ClusterConfig(name="trn1_test", backend="neuron", nproc_per_node=pp, devices_per_node=pp),
         parallelism=ParallelismConfig(name="test", pp=pp, zero1=zero1, activation_checkpointing=ac),
         train=TrainConfig(steps=4, seq_len=16, global_batch_size=4, micro_batch_size=2, log_every=2),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=1),
-    )  # fmt: skip
+    )
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,12 +97,30 @@ def train(cfg: RunConfig, root, *, until: int, resume: bool = False):
         state = TrainState(**extra["train_state"])
     rows: list = []
     logger = MetricsLogger(backend, model, rows.extend, every=2, last_step=until, tokens_per_step=64)
-    saver = checkpoint.Checkpointer(backend, root, model, optimizer,
-                                    lambda s: {"train_state": dataclasses.asdict(s), "rng": torch.get_rng_state()},
-                                    every=2, last_step=until, keep_last=2, async_save=True)  # fmt: skip
+    saver = checkpoint.Checkpointer(
+        backend,
+        root,
+        model,
+        optimizer,
+        lambda s: {"train_state": dataclasses.asdict(s), "rng": torch.get_rng_state()},
+        every=2,
+        last_step=until,
+        keep_last=2,
+        async_save=True,
+    )
     data = iter(batches()[state.step * GRAD_ACCUM :])
-    fit(state, model, optimizer, data, backend, steps=until, grad_accum=dims.grad_accum(cfg.train),
-        tokens_per_step=64, lr_fn=lambda s: 1e-3, hooks=[logger, saver])  # fmt: skip
+    fit(
+        state,
+        model,
+        optimizer,
+        data,
+        backend,
+        steps=until,
+        grad_accum=dims.grad_accum(cfg.train),
+        tokens_per_step=64,
+        lr_fn=lambda s: 1e-3,
+        hooks=[logger, saver],
+    )
     saver.close()
     return model, rows
 
@@ -107,9 +133,16 @@ def test_calls_the_api_in_order_with_the_reference_arguments(fake, tmp_path) -> 
     seen = fake.first("import torch_xla").kwargs["env"]
     assert seen == {k: env.get(k) for k in seen} and seen["XLA_USE_BF16"] == "1"
     assert fake.first("import neuronx_distributed").kwargs["env"] == seen
-    order = ["import torch_xla", "dist.init_process_group", "neuronx_distributed_config",
-             "model_parallel_xla_manual_seed", "initialize_parallel_model", "initialize_parallel_optimizer",
-             "NxDOptimizer.step", "save_checkpoint"]  # fmt: skip
+    order = [
+        "import torch_xla",
+        "dist.init_process_group",
+        "neuronx_distributed_config",
+        "model_parallel_xla_manual_seed",
+        "initialize_parallel_model",
+        "initialize_parallel_optimizer",
+        "NxDOptimizer.step",
+        "save_checkpoint",
+    ]
     assert [fake.index(n) for n in order] == sorted(fake.index(n) for n in order)
     assert fake.first("dist.init_process_group").args == ("xla",)
     timeout = fake.first("dist.init_process_group").kwargs["timeout"]  # health.collective_timeout_s, not torch's 30 min
@@ -126,13 +159,19 @@ def test_calls_the_api_in_order_with_the_reference_arguments(fake, tmp_path) -> 
     assert fake.names().count("NxDOptimizer.step") == 4
     assert fake.names().count("torch_xla.sync") == 4 * (GRAD_ACCUM + 1) + 2
     assert fake.names().count("xm.add_step_closure") == 2
-    assert [r[0] for r in rows] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(r[1]["train/grad_norm"]))
-                                                          for r in rows)  # fmt: skip
+    assert [r[0] for r in rows] == [1, 2, 3, 4] and all(
+        torch.isfinite(torch.tensor(r[1]["train/grad_norm"])) for r in rows
+    )
     saves = fake.all("save_checkpoint")
     assert [s.kwargs["tag"] for s in saves] == ["step_00000002.tmp", "step_00000004.tmp"]
-    assert all(s.kwargs["checkpoint_dir_str"] == str(tmp_path) and s.kwargs["use_xser"] is True
-               and s.kwargs["async_save"] is False and s.kwargs["num_kept_ckpts"] is None
-               and s.kwargs["zero1_optimizer"] is False for s in saves)  # fmt: skip
+    assert all(
+        s.kwargs["checkpoint_dir_str"] == str(tmp_path)
+        and s.kwargs["use_xser"] is True
+        and s.kwargs["async_save"] is False
+        and s.kwargs["num_kept_ckpts"] is None
+        and s.kwargs["zero1_optimizer"] is False
+        for s in saves
+    )
     assert saves[0].kwargs["user_content"]["train_state"]["step"] == 2
     final = checkpoint.latest(tmp_path)
     assert final.name == "step_00000004" and (final / EXTRA.format(rank=0)).is_file()

@@ -38,14 +38,24 @@ from tests.fakes.neuron_api import (
     trace_like_nxd,
 )
 
-FAKE = NxDLayers(column=ColumnParallelLinear, row=RowParallelLinear, qkv=GQAQKVColumnParallelLinear,
-                 embedding=ParallelEmbedding, cross_entropy=parallel_cross_entropy)  # fmt: skip
+FAKE = NxDLayers(
+    column=ColumnParallelLinear,
+    row=RowParallelLinear,
+    qkv=GQAQKVColumnParallelLinear,
+    embedding=ParallelEmbedding,
+    cross_entropy=parallel_cross_entropy,
+)
 CFG = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)
 
 
 def options(sp: bool = False, **kw) -> NeuronModelOptions:
-    base = {"sequence_parallel": sp, "kv_size_multiplier": 1, "reduce_dtype": torch.float32,
-            "upcast_dtype": torch.float32, "fp32_softmax_ce": True}  # fmt: skip
+    base = {
+        "sequence_parallel": sp,
+        "kv_size_multiplier": 1,
+        "reduce_dtype": torch.float32,
+        "upcast_dtype": torch.float32,
+        "fp32_softmax_ce": True,
+    }
     return NeuronModelOptions(**(base | kw))
 
 
@@ -92,8 +102,7 @@ def test_same_loss_and_gradients_as_the_reference_decoder(sp: bool) -> None:
     expected.backward()
     loss.backward()
     for name in ("layers.1.mlp.down.weight", "layers.0.attn.o_proj.weight", "embed.weight", "norm.weight"):
-        torch.testing.assert_close(model.get_parameter(name).grad, ref.get_parameter(name).grad, rtol=1e-4,
-                                   atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(model.get_parameter(name).grad, ref.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
 
 
 def test_ignored_labels_are_masked_by_hand() -> None:
@@ -125,18 +134,25 @@ def test_every_tp_plan_entry_is_an_nxd_layer_with_the_reference_arguments(monkey
     api = FakeNeuronApi()
     monkeypatch.setattr(_Recorded, "api", api)
     model = to_neuron(Transformer(CFG), FAKE, options(sp=True, kv_size_multiplier=2, reduce_dtype=torch.bfloat16))
-    kinds = {"colwise": (ColumnParallelLinear, GQAQKVColumnParallelLinear), "rowwise": (RowParallelLinear,
-                                                                                       ParallelEmbedding)}  # fmt: skip
+    kinds = {
+        "colwise": (ColumnParallelLinear, GQAQKVColumnParallelLinear),
+        "rowwise": (RowParallelLinear, ParallelEmbedding),
+    }
     names = dict(model.named_modules())
     for pattern, kind in TP_PLAN.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         assert hits and all(isinstance(names[n], kinds[kind]) for n in hits), pattern
     assert not [n for n, m in names.items() if type(m) in (nn.Linear, nn.Embedding)]
-    common = {"bias": False, "dtype": torch.float32, "sequence_parallel_enabled": True,
-              "reduce_dtype": torch.bfloat16}  # fmt: skip
+    common = {"bias": False, "dtype": torch.float32, "sequence_parallel_enabled": True, "reduce_dtype": torch.bfloat16}
     qkv = api.first("GQAQKVColumnParallelLinear").kwargs
-    assert qkv == common | {"input_size": 64, "output_sizes": [64, 32], "gather_output": False, "fuse_qkv": True,
-                            "kv_size_multiplier": 2, "init_method": qkv["init_method"]}  # fmt: skip
+    assert qkv == common | {
+        "input_size": 64,
+        "output_sizes": [64, 32],
+        "gather_output": False,
+        "fuse_qkv": True,
+        "kv_size_multiplier": 2,
+        "init_method": qkv["init_method"],
+    }
     columns = api.all("ColumnParallelLinear")
     assert [c.kwargs["stride"] for c in columns[:2]] == [2, 2]  # gate_up of each block; lm_head has stride 1
     assert all(c.kwargs["gather_output"] is False and c.kwargs["sequence_parallel_enabled"] for c in columns)
@@ -176,8 +192,11 @@ def test_param_init_gives_the_torch_models_weights_by_name(seed: int) -> None:
 
 def test_meta_build_and_param_init_fill_every_parameter_and_the_rotary_tables() -> None:
     api = FakeNeuronApi()
-    nxd_config = {"model_init_config": {"meta_device_init": True, "param_init_fn": ModuleInit(CFG)},
-                  "pipeline_parallel_size": 1, "activation_checkpoint_config": None}  # fmt: skip
+    nxd_config = {
+        "model_init_config": {"meta_device_init": True, "param_init_fn": ModuleInit(CFG)},
+        "pipeline_parallel_size": 1,
+        "activation_checkpoint_config": None,
+    }
     model = api.initialize_parallel_model(nxd_config, lambda: to_neuron(Transformer(CFG), FAKE, options()))
     assert all(torch.isfinite(p).all() for p in model.parameters())  # the fake NaN-fills before param_init_fn
     assert model.module.norm.weight.eq(1).all()

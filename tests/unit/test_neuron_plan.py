@@ -76,9 +76,11 @@ def test_hlat_7b_nxd_config() -> None:
         "sequence_parallel": True,
         "model_init_config": {"sequential_move_factor": 11, "meta_device_init": True, "param_init_fn": INIT},
         "mixed_precision_config": {
-            "use_master_weights": False, "use_fp32_grad_acc": False, "use_master_weights_in_ckpt": False,
+            "use_master_weights": False,
+            "use_fp32_grad_acc": False,
+            "use_master_weights_in_ckpt": False,
         },
-    }  # fmt: skip
+    }
 
 
 def test_hlat_70b_nxd_config() -> None:
@@ -103,18 +105,28 @@ def test_hlat_70b_nxd_config() -> None:
         "sequence_parallel": True,
         "model_init_config": {"sequential_move_factor": 11, "meta_device_init": True, "param_init_fn": INIT},
         "mixed_precision_config": {
-            "use_master_weights": True, "use_fp32_grad_acc": True, "use_master_weights_in_ckpt": True,
+            "use_master_weights": True,
+            "use_fp32_grad_acc": True,
+            "use_master_weights_in_ckpt": True,
         },
-    }  # fmt: skip
+    }
 
 
 def test_model_options_of_the_recipes() -> None:
     seven, seventy = model_options(cfg(*HLAT_7B)), model_options(cfg(*HLAT_70B))
     # 7B: MHA over TP8, bf16 everywhere (XLA_USE_BF16); 70B: 8 kv heads x4 = TP32, fp32 (float64) where it matters.
     assert (seven.kv_size_multiplier, seven.reduce_dtype, seven.upcast_dtype, seven.fp32_softmax_ce) == (
-        1, torch.bfloat16, torch.float32, False)  # fmt: skip
+        1,
+        torch.bfloat16,
+        torch.float32,
+        False,
+    )
     assert (seventy.kv_size_multiplier, seventy.reduce_dtype, seventy.upcast_dtype, seventy.fp32_softmax_ce) == (
-        4, torch.float32, torch.float64, True)  # fmt: skip
+        4,
+        torch.float32,
+        torch.float64,
+        True,
+    )
     assert seven.sequence_parallel and seventy.sequence_parallel
 
 
@@ -130,8 +142,9 @@ def test_compile_cache_follows_the_cluster_config() -> None:
     assert env["NEURON_CC_FLAGS"].endswith(" --cache_dir=/scratch/neff")
 
 
-@pytest.mark.parametrize(("mode", "expected"), [("none", None), ("full", NeuronBlock),
-                                                ("selective", NeuronAttentionCore)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "expected"), [("none", None), ("full", NeuronBlock), ("selective", NeuronAttentionCore)]
+)
 def test_activation_checkpointing_maps_to_module_classes(mode: str, expected: type | None) -> None:
     kw = nxd_config_kwargs(cfg(*HLAT_7B, f"parallelism.activation_checkpointing={mode}"), param_init_fn=INIT)
     assert kw["activation_checkpoint_config"] is expected

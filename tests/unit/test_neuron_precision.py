@@ -27,16 +27,20 @@ def test_bf16_is_xla_use_bf16_without_sr() -> None:
     p = plan("precision=bf16")
     assert p.env == {"XLA_USE_BF16": "1", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"}
     assert p.mixed_precision_config == {
-        "use_master_weights": False, "use_fp32_grad_acc": False, "use_master_weights_in_ckpt": False,
-    }  # fmt: skip
+        "use_master_weights": False,
+        "use_fp32_grad_acc": False,
+        "use_master_weights_in_ckpt": False,
+    }
     assert not p.autocast and p.reduce_dtype == "bfloat16"
 
 
 def test_bf16_sr_is_the_hlat_7b_setting_with_a_seed() -> None:
     p = plan("precision=bf16_sr", "train.seed=77")
     assert p.env == {
-        "XLA_USE_BF16": "1", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1", "NEURON_RT_STOCHASTIC_ROUNDING_SEED": "77",
-    }  # fmt: skip
+        "XLA_USE_BF16": "1",
+        "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1",
+        "NEURON_RT_STOCHASTIC_ROUNDING_SEED": "77",
+    }
     assert "--enable-mixed-precision-accumulation" in p.cc_flags
     assert not p.mixed_precision_config["use_master_weights"]
 
@@ -46,8 +50,10 @@ def test_master_weights_is_downcast_sr_off_and_nxd_mixed_precision() -> None:
     assert p.env == {"XLA_DOWNCAST_BF16": "1", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"}
     assert "XLA_USE_BF16" not in p.env
     assert p.mixed_precision_config == {
-        "use_master_weights": True, "use_fp32_grad_acc": True, "use_master_weights_in_ckpt": True,
-    }  # fmt: skip
+        "use_master_weights": True,
+        "use_fp32_grad_acc": True,
+        "use_master_weights_in_ckpt": True,
+    }
     assert p.upcast_dtype == "float64"  # doubles are the fp32 of XLA_DOWNCAST_BF16
     assert p.reduce_dtype == "float32"
 
@@ -105,6 +111,13 @@ def test_checkpoint_calls_map_onto_nxd_save_and_load(tmp_path) -> None:
 
     extra = {"train_state": {"step": 7}}
     save, load = checkpoint_calls(tmp_path / "step_00000007.tmp", extra, async_save=True, zero1=True)
-    assert save == {"checkpoint_dir_str": str(tmp_path), "tag": "step_00000007.tmp", "user_content": extra,
-                    "use_xser": True, "async_save": True, "num_kept_ckpts": None, "zero1_optimizer": True}  # fmt: skip
+    assert save == {
+        "checkpoint_dir_str": str(tmp_path),
+        "tag": "step_00000007.tmp",
+        "user_content": extra,
+        "use_xser": True,
+        "async_save": True,
+        "num_kept_ckpts": None,
+        "zero1_optimizer": True,
+    }
     assert load == {"path": str(tmp_path), "tag": "step_00000007.tmp"}

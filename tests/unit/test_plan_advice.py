@@ -110,12 +110,28 @@ def hlat(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     ("overrides", "message"),
     [
         (["model=7b", "parallelism.pp=8", "cluster.nodes=8"], "pipeline parallelism (parallelism.pp=8)"),
-        (["model=tiny", "cluster=cpu_x2", "cluster.nproc_per_node=8", "parallelism.tp=8", "train.micro_batch_size=2"],
-         "kv-head replication (parallelism.tp=8 > 4 kv heads)"),
-        (["precision=master_weights", "cluster=cpu_x2", "cluster.nproc_per_node=4", "parallelism.tp=2",
-          "train.micro_batch_size=4"], "fp32_grad_accum=true with tensor and data parallelism"),
+        (
+            [
+                "model=tiny",
+                "cluster=cpu_x2",
+                "cluster.nproc_per_node=8",
+                "parallelism.tp=8",
+                "train.micro_batch_size=2",
+            ],
+            "kv-head replication (parallelism.tp=8 > 4 kv heads)",
+        ),
+        (
+            [
+                "precision=master_weights",
+                "cluster=cpu_x2",
+                "cluster.nproc_per_node=4",
+                "parallelism.tp=2",
+                "train.micro_batch_size=4",
+            ],
+            "fp32_grad_accum=true with tensor and data parallelism",
+        ),
     ],
-)  # fmt: skip
+)
 def test_launch_refuses_a_layout_the_torch_backend_does_not_build(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, overrides: list[str], message: str
 ) -> None:
@@ -127,14 +143,29 @@ def test_launch_refuses_a_layout_the_torch_backend_does_not_build(
 
 
 def test_compile_refuses_what_the_neuron_backend_does_not_run(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = hlat(capsys, "compile", "cluster=trn1_1node", "train.global_batch_size=256", "parallelism.tp=2",
-                        "tracker.layer_grad_norms_every=10")  # fmt: skip
+    code, _, err = hlat(
+        capsys,
+        "compile",
+        "cluster=trn1_1node",
+        "train.global_batch_size=256",
+        "parallelism.tp=2",
+        "tracker.layer_grad_norms_every=10",
+    )
     assert code == 2 and err.startswith("hlat: configuration error:") and "layer_grad_norms_every=10" in err
 
 
 def test_a_runnable_layout_still_renders(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, _ = hlat(capsys, "launch", "--target", "torchrun", "--out", str(tmp_path), "model=7b",
-                        "cluster.nodes=8", "train.micro_batch_size=2")  # fmt: skip
+    code, out, _ = hlat(
+        capsys,
+        "launch",
+        "--target",
+        "torchrun",
+        "--out",
+        str(tmp_path),
+        "model=7b",
+        "cluster.nodes=8",
+        "train.micro_batch_size=2",
+    )
     assert code == 0
     script = Path(out.strip()).read_text()
     assert "--nnodes 8" in script and "(tp 1, pp 1, dp 8)" in script

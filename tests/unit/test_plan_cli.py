@@ -16,8 +16,12 @@ from hlat.plan.paper import compose
 from hlat.plan.report import make_plan
 
 # HLAT-7B on one trn1 node without sequence parallelism or checkpointing: ~23 GiB per NeuronCore of 14.4.
-TOO_BIG = ("experiment=hlat_7b", "cluster=trn1_1node", "parallelism.sequence_parallel=false",
-           "parallelism.activation_checkpointing=none")  # fmt: skip
+TOO_BIG = (
+    "experiment=hlat_7b",
+    "cluster=trn1_1node",
+    "parallelism.sequence_parallel=false",
+    "parallelism.activation_checkpointing=none",
+)
 
 
 def fits_with(overrides: tuple[str, ...]) -> bool:
@@ -38,8 +42,10 @@ def test_refusal_names_the_cheapest_fixes_that_fit() -> None:
     msg = str(e.value)
     # sequence parallelism alone is not enough (12.3 GiB of activations); selective checkpointing is the cheapest fix
     fixes = suggest_fixes(cfg, dims, budget)
-    assert [f.overrides for f in fixes] == [("parallelism.activation_checkpointing=selective",),
-                                            ("parallelism.activation_checkpointing=full",)]  # fmt: skip
+    assert [f.overrides for f in fixes] == [
+        ("parallelism.activation_checkpointing=selective",),
+        ("parallelism.activation_checkpointing=full",),
+    ]
     assert not fits_with(("parallelism.sequence_parallel=true",))
     for fix in fixes:
         assert fits_with(fix.overrides)
@@ -57,8 +63,13 @@ def test_structural_fixes_when_no_saver_is_enough() -> None:
     for fix in fixes:
         keys = dict(o.split("=") for o in fix.overrides)
         assert int(keys["cluster.nodes"]) > 1 and int(keys["parallelism.tp"]) <= 32  # tp stays within a node
-        new = compose("experiment=hlat_70b", "cluster=trn1_1node", "parallelism=single", "precision=master_weights",
-                      *fix.overrides)  # fmt: skip
+        new = compose(
+            "experiment=hlat_70b",
+            "cluster=trn1_1node",
+            "parallelism=single",
+            "precision=master_weights",
+            *fix.overrides,
+        )
         assert make_plan(new).fits
 
 
@@ -67,8 +78,11 @@ def test_no_fix_falls_back_to_the_generic_advice() -> None:
     dims = ParallelDims.build(cfg.parallelism, 1, cfg.model, cfg.train)
     _, est = estimate_memory(cfg, dims)
     check_fits(est, est.total, cfg, dims=dims)  # fits exactly: no error
-    with pytest.raises(ConfigError, match=r"this needs a cluster: see `hlat plan model=tiny cluster=p4d_1node[^`]*` .*"
-                       r"Otherwise: use a smaller model \(model=tiny or model=small\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"this needs a cluster: see `hlat plan model=tiny cluster=p4d_1node[^`]*` .*"
+        r"Otherwise: use a smaller model \(model=tiny or model=small\)",
+    ):
         check_fits(est, 1, cfg, dims=dims)
 
 

@@ -26,14 +26,32 @@ from tests.conftest import compose_cfg
 
 GB = 1e9
 # A round-number node: 8 devices of 100 TFLOP/s, 100 GB/s in the node, 400 Gbit/s = 50 GB/s between nodes.
-HW = Hardware(instance_type="test", devices_per_node=8, peak_flops=100e12, intra_node_bw=100 * GB,
-              inter_node_bw=50 * GB, memory_bw=1000 * GB, price_per_hour=10.0, compute_efficiency=0.5,
-              intra_node_efficiency=1.0, inter_node_efficiency=1.0, grad_reduce_overlap=0.0)  # fmt: skip
+HW = Hardware(
+    instance_type="test",
+    devices_per_node=8,
+    peak_flops=100e12,
+    intra_node_bw=100 * GB,
+    inter_node_bw=50 * GB,
+    memory_bw=1000 * GB,
+    price_per_hour=10.0,
+    compute_efficiency=0.5,
+    intra_node_efficiency=1.0,
+    inter_node_efficiency=1.0,
+    grad_reduce_overlap=0.0,
+)
 
 
 def cfg_of(*overrides: str) -> RunConfig:
-    return to_run_config(compose_cfg("model=7b", "precision=bf16", "train.seq_len=4096", "train.global_batch_size=64",
-                                     "train.micro_batch_size=1", *overrides))  # fmt: skip
+    return to_run_config(
+        compose_cfg(
+            "model=7b",
+            "precision=bf16",
+            "train.seq_len=4096",
+            "train.global_batch_size=64",
+            "train.micro_batch_size=1",
+            *overrides,
+        )
+    )
 
 
 def step(cfg: RunConfig, world: int, hw: Hardware = HW):
@@ -65,10 +83,12 @@ def test_mfu_and_cpt_use_the_trainers_conventions() -> None:
     s, _ = step(cfg, 16)
     m = cfg.model
     n = param_count(m)
-    trainer = Throughput(flops_per_token=flops_per_token(n, m.vocab_size * m.dim, m.n_layers, m.n_heads, m.head_dim,
-                                                         4096),
-                         flops_per_token_causal=0.0, peak_flops=16 * HW.peak_flops,
-                         cost_per_hour=2 * HW.price_per_hour).metrics(s.tokens_per_s)  # fmt: skip
+    trainer = Throughput(
+        flops_per_token=flops_per_token(n, m.vocab_size * m.dim, m.n_layers, m.n_heads, m.head_dim, 4096),
+        flops_per_token_causal=0.0,
+        peak_flops=16 * HW.peak_flops,
+        cost_per_hour=2 * HW.price_per_hour,
+    ).metrics(s.tokens_per_s)
     assert s.mfu == pytest.approx(trainer["perf/mfu"])
     assert s.cost_per_4m_tokens == pytest.approx(trainer["perf/cost_per_4m_tokens"])
     assert s.nodes == 2 and s.tokens_per_step == 64 * 4096
@@ -85,8 +105,9 @@ def test_recomputed_flops_by_checkpointing_mode() -> None:
 
 
 def test_compute_and_tensor_parallel_terms() -> None:
-    cfg = cfg_of("parallelism.tp=8", "parallelism.sequence_parallel=true",
-                 "parallelism.activation_checkpointing=selective")  # fmt: skip
+    cfg = cfg_of(
+        "parallelism.tp=8", "parallelism.sequence_parallel=true", "parallelism.activation_checkpointing=selective"
+    )
     s, dims = step(cfg, 16)
     model, extra = hardware_flops_per_token(cfg, param_count(cfg.model))
     assert s.compute_s == pytest.approx((model + extra) * 64 * 4096 / 16 / (100e12 * 0.5))
@@ -133,8 +154,9 @@ def test_pipeline_bubble_and_sends() -> None:
 
 
 def test_optimizer_step_streams_the_states_once() -> None:
-    cfg = cfg_of("parallelism.tp=8", "parallelism.sequence_parallel=true", "precision=master_weights",
-                 "parallelism.zero1=true")  # fmt: skip
+    cfg = cfg_of(
+        "parallelism.tp=8", "parallelism.sequence_parallel=true", "precision=master_weights", "parallelism.zero1=true"
+    )
     s, _ = step(cfg, 16)
     n = param_count(cfg.model) / 8 / 2  # ZeRO-1 over dp 2
     assert s.optimizer_s == pytest.approx(n * (4 + 2 * 2 + 2 * (8 + 4)) / (1000 * GB))

@@ -103,8 +103,9 @@ KW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 def test_precision_adamw_on_fp32_equals_torch_adamw() -> None:
     ours, ref = _params(torch.float32), _params(torch.float32)
-    opt = PrecisionAdamW(ours, **KW, master_weights=False, state_dtype=torch.float32, stochastic_rounding=False,
-                         seed=0, chunk_numel=100)  # fmt: skip  # several chunks
+    opt = PrecisionAdamW(
+        ours, **KW, master_weights=False, state_dtype=torch.float32, stochastic_rounding=False, seed=0, chunk_numel=100
+    )  # several chunks
     ref_opt = torch.optim.AdamW(ref, **KW, fused=True)
     for step in range(5):
         _grads(ours, step), _grads(ref, step)
@@ -116,8 +117,9 @@ def test_precision_adamw_on_fp32_equals_torch_adamw() -> None:
 def test_master_weights_keep_fp32_state_and_round_the_copy() -> None:
     params = _params(torch.bfloat16)
     master_ref = [p.detach().float().clone().requires_grad_() for p in params]
-    opt = PrecisionAdamW(params, **KW, master_weights=True, state_dtype=torch.bfloat16, stochastic_rounding=False,
-                         seed=0)  # fmt: skip
+    opt = PrecisionAdamW(
+        params, **KW, master_weights=True, state_dtype=torch.bfloat16, stochastic_rounding=False, seed=0
+    )
     ref_opt = torch.optim.AdamW(master_ref, **KW, fused=True)
     for step in range(5):
         _grads(params, step)
@@ -136,8 +138,9 @@ def test_master_weights_keep_fp32_state_and_round_the_copy() -> None:
 def test_pure_bf16_state_and_reproducible_rounding(sr: bool) -> None:
     def run() -> list[torch.Tensor]:
         params = _params(torch.bfloat16)
-        opt = PrecisionAdamW(params, **KW, master_weights=False, state_dtype=torch.bfloat16, stochastic_rounding=sr,
-                             seed=3)  # fmt: skip
+        opt = PrecisionAdamW(
+            params, **KW, master_weights=False, state_dtype=torch.bfloat16, stochastic_rounding=sr, seed=3
+        )
         for step in range(3):
             _grads(params, step)
             opt.step()
@@ -151,8 +154,9 @@ def test_pure_bf16_state_and_reproducible_rounding(sr: bool) -> None:
 def test_state_dict_round_trip_keeps_fp32_master_and_resumes_identically() -> None:
     def make():
         params = _params(torch.bfloat16)
-        return params, PrecisionAdamW(params, **KW, master_weights=True, state_dtype=torch.bfloat16,
-                                      stochastic_rounding=True, seed=5)  # fmt: skip
+        return params, PrecisionAdamW(
+            params, **KW, master_weights=True, state_dtype=torch.bfloat16, stochastic_rounding=True, seed=5
+        )
 
     params, opt = make()
     for step in range(2):

@@ -140,8 +140,10 @@ def test_the_launcher_grace_leaves_a_margin() -> None:
 
 
 def test_the_agent_forwards_slurms_signals_and_waits_the_grace() -> None:
-    assert launch._stop_settings(LaunchConfig, 45) == {"signals_to_handle": preempt.AGENT_SIGNALS,
-                                                       "shutdown_timeout": 55}  # fmt: skip
+    assert launch._stop_settings(LaunchConfig, 45) == {
+        "signals_to_handle": preempt.AGENT_SIGNALS,
+        "shutdown_timeout": 55,
+    }
     old = type("OldLaunchConfig", (), {"__dataclass_fields__": {}})  # a torch without these fields
     assert launch._stop_settings(old, 45) == {}
 

@@ -70,10 +70,13 @@ def inputs(tmp_path: Path) -> dict:
 def test_prepare_converts_jsonl_parquet_and_text_into_readable_shards(inputs):
     report = prepare([inputs["jsonl"], inputs["parquet"], inputs["txt"]], inputs["out"], shard_rows=3, progress=False)
     expected = [
-        "first json doc", "ok despite", "last json doc \u00e9",
-        "parquet one", "parquet two",
+        "first json doc",
+        "ok despite",
+        "last json doc \u00e9",
+        "parquet one",
+        "parquet two",
         "A whole file\n\nis one document.\n",
-    ]  # fmt: skip
+    ]
     assert _read_shards(inputs["out"]) == expected
     assert report.documents == 6
     assert report.skipped == {"null": 3, "blank": 3, "not a string": 1, "invalid UTF-8": 4, "invalid JSON": 1}

@@ -159,8 +159,7 @@ except SystemExit as e:
 finally:
     print("HEAVY=" + json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
-                       timeout=hang_guard(900))  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=hang_guard(900))
     line = next((x for x in r.stdout.splitlines() if x.startswith("HEAVY=")), None)
     assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-2000:]
     return r, set(json.loads(line.removeprefix("HEAVY=")))

@@ -62,8 +62,10 @@ def test_commands_are_runnable_as_written() -> None:
 
 def test_parsing_joins_continuations_and_drops_comments(tmp_path) -> None:
     readme = tmp_path / "README.md"
-    readme.write_text("# T\n\n## Sec\n```bash\npython train.py a=1 \\\n    b=2   # two\n# only a comment\n"
-                      "echo '#kept' # gone\n```\n```python\nnot = 'a command'\n```\n")  # fmt: skip
+    readme.write_text(
+        "# T\n\n## Sec\n```bash\npython train.py a=1 \\\n    b=2   # two\n# only a comment\n"
+        "echo '#kept' # gone\n```\n```python\nnot = 'a command'\n```\n"
+    )
     assert commands(readme) == [Command("python train.py a=1 b=2", 5, "Sec"), Command("echo '#kept'", 8, "Sec")]
     doc = tmp_path / "topic.md"
     doc.write_text("# Topic\n\n```bash\nhlat plan\n```\n")

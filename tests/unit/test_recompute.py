@@ -50,8 +50,9 @@ def loss_and_grads(model: Transformer, autocast: bool = False) -> tuple[torch.Te
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
 @pytest.mark.parametrize("on_meta", [True, False], ids=["before_init", "after_init"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_loss_and_every_gradient_are_bitwise_those_without_checkpointing(mode: str, on_meta: bool,
-                                                                          autocast: bool) -> None:  # fmt: skip
+def test_loss_and_every_gradient_are_bitwise_those_without_checkpointing(
+    mode: str, on_meta: bool, autocast: bool
+) -> None:
     ref_loss, ref_grads = loss_and_grads(build("none"), autocast)
     loss, grads = loss_and_grads(build(mode, on_meta), autocast)
     assert torch.equal(loss, ref_loss)
@@ -85,8 +86,11 @@ def test_the_recomputation_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(cls, "forward", counted)
 
     L = CFG.n_layers
-    expected_backward = {"none": {}, "full": {"Block": L, "AttentionCore": L, "FeedForward": L},
-                         "selective": {"AttentionCore": L}}  # fmt: skip
+    expected_backward = {
+        "none": {},
+        "full": {"Block": L, "AttentionCore": L, "FeedForward": L},
+        "selective": {"AttentionCore": L},
+    }
     for mode in MODES:
         calls.clear()
         phase[0] = "forward"

@@ -12,8 +12,11 @@ from hlat.train.rendezvous import BACKEND, LOOPBACK, loopback_interface, loopbac
 
 def listening(port: int) -> list[str]:
     """The addresses this process listens on at ``port``."""
-    return [c.laddr.ip for c in psutil.Process().net_connections("inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]  # fmt: skip
+    return [
+        c.laddr.ip
+        for c in psutil.Process().net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
 
 
 def test_a_loopback_store_listens_on_127_0_0_1_only_and_works() -> None:

@@ -82,8 +82,9 @@ def test_a_real_checkpoint_loads_through_the_safe_reader_with_equal_values(tmp_p
     assert into["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
 
     again = state(*model_and_optimizer(dtype, seed=2))  # the reader and planner as DCP plug-ins
-    dcp.load(again, storage_reader=safe_load.SafeFileSystemReader(path), planner=safe_load.SafeLoadPlanner(),
-             no_dist=True)  # fmt: skip
+    dcp.load(
+        again, storage_reader=safe_load.SafeFileSystemReader(path), planner=safe_load.SafeLoadPlanner(), no_dist=True
+    )
     assert_equal(saved, again)
 
 
@@ -119,8 +120,9 @@ def test_a_planted_metadata_file_is_refused_without_running_it(tmp_path: Path, p
         assert "not written by hlat" in str(err.value)
     # The reader alone, inside DCP (which wraps errors, then tries a rank-local metadata file): refused as well.
     with pytest.raises(CheckpointException, match="not trusted"):
-        dcp.load(into, storage_reader=safe_load.SafeFileSystemReader(path), planner=safe_load.SafeLoadPlanner(),
-                 no_dist=True)  # fmt: skip
+        dcp.load(
+            into, storage_reader=safe_load.SafeFileSystemReader(path), planner=safe_load.SafeLoadPlanner(), no_dist=True
+        )
     assert not marker.exists()
 
 
@@ -186,10 +188,22 @@ def test_resuming_a_planted_checkpoint_fails_cleanly(tmp_path: Path, cache_dir: 
     from tests.conftest import run_config
 
     monkeypatch.chdir(tmp_path)
-    common = ["model.n_layers=1", "model.dim=64", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=128",
-              "train.seq_len=32", "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=2",
-              "optimizer.warmup_steps=1", "health=off", "tracker=console", "tracker.plots=false",
-              f"data.cache_dir={cache_dir}"]  # fmt: skip
+    common = [
+        "model.n_layers=1",
+        "model.dim=64",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        "model.ffn_dim=128",
+        "train.seq_len=32",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "train.steps=2",
+        "optimizer.warmup_steps=1",
+        "health=off",
+        "tracker=console",
+        "tracker.plots=false",
+        f"data.cache_dir={cache_dir}",
+    ]
     main(run_config(*common), run_dir=tmp_path / "first")
     checkpoint = tmp_path / "first" / "checkpoints" / "step_00000002"
     marker = tmp_path / "marker"

@@ -56,8 +56,14 @@ def reference(norms: list[float], window: int, threshold: float) -> Reference:
                 ref.spikes.append(1)
             ref.open = above
             length = ref.spikes[-1] if above else 0
-            ref.rows.append({"spike/active": float(above), "spike/length": float(length),
-                             "spike/count": float(len(ref.spikes)), "spike/limit": limit})  # fmt: skip
+            ref.rows.append(
+                {
+                    "spike/active": float(above),
+                    "spike/length": float(length),
+                    "spike/count": float(len(ref.spikes)),
+                    "spike/limit": limit,
+                }
+            )
         if math.isfinite(norm):
             finite.append(norm)
     return ref
@@ -73,8 +79,7 @@ def assert_matches(det: SpikeDetector, ref: Reference) -> None:
     hist = det.histogram()
     assert hist == Counter(ref.spikes) and list(hist) == sorted(hist) and all(v > 0 for v in hist.values())
     summary = det.summary()
-    assert set(summary) == {"spike/summary_count", "spike/single_step_fraction", "spike/longest",
-                            "spike/mean_duration"}  # fmt: skip
+    assert set(summary) == {"spike/summary_count", "spike/single_step_fraction", "spike/longest", "spike/mean_duration"}
     assert summary["spike/summary_count"] == n
     assert summary["spike/single_step_fraction"] == pytest.approx(ref.spikes.count(1) / n if n else 0.0)
     assert summary["spike/longest"] == max(ref.spikes, default=0)
@@ -125,15 +130,23 @@ def test_every_statistic_matches_the_definition(norms: list[float], window: int,
 def test_the_issue_repro_reports_one_two_step_spike() -> None:
     det, _ = run_both([1.0, 1.0, 5.0, 5.0, 1.0], 2, 0.1)
     assert det.histogram() == {2: 1}
-    assert det.summary() == {"spike/summary_count": 1.0, "spike/single_step_fraction": 0.0, "spike/longest": 2.0,
-                             "spike/mean_duration": 2.0}  # fmt: skip
+    assert det.summary() == {
+        "spike/summary_count": 1.0,
+        "spike/single_step_fraction": 0.0,
+        "spike/longest": 2.0,
+        "spike/mean_duration": 2.0,
+    }
 
 
 def test_no_spike_gives_zeros() -> None:
     det, _ = run_both([1.0] * 10, 3, 0.1)
     assert det.histogram() == {} and det.count == 0
-    assert det.summary() == {"spike/summary_count": 0.0, "spike/single_step_fraction": 0.0, "spike/longest": 0.0,
-                             "spike/mean_duration": 0.0}  # fmt: skip
+    assert det.summary() == {
+        "spike/summary_count": 0.0,
+        "spike/single_step_fraction": 0.0,
+        "spike/longest": 0.0,
+        "spike/mean_duration": 0.0,
+    }
 
 
 def test_only_long_spikes() -> None:
@@ -158,8 +171,16 @@ def test_metrics_logger_summaries_with_only_multi_step_spikes() -> None:
     norms = [1.0, 1.0, 5.0, 5.0, 1.0, 1.0, 5.0, 9.0, 20.0, 1.0]
     sunk: list = []
     backend = TorchBackend(backend_config())
-    logger = MetricsLogger(backend, torch.nn.Linear(2, 2), sunk.append, every=2, last_step=len(norms),
-                           tokens_per_step=8, spikes=SpikeDetector(2, 0.1), spike_summary_every=3)  # fmt: skip
+    logger = MetricsLogger(
+        backend,
+        torch.nn.Linear(2, 2),
+        sunk.append,
+        every=2,
+        last_step=len(norms),
+        tokens_per_step=8,
+        spikes=SpikeDetector(2, 0.1),
+        spike_summary_every=3,
+    )
     state = TrainState()
     for step, norm in enumerate(norms, start=1):
         state.step = step
@@ -168,6 +189,11 @@ def test_metrics_logger_summaries_with_only_multi_step_spikes() -> None:
     summaries = {s: r for s, r in rows.items() if "spike/summary_count" in r}
     assert set(summaries) == {4, 6, 10}  # the flushes (every 2) that cross a multiple of 3, and the last step
     assert summaries[4]["spike/summary_count"] == 1 and summaries[4]["spike/longest"] == 2
-    assert summaries[10] == {**summaries[10], "spike/summary_count": 2.0, "spike/single_step_fraction": 0.0,
-                             "spike/longest": 3.0, "spike/mean_duration": 2.5}  # fmt: skip
+    assert summaries[10] == {
+        **summaries[10],
+        "spike/summary_count": 2.0,
+        "spike/single_step_fraction": 0.0,
+        "spike/longest": 3.0,
+        "spike/mean_duration": 2.5,
+    }
     assert [rows[s]["spike/active"] for s in range(3, 11)] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]

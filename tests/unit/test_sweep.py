@@ -19,8 +19,9 @@ from tests.timeouts import hang_guard
 
 
 def run_config(tmp_path: Path, *overrides: str):
-    return to_run_config(compose_cfg(f"tracker.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracker.experiment=sw",
-                                     *overrides))  # fmt: skip
+    return to_run_config(
+        compose_cfg(f"tracker.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracker.experiment=sw", *overrides)
+    )
 
 
 def client(tmp_path: Path):
@@ -42,8 +43,16 @@ def make_run(tmp_path: Path, h: str, status: str, **tags: str) -> str:
 
 def test_config_hash_ignores_where_output_goes_but_not_what_is_computed(tmp_path: Path) -> None:
     base = dataclasses.asdict(run_config(tmp_path))
-    same = dataclasses.asdict(run_config(tmp_path, "train.checkpoint_dir=/elsewhere", "tracker.run_name=x",
-                                         "train.resume=never", "fault=kill", "data.worker=none"))  # fmt: skip
+    same = dataclasses.asdict(
+        run_config(
+            tmp_path,
+            "train.checkpoint_dir=/elsewhere",
+            "tracker.run_name=x",
+            "train.resume=never",
+            "fault=kill",
+            "data.worker=none",
+        )
+    )
     assert sweep.config_hash(same) == sweep.config_hash(base)
     for override in ("optimizer.beta2=0.99", "model.scaled_init=false", "train.seed=1", "precision=bf16_sr"):
         assert sweep.config_hash(dataclasses.asdict(run_config(tmp_path, override))) != sweep.config_hash(base)
@@ -165,9 +174,16 @@ def test_rank_resolvers_and_the_job_stamp_shared_through_the_agent_store(monkeyp
 def test_slurm_rendezvous_meets_at_the_first_host(monkeypatch) -> None:
     assert launch.slurm_rendezvous() is None
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
-    for key, value in {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "trn-[3-6]", "SLURM_JOB_NUM_NODES": "4",
-                       "SLURM_NNODES": "4", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-                       "SLURM_NTASKS": "4"}.items():  # fmt: skip
+    for key, value in {
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "trn-[3-6]",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "4",
+    }.items():
         monkeypatch.setenv(key, value)
     assert launch.slurm_rendezvous() == (f"trn-3:{launch.RDZV_PORT}", "slurm-77", 4)
 
@@ -179,8 +195,11 @@ def test_a_sweep_job_is_named_by_the_overrides_that_tell_it_from_the_others(tmp_
     command_line = ["model.dim=64", "optimizer.beta2=0.95,0.99", "tracker.plots=false", "optimizer.lr=range(1,3)"]
     job = ["model.dim=64", "optimizer.beta2=0.99", "tracker.plots=False", "optimizer.lr=2", "model.scaled_init=true"]
     # swept on the command line (a list, a range) or by the sweeper's own params (absent from the command line)
-    assert sweep.swept_overrides(job, command_line) == ["optimizer.beta2=0.99", "optimizer.lr=2",
-                                                        "model.scaled_init=true"]  # fmt: skip
+    assert sweep.swept_overrides(job, command_line) == [
+        "optimizer.beta2=0.99",
+        "optimizer.lr=2",
+        "model.scaled_init=true",
+    ]
     assert sweep.swept_overrides(["model.dim=64"], ["model.dim=64"]) == []
 
     job_dir = tmp_path / "sweep" / "1"

@@ -123,8 +123,12 @@ def test_the_loss_is_a_runs_first_metric_and_system_metrics_start_after_it(store
         time.sleep(0.05)
     ml.finish()
     keys = first_metrics(store, ml.run_id)
-    assert keys[0] == "train/loss" and set(keys) == {"train/loss", "perf/tokens_per_s", "preflight/passed",
-                                                     "preflight/matmul_tflops"}  # fmt: skip
+    assert keys[0] == "train/loss" and set(keys) == {
+        "train/loss",
+        "perf/tokens_per_s",
+        "preflight/passed",
+        "preflight/matmul_tflops",
+    }
     (monitor,) = fake_monitor.made
     assert monitor.started and monitor.finished and not monitor.resume
     history = client(store).get_metric_history(ml.run_id, "preflight/passed")
@@ -157,8 +161,13 @@ def test_a_continued_run_starts_its_system_metrics_at_once(store: Path, fake_mon
 
 def arm(name: str, losses: list[float], run_id: str | None = None, **params: str) -> RunData:
     series = [(step, v) for step, v in enumerate(losses, start=1)]
-    return RunData(run_id=run_id or f"{name.replace('=', '')[:20]:0<32}", run_name=name, params=params,
-                   metrics={"train/loss": series}, status="FINISHED")  # fmt: skip
+    return RunData(
+        run_id=run_id or f"{name.replace('=', '')[:20]:0<32}",
+        run_name=name,
+        params=params,
+        metrics={"train/loss": series},
+        status="FINISHED",
+    )
 
 
 def test_arm_labels_are_valid_distinct_metric_key_parts() -> None:
@@ -217,4 +226,5 @@ def test_summarize_gives_the_parent_run_metrics_a_linked_description_and_a_saved
     assert (line["type"], line["metricKey"]) == ("LINE", "train/loss")
     assert (parallel["selectedParams"], parallel["selectedMetrics"]) == (["optimizer.lr"], ["train/loss"])
     assert bar["type"] == "BAR" and {c["metricSectionId"] for c in state["compareRunCharts"]} == {
-        state["compareRunSections"][0]["uuid"]}  # fmt: skip
+        state["compareRunSections"][0]["uuid"]
+    }

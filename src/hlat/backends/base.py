@@ -49,8 +49,9 @@ class Backend(Protocol):
         """Initialize the process (distributed group, device, seeds, threads); refuse what it cannot honour."""
         ...
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
-                    init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
+    def build_model(
+        self, model_fn: Callable[[], nn.Module], dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None
+    ) -> nn.Module:
         """Build with ``model_fn`` on the meta device, parallelize, materialize on the device, ``init_weights()``.
 
         ``dims`` (the run's layout) and ``parallelism`` say how: data/tensor parallelism, activation checkpointing,
@@ -67,8 +68,9 @@ class Backend(Protocol):
         """Forward under the precision policy; mean token cross-entropy as a 0-d fp32 tensor."""
         ...
 
-    def forward_backward(self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                         n: int) -> torch.Tensor:  # fmt: skip
+    def forward_backward(
+        self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n: int
+    ) -> torch.Tensor:
         """Forward and backward over the ``n`` micro-batches of one optimizer step, drawn from ``batches``.
 
         The gradients of the step's mean loss accumulate in the parameters (each micro-batch's loss scaled by 1/n).
@@ -120,8 +122,9 @@ class Backend(Protocol):
         """
         ...
 
-    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
-             async_save: bool) -> Future | None:  # fmt: skip
+    def save(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *, async_save: bool
+    ) -> Future | None:
         """Write model and optimizer state plus ``extra`` (plain python values) into the directory ``path``.
 
         With ``async_save``, return once the state is copied off the training tensors, with a future that completes

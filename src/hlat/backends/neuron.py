@@ -69,9 +69,17 @@ from hlat.parallel import ParallelDims
 from hlat.plan.memory import planned_budget
 
 __all__ = [
-    "XLA_MODULES", "NeuronBackend", "NeuronPrecision", "apply_env", "check_supported", "checkpoint_calls",
-    "model_options", "neuron_env", "nxd_config_kwargs", "precision_plan",
-]  # fmt: skip
+    "XLA_MODULES",
+    "NeuronBackend",
+    "NeuronPrecision",
+    "apply_env",
+    "check_supported",
+    "checkpoint_calls",
+    "model_options",
+    "neuron_env",
+    "nxd_config_kwargs",
+    "precision_plan",
+]
 
 EXTRA = "extra.rank{rank}.pt"
 """This rank's ``extra`` (its data-loader position): NxD writes ``user_content`` from global rank 0 only."""
@@ -123,11 +131,17 @@ def _import_api(cpu_mode: bool = False) -> _Api:
         parallel_cross_entropy,
     )
 
-    layers = NxDLayers(column=ColumnParallelLinear, row=RowParallelLinear, qkv=GQAQKVColumnParallelLinear,
-                       embedding=ParallelEmbedding, cross_entropy=parallel_cross_entropy)  # fmt: skip
+    layers = NxDLayers(
+        column=ColumnParallelLinear,
+        row=RowParallelLinear,
+        qkv=GQAQKVColumnParallelLinear,
+        embedding=ParallelEmbedding,
+        cross_entropy=parallel_cross_entropy,
+    )
     device = (lambda: torch.device("cpu")) if cpu_mode else torch_xla.device
-    return _Api(xm=xm, device=device, sync=torch_xla.sync, nxd=nxd, layers=layers,
-                manual_seed=model_parallel_xla_manual_seed)  # fmt: skip
+    return _Api(
+        xm=xm, device=device, sync=torch_xla.sync, nxd=nxd, layers=layers, manual_seed=model_parallel_xla_manual_seed
+    )
 
 
 class NeuronBackend:
@@ -198,11 +212,16 @@ class NeuronBackend:
         )
         api.manual_seed(seed)  # device RNG: after model-parallel init, per TP rank (NxD's ``random.py``)
         self.ranks, self.device = ranks, api.device()
-        return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
-                   memory_budget_bytes=planned_budget(cluster))  # fmt: skip
+        return Env(
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            device=self.device,
+            memory_budget_bytes=planned_budget(cluster),
+        )
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
-                    init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
+    def build_model(
+        self, model_fn: Callable[[], nn.Module], dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None
+    ) -> nn.Module:
         if init_state is not None:
             raise ConfigError(
                 "train.init_from is not built on the neuron backend yet (NxD materializes the sharded model itself): "
@@ -223,9 +242,14 @@ class NeuronBackend:
         cfg = self.cfg.optimizer  # the NxD config was built from it too
         # torch's AdamW for every mode: with master weights NxD's ZeRO-1 keeps fp32 shards and runs it on them.
         return self.api.nxd.initialize_parallel_optimizer(
-            self.nxd_config, torch.optim.AdamW, groups,
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        )  # fmt: skip
+            self.nxd_config,
+            torch.optim.AdamW,
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+        )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """bf16 matmuls over fp32 parameters for precision=autocast; nothing otherwise."""
@@ -238,8 +262,9 @@ class NeuronBackend:
         with self._autocast():
             return model(inputs.to(self.device), targets.to(self.device))
 
-    def forward_backward(self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                         n: int) -> torch.Tensor:  # fmt: skip
+    def forward_backward(
+        self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n: int
+    ) -> torch.Tensor:
         assert self.dims is not None
         if self.dims.pp > 1:
             # The pipeline schedule takes the step's micro-batches at once, on the host, and splits them again.
@@ -310,8 +335,9 @@ class NeuronBackend:
 
         return graph_metrics(met)
 
-    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
-             async_save: bool) -> Future | None:  # fmt: skip
+    def save(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *, async_save: bool
+    ) -> Future | None:
         # Synchronous on purpose, whatever train.async_checkpoint says (the Checkpointer still checksums and renames
         # in the background): NxD's async save finishes in CheckpointIOState.wait_save, which needs xm.rendezvous on
         # the main thread and writes its "done" marker late, into a directory the Checkpointer has renamed by then.

@@ -159,8 +159,12 @@ class TokenLoss(nn.Module):
     autograd function that torch.fx cannot trace through.
     """
 
-    def __init__(self, cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 upcast_dtype: torch.dtype | None, out_dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        upcast_dtype: torch.dtype | None,
+        out_dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.cross_entropy, self.upcast_dtype, self.out_dtype = cross_entropy, upcast_dtype, out_dtype
 
@@ -234,8 +238,9 @@ class QKVInit:
         part = self.parts()[self._calls % 3]
         self._calls += 1
         if tuple(weight.shape) != tuple(part.shape):
-            raise AssertionError(f"{self.name}: NxD asked for a {tuple(weight.shape)} weight, q/k/v part is "
-                                 f"{tuple(part.shape)}")  # fmt: skip
+            raise AssertionError(
+                f"{self.name}: NxD asked for a {tuple(weight.shape)} weight, q/k/v part is {tuple(part.shape)}"
+            )
         with torch.no_grad():
             return weight.copy_(part)
 
@@ -251,17 +256,28 @@ def _swap_block(block: Block, cfg: ModelConfig, nxd: NxDLayers, opts: NeuronMode
         return NamedInit(opts.seed, f"{at}.{part}.weight", stds[f"{at}.{part}.weight"])
 
     std = cfg.init_std
-    common = {"bias": False, "dtype": torch.float32, "sequence_parallel_enabled": opts.sequence_parallel,
-              "reduce_dtype": opts.reduce_dtype}  # fmt: skip
+    common = {
+        "bias": False,
+        "dtype": torch.float32,
+        "sequence_parallel_enabled": opts.sequence_parallel,
+        "reduce_dtype": opts.reduce_dtype,
+    }
     D = cfg.head_dim
     attn, mlp = block.attn, block.mlp
-    attn.qkv = nxd.qkv(cfg.dim, [cfg.n_heads * D, cfg.kv_heads * D], gather_output=False,
-                       init_method=QKVInit(opts.seed, f"{at}.attn.qkv.weight", std, cfg),
-                       kv_size_multiplier=opts.kv_size_multiplier, fuse_qkv=True, **common)  # fmt: skip
+    attn.qkv = nxd.qkv(
+        cfg.dim,
+        [cfg.n_heads * D, cfg.kv_heads * D],
+        gather_output=False,
+        init_method=QKVInit(opts.seed, f"{at}.attn.qkv.weight", std, cfg),
+        kv_size_multiplier=opts.kv_size_multiplier,
+        fuse_qkv=True,
+        **common,
+    )
     attn.o_proj = nxd.row(cfg.n_heads * D, cfg.dim, input_is_parallel=True, init_method=init("attn.o_proj"), **common)
     # stride=2: each rank gets matching rows of the gate half and of the up half, so FeedForward's chunk(2) holds.
-    mlp.gate_up = nxd.column(cfg.dim, 2 * cfg.ffn_dim, gather_output=False, stride=2, init_method=init("mlp.gate_up"),
-                             **common)  # fmt: skip
+    mlp.gate_up = nxd.column(
+        cfg.dim, 2 * cfg.ffn_dim, gather_output=False, stride=2, init_method=init("mlp.gate_up"), **common
+    )
     mlp.down = nxd.row(cfg.ffn_dim, cfg.dim, input_is_parallel=True, init_method=init("mlp.down"), **common)
     block.__class__ = NeuronBlock
     attn.__class__ = NeuronAttention
@@ -286,10 +302,15 @@ def to_neuron(model: Transformer, nxd: NxDLayers, opts: NeuronModelOptions) -> N
     model.embed = nxd.embedding(cfg.vocab_size, cfg.dim, init_method=init, **common)
     for block in model.layers:
         _swap_block(block, cfg, nxd, opts)
-    model.lm_head = nxd.column(cfg.dim, cfg.vocab_size, bias=False, gather_output=False,
-                               init_method=NamedInit(opts.seed, "lm_head.weight", cfg.init_std),
-                               reduce_dtype=opts.reduce_dtype,
-                               **common)  # fmt: skip
+    model.lm_head = nxd.column(
+        cfg.dim,
+        cfg.vocab_size,
+        bias=False,
+        gather_output=False,
+        init_method=NamedInit(opts.seed, "lm_head.weight", cfg.init_std),
+        reduce_dtype=opts.reduce_dtype,
+        **common,
+    )
     for norm in [model.norm, *(n for b in model.layers for n in (b.attn_norm, b.mlp_norm))]:
         norm.__class__ = NeuronRMSNorm
         norm.upcast_dtype = opts.upcast_dtype

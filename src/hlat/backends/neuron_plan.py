@@ -59,8 +59,11 @@ EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAF
 """libfabric over EFA for multi-node collectives (HLAT's scripts)."""
 SEQUENTIAL_MOVE_FACTOR = 11
 """Ranks per host that materialize their model shard at once (NxD's default, "works for 20B"; ``trainer.py``)."""
-RECOMPUTED: dict[str, type[torch.nn.Module] | None] = {"none": None, "full": NeuronBlock,
-                                                      "selective": NeuronAttentionCore}  # fmt: skip
+RECOMPUTED: dict[str, type[torch.nn.Module] | None] = {
+    "none": None,
+    "full": NeuronBlock,
+    "selective": NeuronAttentionCore,
+}
 """``activation_checkpoint_config`` per ``parallelism.activation_checkpointing``. Full recompute is the block class,
 not the string ``"full"``: NxD resolves ``"full"`` only for Hugging Face and NxDT models, or with PP."""
 
@@ -193,8 +196,9 @@ def pipeline_config(par: ParallelismConfig, num_microbatches: int) -> dict[str, 
     }
 
 
-def nxd_config_kwargs(cfg: RunConfig, *, param_init_fn: Callable[..., None],
-                      world_size: int | None = None) -> dict[str, Any]:  # fmt: skip
+def nxd_config_kwargs(
+    cfg: RunConfig, *, param_init_fn: Callable[..., None], world_size: int | None = None
+) -> dict[str, Any]:
     """Keyword arguments of ``neuronx_distributed.neuronx_distributed_config`` for this run (NxD's ``trainer.py``).
 
     Tensor and pipeline degrees, sequence parallelism, the optimizer (ZeRO-1; clipping is always on because NxD
@@ -264,7 +268,14 @@ def checkpoint_calls(path: Path, extra: dict[str, Any], *, async_save: bool, zer
     state and RNG travel in ``user_content``. ``async_save`` uses NxD's own thread pool, which
     ``nxd.finalize_checkpoint()`` waits for. Not run on trn1 yet.
     """
-    save = {"checkpoint_dir_str": str(path.parent), "tag": path.name, "user_content": extra, "use_xser": True,
-            "async_save": async_save, "num_kept_ckpts": None, "zero1_optimizer": zero1}  # fmt: skip
+    save = {
+        "checkpoint_dir_str": str(path.parent),
+        "tag": path.name,
+        "user_content": extra,
+        "use_xser": True,
+        "async_save": async_save,
+        "num_kept_ckpts": None,
+        "zero1_optimizer": zero1,
+    }
     load = {"path": str(path.parent), "tag": path.name}
     return save, load

@@ -86,12 +86,18 @@ class TorchBackend:
         if precision.compute_dtype == "bfloat16":
             policy, why = resolve_policy(precision.bf16_matmul, self.device, self.cfg.data.cache_dir)
             self.bf16_matmul = policy
-        return Env(rank=ranks.rank, world_size=ranks.world_size, device=self.device,
-                   memory_budget_bytes=int(free * cluster.memory_fraction), bf16_matmul=policy,
-                   bf16_matmul_reason=why)  # fmt: skip
+        return Env(
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            device=self.device,
+            memory_budget_bytes=int(free * cluster.memory_fraction),
+            bf16_matmul=policy,
+            bf16_matmul_reason=why,
+        )
 
-    def build_model(self, model_fn: Callable[[], nn.Module], dims: ParallelDims,
-                    init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
+    def build_model(
+        self, model_fn: Callable[[], nn.Module], dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None
+    ) -> nn.Module:
         par = self.cfg.parallelism
         with torch.device("meta"):
             model = model_fn()
@@ -182,8 +188,9 @@ class TorchBackend:
             i += t.numel()
         fn(out)
 
-    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
-             async_save: bool) -> Future | None:  # fmt: skip
+    def save(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *, async_save: bool
+    ) -> Future | None:
         if self.ckpt_group is not None:
             dist.barrier(group=self.ckpt_group)  # rank 0 has (re)created the directory: now every rank writes into it
         # extra (train state, this rank's loader position, RNG) is small: written now, one file per rank. Weights and

@@ -32,12 +32,15 @@ class Ranks:
         """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (a lone process: rank 0 of 1)."""
         env = os.environ
         world = int(env.get("WORLD_SIZE", "1"))
-        return cls(int(env.get("RANK", "0")), world, int(env.get("LOCAL_RANK", "0")),
-                   int(env.get("LOCAL_WORLD_SIZE", str(world))))  # fmt: skip
+        return cls(
+            int(env.get("RANK", "0")),
+            world,
+            int(env.get("LOCAL_RANK", "0")),
+            int(env.get("LOCAL_WORLD_SIZE", str(world))),
+        )
 
 
-def init_process_group(ranks: Ranks, device: torch.device,
-                       timeout_s: float | None = None) -> dist.ProcessGroup | None:  # fmt: skip
+def init_process_group(ranks: Ranks, device: torch.device, timeout_s: float | None = None) -> dist.ProcessGroup | None:
     """Join the job's default process group (env:// rendezvous); returns a gloo group for checkpoint I/O.
 
     Asynchronous checkpoints run collectives from a background thread, so they get a group of their own: two
@@ -53,9 +56,14 @@ def init_process_group(ranks: Ranks, device: torch.device,
         return None
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     if not dist.is_initialized():
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                                store=_attempt_store(ranks, timeout), rank=ranks.rank, world_size=ranks.world_size,
-                                device_id=device if device.type == "cuda" else None, timeout=timeout)  # fmt: skip
+        dist.init_process_group(
+            backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+            store=_attempt_store(ranks, timeout),
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            device_id=device if device.type == "cuda" else None,
+            timeout=timeout,
+        )
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
@@ -74,8 +82,14 @@ def _attempt_store(ranks: Ranks, timeout: datetime.timedelta | None) -> dist.Sto
     env = os.environ
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does
     extra = {"timeout": timeout} if timeout is not None else {}
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), ranks.world_size,
-                          is_master=ranks.rank == 0 and not agent_store, wait_for_workers=False, **extra)  # fmt: skip
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        ranks.world_size,
+        is_master=ranks.rank == 0 and not agent_store,
+        wait_for_workers=False,
+        **extra,
+    )
     number = attempt.current(store, timeout.total_seconds() if timeout is not None else None)
     return dist.PrefixStore(f"hlat/attempt_{number}", store)
 
@@ -205,8 +219,9 @@ def gate_up_in_model_order(weight: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat([*parts[0::2], *parts[1::2]])
 
 
-def tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, *,
-                    fp32_reduce: bool = False) -> nn.Module:  # fmt: skip
+def tensor_parallel(
+    model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, *, fp32_reduce: bool = False
+) -> nn.Module:
     """Shard ``model`` over the 1-D ``mesh`` with DTensor (``parallelize_module``) as ``hlat.parallel.TP_PLAN`` says.
 
     The model must be materialized with the same weights on every rank (same seed); each rank keeps its shard.
@@ -236,14 +251,20 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool,
         "embed": rowwise(input_layouts=Replicate(), output_layouts=seq),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
     }
-    plan = {name: styles.get(name, ColwiseParallel() if kind == "colwise" else rowwise())
-            for name, kind in TP_PLAN.items()}  # fmt: skip
+    plan = {
+        name: styles.get(name, ColwiseParallel() if kind == "colwise" else rowwise()) for name, kind in TP_PLAN.items()
+    }
     if sequence_parallel:
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan |= {"norm": SequenceParallel(), "layers.*.attn_norm": SequenceParallel(),
-                 "layers.*.mlp_norm": SequenceParallel(), "layers.*.mlp": gather,
-                 "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                     desired_input_layouts=(Replicate(), None, None))}  # fmt: skip
+        plan |= {
+            "norm": SequenceParallel(),
+            "layers.*.attn_norm": SequenceParallel(),
+            "layers.*.mlp_norm": SequenceParallel(),
+            "layers.*.mlp": gather,
+            "layers.*.attn": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+        }
     for block in model.layers:
         _interleave_gate_up(block.mlp.gate_up.weight, tp)
     return parallelize_module(model, mesh, plan)

@@ -29,10 +29,26 @@ from hlat.config.train import (
 )
 
 __all__ = [
-    "DTYPES", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalTask", "FaultConfig", "HealthConfig",
-    "ModelConfig", "OptimizerConfig", "ParallelismConfig", "PrecisionConfig", "RunConfig", "TrackerConfig",
-    "TrainConfig", "flatten", "register_configs", "to_run_config", "to_yaml",
-]  # fmt: skip
+    "DTYPES",
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "EvalTask",
+    "FaultConfig",
+    "HealthConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "TrackerConfig",
+    "TrainConfig",
+    "flatten",
+    "register_configs",
+    "to_run_config",
+    "to_yaml",
+]
 
 
 @dataclass

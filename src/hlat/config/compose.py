@@ -68,13 +68,17 @@ def hydra_error_message(e: BaseException, overrides: Sequence[str] = ()) -> str 
         return f"{group}={option}: conf/{group}/ has no option {option!r}{hint} (options: {', '.join(e.options or [])})"
     if isinstance(e, OSError) and e.filename and not isinstance(e, HydraException):
         key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(overrides) else "hydra.run.dir"
-        return (f"{key}: cannot create or write the run directory {e.filename} ({e.strerror or e}); set {key} to "
-                "a writable directory (e.g. a path under your home or the working directory)")  # fmt: skip
+        return (
+            f"{key}: cannot create or write the run directory {e.filename} ({e.strerror or e}); set {key} to "
+            "a writable directory (e.g. a path under your home or the working directory)"
+        )
     if isinstance(e, OverrideParseException):
         bad = next((o for o in overrides if "=" in o and not o.startswith("-") and not _parses(o)), None)
         what = f"cannot parse the override {bad!r}" if bad else "cannot parse an override"
-        return (f"{what} ({str(e).splitlines()[0]}); quote a value with spaces or special characters (key='a b'), "
-                "write lists as key=[1,2] (https://hydra.cc/docs/advanced/override_grammar/basic)")  # fmt: skip
+        return (
+            f"{what} ({str(e).splitlines()[0]}); quote a value with spaces or special characters (key='a b'), "
+            "write lists as key=[1,2] (https://hydra.cc/docs/advanced/override_grammar/basic)"
+        )
     if isinstance(e, (HydraException, OmegaConfBaseException)):
         return _composition_message(e, overrides)
     return None

@@ -38,8 +38,9 @@ def job_stamp() -> str:
         return now
     import torch.distributed as dist
 
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=120)
+    )
     return store.compare_set("hlat/job_stamp", "", now).decode()  # sets it if absent; returns what is stored
 
 
@@ -67,7 +68,11 @@ def register_resolvers() -> None:
     """Resolvers that keep ranks of one job in one directory (``hydra.run.dir``, ``hydra.sweep.dir``, logs)."""
     from omegaconf import OmegaConf
 
-    for name, fn in (("hlat.job_stamp", job_stamp), ("hlat.rank_zero_only", rank_zero_only),
-                     ("hlat.rank_suffix", rank_suffix), ("hlat.console_level", console_level)):  # fmt: skip
+    for name, fn in (
+        ("hlat.job_stamp", job_stamp),
+        ("hlat.rank_zero_only", rank_zero_only),
+        ("hlat.rank_suffix", rank_suffix),
+        ("hlat.console_level", console_level),
+    ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=name == "hlat.job_stamp")

@@ -39,8 +39,11 @@ def groups(conf_dir: Path | None = None) -> dict[str, list[str]]:
     conf_dir = conf_dir or find_conf_dir()
     if conf_dir is None or not conf_dir.is_dir():
         return {}
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
-            for d in sorted(conf_dir.iterdir()) if d.is_dir() and d.name not in HYDRA_GROUPS}  # fmt: skip
+    return {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in sorted(conf_dir.iterdir())
+        if d.is_dir() and d.name not in HYDRA_GROUPS
+    }
 
 
 def closest(word: str, candidates: Iterable[str]) -> str | None:
@@ -113,5 +116,7 @@ def unknown_key(root: type, cls: type, name: str, value: object = None) -> str:
     key = f"{prefix}.{name}" if prefix else name
     shown = value if isinstance(value, (str, int, float, bool)) else None
     hint = did_you_mean(key, root, None if shown is None else str(shown))
-    return (f"{key} is not a config key{hint or ''} (`python train.py --cfg job` prints every key; a '+' before "
-            "a key adds a new one, which the schema refuses)")  # fmt: skip
+    return (
+        f"{key} is not a config key{hint or ''} (`python train.py --cfg job` prints every key; a '+' before "
+        "a key adds a new one, which the schema refuses)"
+    )

@@ -262,8 +262,9 @@ class ParallelismConfig(_Frozen):
     def __post_init__(self) -> None:
         _check_range(self, "parallelism.tp", ">= 1", note="(1: no tensor parallelism)")
         _check_range(self, "parallelism.pp", ">= 1", note="(1: no pipeline parallelism)")
-        _check_choice("parallelism.activation_checkpointing", self.activation_checkpointing,
-                      ("none", "full", "selective"))  # fmt: skip
+        _check_choice(
+            "parallelism.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective")
+        )
         _check(
             not self.sequence_parallel or self.tp > 1,
             "parallelism.sequence_parallel=true needs parallelism.tp > 1 (it splits along the sequence over the "

@@ -47,8 +47,16 @@ class Loader(Protocol):
         ...
 
 
-def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, micro_batch_size: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1) -> Loader:  # fmt: skip
+def build_loader(
+    cfg: DataConfig,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    micro_batch_size: int,
+    seed: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> Loader:
     """Build one data-parallel rank's loader from the ``data`` config.
 
     Cheap checks come first: a given tokenizer is loaded and checked against ``vocab_size`` before any
@@ -63,8 +71,9 @@ def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, micro_batch_
         ConfigError: Bad path/column/tokenizer, vocabulary mismatch, or no documents.
     """
     if seq_len <= 0 or micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"bad layout: seq_len={seq_len}, micro_batch_size={micro_batch_size}, "
-                         f"dp_rank={dp_rank}, dp_size={dp_size}")  # fmt: skip
+        raise ValueError(
+            f"bad layout: seq_len={seq_len}, micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}"
+        )
     cache_dir = Path(cfg.cache_dir).expanduser()
     tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer is not None else None
     path, column = (builtin_corpus_path(cache_dir), "text") if cfg.path is None else (Path(cfg.path), cfg.text_column)
@@ -74,14 +83,39 @@ def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, micro_batch_
         if not sample:
             raise source.no_documents("every value")
         tokenizer = load_or_train_tokenizer(cfg, sample, vocab_size, cache_dir)
-    log.info("data: %d rows from %s (%d files), tokenizer %s (%d pieces), loader %s",
-             len(source), path, len(source.files), tokenizer.path.name, tokenizer.vocab_size, cfg.loader)  # fmt: skip
+    log.info(
+        "data: %d rows from %s (%d files), tokenizer %s (%d pieces), loader %s",
+        len(source),
+        path,
+        len(source.files),
+        tokenizer.path.name,
+        tokenizer.vocab_size,
+        cfg.loader,
+    )
     if cfg.loader == "offline_packed":
         from hlat.data.offline import build_offline_loader
 
-        return build_offline_loader(cfg, source, tokenizer, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                                    seed=seed, dp_rank=dp_rank, dp_size=dp_size)  # fmt: skip
-    spec = StreamSpec(str(path), column, str(tokenizer.path), vocab_size, seq_len, micro_batch_size, seed,
-                      cfg.shuffle, dp_rank, dp_size)  # fmt: skip
+        return build_offline_loader(
+            cfg,
+            source,
+            tokenizer,
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            seed=seed,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
+    spec = StreamSpec(
+        str(path),
+        column,
+        str(tokenizer.path),
+        vocab_size,
+        seq_len,
+        micro_batch_size,
+        seed,
+        cfg.shuffle,
+        dp_rank,
+        dp_size,
+    )
     PackedStream(spec, source, tokenizer)  # validates the rank layout against the data now, not in the worker
     return OnlineLoader(spec, source, tokenizer, worker=cfg.worker, prefetch=cfg.prefetch)

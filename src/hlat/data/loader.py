@@ -52,8 +52,14 @@ class StreamSpec:
 
 def stream_identity(spec: StreamSpec, source: TextSource, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a saved stream position is only valid for: seed, shuffle, rank layout, data and tokenizer."""
-    return {"seed": spec.seed, "shuffle": spec.shuffle, "dp_rank": spec.dp_rank, "dp_size": spec.dp_size,
-            "data": source.fingerprint, "tokenizer": tokenizer.fingerprint}  # fmt: skip
+    return {
+        "seed": spec.seed,
+        "shuffle": spec.shuffle,
+        "dp_rank": spec.dp_rank,
+        "dp_size": spec.dp_size,
+        "data": source.fingerprint,
+        "tokenizer": tokenizer.fingerprint,
+    }
 
 
 _SETTINGS = {"loader": "data.loader", "seed": "train.seed", "shuffle": "data.shuffle", "seq_len": "train.seq_len"}
@@ -158,8 +164,10 @@ class PackedStream:
         self.spec, self.source, self.tokenizer = spec, source, tokenizer
         self.per_epoch = rows_per_rank(len(source), spec.dp_rank, spec.dp_size)
         if self.per_epoch == 0:
-            raise ConfigError(f"the data has {len(source)} rows, fewer than the {spec.dp_size} data-parallel ranks; "
-                              "point data.path at more data or use fewer ranks")  # fmt: skip
+            raise ConfigError(
+                f"the data has {len(source)} rows, fewer than the {spec.dp_size} data-parallel ranks; "
+                "point data.path at more data or use fewer ranks"
+            )
         c = {**START, **(cursor or {})}
         self.epoch, self.position, self.batches = int(c["epoch"]), int(c["position"]), int(c["batches"])
         self.documents, self.skipped = int(c["documents"]), int(c["skipped"])
@@ -208,11 +216,23 @@ class PackedStream:
         """Where the next window starts, plus the counters as of that point (plain ints)."""
         at = self.packer.position()
         if at is None:  # nothing buffered: the next window starts with the next row to read
-            return {"epoch": self.epoch, "position": self.position, "offset": 0, "documents": self.documents,
-                    "skipped": self.skipped, "batches": self.batches}  # fmt: skip
+            return {
+                "epoch": self.epoch,
+                "position": self.position,
+                "offset": 0,
+                "documents": self.documents,
+                "skipped": self.skipped,
+                "batches": self.batches,
+            }
         (epoch, position, documents, skipped), offset = at
-        return {"epoch": epoch, "position": position, "offset": offset, "documents": documents,
-                "skipped": skipped, "batches": self.batches}  # fmt: skip
+        return {
+            "epoch": epoch,
+            "position": position,
+            "offset": offset,
+            "documents": documents,
+            "skipped": skipped,
+            "batches": self.batches,
+        }
 
 
 def tokenizer_sample(source: TextSource) -> list[str]:

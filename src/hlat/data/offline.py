@@ -109,11 +109,18 @@ def _tokenize_into(out: Path, source: TextSource, tokenizer: Tokenizer, progress
     del src, dst
     raw_offsets.unlink()
     meta = {
-        "version": _FORMAT_VERSION, "documents": documents, "skipped_rows": skipped, "tokens": tokens,
-        "rows": len(source), "dtype": dtype.name, "eos_id": tokenizer.eos_id, "vocab_size": tokenizer.vocab_size,
-        "data": source.fingerprint, "tokenizer": tokenizer.fingerprint,
+        "version": _FORMAT_VERSION,
+        "documents": documents,
+        "skipped_rows": skipped,
+        "tokens": tokens,
+        "rows": len(source),
+        "dtype": dtype.name,
+        "eos_id": tokenizer.eos_id,
+        "vocab_size": tokenizer.vocab_size,
+        "data": source.fingerprint,
+        "tokenizer": tokenizer.fingerprint,
         "seconds": round(time.perf_counter() - start, 3),
-    }  # fmt: skip
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -147,9 +154,14 @@ def pretokenize(source: TextSource, tokenizer: Tokenizer, cache_dir: Path | str,
     mb = meta["tokens"] * token_dtype(tokenizer.vocab_size).itemsize / 1e6
     log.info(
         "pre-tokenized %d documents (%d skipped) into %d tokens (%.1f MB) in %.1fs (%.0f tokens/s) -> %s",
-        meta["documents"], meta["skipped_rows"], meta["tokens"], mb, meta["seconds"],
-        meta["tokens"] / max(meta["seconds"], 1e-9), out,
-    )  # fmt: skip
+        meta["documents"],
+        meta["skipped_rows"],
+        meta["tokens"],
+        mb,
+        meta["seconds"],
+        meta["tokens"] / max(meta["seconds"], 1e-9),
+        out,
+    )
     return out
 
 
@@ -241,9 +253,18 @@ class OfflinePackedLoader:
     """
 
     def __init__(
-        self, directory: Path, tokenizer: Tokenizer, data_fingerprint: str, *, seq_len: int, micro_batch_size: int,
-        seed: int, shuffle: bool = True, dp_rank: int = 0, dp_size: int = 1,
-    ) -> None:  # fmt: skip
+        self,
+        directory: Path,
+        tokenizer: Tokenizer,
+        data_fingerprint: str,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> None:
         self.directory = Path(directory)
         self.meta = json.loads((self.directory / "meta.json").read_text())
         self.tokens = np.memmap(self.directory / "tokens.bin", dtype=self.meta["dtype"], mode="r")
@@ -286,11 +307,18 @@ class OfflinePackedLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position (samples consumed) and the identity of the stream, as plain Python values."""
         return {
-            "version": _STATE_VERSION, "loader": "offline_packed", "seed": self.seed, "shuffle": self.shuffle,
-            "seq_len": self.seq_len, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-            "data": self.data_fingerprint, "tokenizer": self.tokenizer.fingerprint,
-            "samples_consumed": self.samples_consumed, "batches_produced": self.batches_produced,
-        }  # fmt: skip
+            "version": _STATE_VERSION,
+            "loader": "offline_packed",
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "seq_len": self.seq_len,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "data": self.data_fingerprint,
+            "tokenizer": self.tokenizer.fingerprint,
+            "samples_consumed": self.samples_consumed,
+            "batches_produced": self.batches_produced,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`; later batches equal those of the saving loader.
@@ -326,9 +354,16 @@ class OfflinePackedLoader:
 
 
 def build_offline_loader(
-    cfg: DataConfig, source: TextSource, tokenizer: Tokenizer, *,
-    seq_len: int, micro_batch_size: int, seed: int, dp_rank: int, dp_size: int,
-) -> OfflinePackedLoader:  # fmt: skip
+    cfg: DataConfig,
+    source: TextSource,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    seed: int,
+    dp_rank: int,
+    dp_size: int,
+) -> OfflinePackedLoader:
     """The ``data.loader=offline_packed`` loader of one rank: pre-tokenize (cached), then index.
 
     ``cfg.cache_dir`` and ``cfg.shuffle`` are used; the keyword arguments are as for
@@ -360,10 +395,20 @@ def build_offline_loader(
         raise ConfigError(f"{where} tokenizes to {meta['tokens']} tokens, {too_few}")
     log.info(
         "offline_packed data: %d documents, %d tokens (%d windows of %d per epoch) from %s",
-        meta["documents"], meta["tokens"], meta["tokens"] // seq_len, seq_len + 1, directory,
-    )  # fmt: skip
+        meta["documents"],
+        meta["tokens"],
+        meta["tokens"] // seq_len,
+        seq_len + 1,
+        directory,
+    )
     return OfflinePackedLoader(
-        directory, tokenizer, source.fingerprint,
-        seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, shuffle=cfg.shuffle,
-        dp_rank=dp_rank, dp_size=dp_size,
-    )  # fmt: skip
+        directory,
+        tokenizer,
+        source.fingerprint,
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        seed=seed,
+        shuffle=cfg.shuffle,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )

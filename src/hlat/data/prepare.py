@@ -242,8 +242,11 @@ class _ShardWriter:
     def add(self, doc: str) -> None:
         self._pending.append(doc)
         self._pending_bytes += len(doc)
-        if (len(self._pending) >= READ_BATCH_ROWS or self._pending_bytes >= WRITE_BATCH_BYTES
-                or self._rows + len(self._pending) >= self.shard_rows):  # fmt: skip
+        if (
+            len(self._pending) >= READ_BATCH_ROWS
+            or self._pending_bytes >= WRITE_BATCH_BYTES
+            or self._rows + len(self._pending) >= self.shard_rows
+        ):
             self._flush()
 
     def _flush(self) -> None:
@@ -268,9 +271,14 @@ class _ShardWriter:
 
 
 def prepare(
-    inputs: Sequence[Path | str], output: Path | str, *, text_column: str = "text", shard_rows: int = 100_000,
-    lines: bool = False, progress: bool = True,
-) -> PrepareReport:  # fmt: skip
+    inputs: Sequence[Path | str],
+    output: Path | str,
+    *,
+    text_column: str = "text",
+    shard_rows: int = 100_000,
+    lines: bool = False,
+    progress: bool = True,
+) -> PrepareReport:
     """Convert ``inputs`` into Arrow IPC shards in ``output`` (see the module docstring).
 
     Args:
@@ -298,8 +306,9 @@ def prepare(
     report = PrepareReport(input_bytes=sum(f.stat().st_size for f in files))
     writer = _ShardWriter(partial, shard_rows)
     try:
-        with tqdm(total=report.input_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress,
-                  leave=False) as bar:  # fmt: skip
+        with tqdm(
+            total=report.input_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress, leave=False
+        ) as bar:
             for path in files:
                 done = 0
                 for values, nbytes in _read(path, text_column, lines):
@@ -334,9 +343,14 @@ def prepare(
 
 
 def train_tokenizer(
-    data: Path | str, output: Path | str, *, vocab_size: int, model_type: str = "bpe", text_column: str = "text",
+    data: Path | str,
+    output: Path | str,
+    *,
+    vocab_size: int,
+    model_type: str = "bpe",
+    text_column: str = "text",
     cache_dir: Path | str = DataConfig.cache_dir,
-) -> Tokenizer:  # fmt: skip
+) -> Tokenizer:
     """Train a sentencepiece model on ``data`` with the project's recipe and copy it to ``output``.
 
     It trains on the same bounded, evenly strided sample of the rows as a run with ``data.tokenizer=null``
@@ -350,8 +364,9 @@ def train_tokenizer(
     from hlat.data.sources import TextSource
 
     check_trainable_vocab(vocab_size)  # before any data is read
-    cfg = DataConfig(path=str(data), text_column=text_column, tokenizer=None, tokenizer_type=model_type,
-                     cache_dir=str(cache_dir))  # fmt: skip
+    cfg = DataConfig(
+        path=str(data), text_column=text_column, tokenizer=None, tokenizer_type=model_type, cache_dir=str(cache_dir)
+    )
     source = TextSource(data, text_column)
     sample = tokenizer_sample(source)
     if not sample:

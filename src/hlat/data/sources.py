@@ -103,11 +103,17 @@ def open_ipc(path: Path, key: str = "data.path") -> pa.ipc.RecordBatchFileReader
             source.seek(0)
             return pa.ipc.open_stream(source)
     except (pa.ArrowInvalid, OSError) as err:  # garbage reads as OSError ("Invalid IPC stream"), empty as invalid
-        fix = ("; if it holds Parquet or JSON Lines, give it that suffix (.parquet, .jsonl); if it is damaged, write "
-               f"it again (e.g. `hlat data prepare`); or {_FIX_PATH}" if key == "data.path" else "")  # fmt: skip
-        raise ConfigError(f"{key}: {path} is not an Arrow IPC file or stream ({err}), which its {path.suffix!r} "
-                          f"suffix promises (Arrow's file or stream format, as pyarrow, polars, HF datasets or "
-                          f"`hlat data prepare` write it){fix}") from err  # fmt: skip
+        fix = (
+            "; if it holds Parquet or JSON Lines, give it that suffix (.parquet, .jsonl); if it is damaged, write "
+            f"it again (e.g. `hlat data prepare`); or {_FIX_PATH}"
+            if key == "data.path"
+            else ""
+        )
+        raise ConfigError(
+            f"{key}: {path} is not an Arrow IPC file or stream ({err}), which its {path.suffix!r} "
+            f"suffix promises (Arrow's file or stream format, as pyarrow, polars, HF datasets or "
+            f"`hlat data prepare` write it){fix}"
+        ) from err
 
 
 def _read_arrow(path: Path, text_column: str) -> pa.Table:
@@ -118,8 +124,10 @@ def _read_arrow(path: Path, text_column: str) -> pa.Table:
     try:
         return reader.read_all().select([text_column])
     except (pa.ArrowInvalid, OSError) as err:  # a valid header, then garbage: a truncated or damaged file
-        raise ConfigError(f"data.path: {path} is a damaged Arrow IPC file ({err}); write it again (e.g. with "
-                          f"`hlat data prepare`) or {_FIX_PATH}") from err  # fmt: skip
+        raise ConfigError(
+            f"data.path: {path} is a damaged Arrow IPC file ({err}); write it again (e.g. with "
+            f"`hlat data prepare`) or {_FIX_PATH}"
+        ) from err
 
 
 def _read_parquet(path: Path, text_column: str) -> pa.Table:

@@ -84,8 +84,9 @@ class OnlineLoader:
         prefetch: Batches the worker keeps ready.
     """
 
-    def __init__(self, spec: StreamSpec, source: TextSource, tokenizer: Tokenizer, *, worker: str = "thread",
-                 prefetch: int = 4) -> None:  # fmt: skip
+    def __init__(
+        self, spec: StreamSpec, source: TextSource, tokenizer: Tokenizer, *, worker: str = "thread", prefetch: int = 4
+    ) -> None:
         self.spec, self.source, self.tokenizer = spec, source, tokenizer
         self.worker, self.prefetch = worker, prefetch
         self._identity = stream_identity(spec, source, tokenizer)
@@ -103,14 +104,22 @@ class OnlineLoader:
         if self.worker == "thread":
             self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
             stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursor)
-            self._runner = threading.Thread(target=_produce, args=(stream, self._queue, self._stop), daemon=True,
-                                            name=f"hlat-data-rank{self.spec.dp_rank}")  # fmt: skip
+            self._runner = threading.Thread(
+                target=_produce,
+                args=(stream, self._queue, self._stop),
+                daemon=True,
+                name=f"hlat-data-rank{self.spec.dp_rank}",
+            )
         else:
             # spawn, not fork: forking a process whose torch runtime already started threads can deadlock.
             ctx = mp.get_context("spawn")
             self._queue, self._stop = ctx.Queue(self.prefetch), ctx.Event()
-            self._runner = ctx.Process(target=_process_main, args=(self.spec, self._cursor, self._queue, self._stop),
-                                       daemon=True, name=f"hlat-data-rank{self.spec.dp_rank}")  # fmt: skip
+            self._runner = ctx.Process(
+                target=_process_main,
+                args=(self.spec, self._cursor, self._queue, self._stop),
+                daemon=True,
+                name=f"hlat-data-rank{self.spec.dp_rank}",
+            )
         self._runner.start()
 
     def __iter__(self) -> OnlineLoader:

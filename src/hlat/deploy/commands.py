@@ -211,16 +211,25 @@ def render(args: argparse.Namespace, command: str) -> tuple[str, str]:
         return stem + SUFFIX["torchrun"], text
     if args.target == "slurm":
         cpus = args.cpus_per_task or cfg.cluster.cpus_per_task or default_cpus(cfg.cluster)
-        text = sbatch_script(cfg, overrides, env, name=name, install=install(), cpus_per_task=cpus, port=args.port,
-                             compile_steps=steps)  # fmt: skip
+        text = sbatch_script(
+            cfg, overrides, env, name=name, install=install(), cpus_per_task=cpus, port=args.port, compile_steps=steps
+        )
         return stem + SUFFIX["slurm"], text
     if not args.image:
         raise UsageError(
             "--target eks needs --image: hlat's container image (docker build -t <registry>/hlat:<tag> "
             ". && docker push ...), pulled by every worker pod"
         )
-    manifest = pytorchjob(cfg, overrides, env, name=name, image=args.image, port=args.port,
-                          fsx_claim=args.fsx_claim, fsx_mount=args.fsx_mount)  # fmt: skip
+    manifest = pytorchjob(
+        cfg,
+        overrides,
+        env,
+        name=name,
+        image=args.image,
+        port=args.port,
+        fsx_claim=args.fsx_claim,
+        fsx_mount=args.fsx_mount,
+    )
     return stem + SUFFIX["eks"], to_yaml(manifest)
 
 

@@ -61,9 +61,16 @@ class HlatLM(TemplateLM):
         **kwargs: Other arguments lm-eval passes (``max_batch_size``), ignored.
     """
 
-    def __init__(self, checkpoint: str, device: str | None = "cpu", batch_size: int | str | None = DEFAULT_BATCH_SIZE,
-                 max_length: int | str | None = None, dtype: str = "float32", tokenizer: str | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        checkpoint: str,
+        device: str | None = "cpu",
+        batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+        max_length: int | str | None = None,
+        dtype: str = "float32",
+        tokenizer: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
         self.loaded = load(checkpoint, device=device or "cpu", dtype=dtype, tokenizer=tokenizer)
         self.model, self.tok = self.loaded.model, self.loaded.tokenizer
@@ -101,8 +108,9 @@ class HlatLM(TemplateLM):
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.tok.decode(tokens)
 
-    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]],
-                              disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:  # fmt: skip
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding yields the continuation) per request."""
         # Longest first: each batch pads to its first sequence, and memory errors come at the start, not the end.
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
@@ -220,11 +228,20 @@ if "hlat" not in model_registry:  # the decorator's job, but `python -m hlat.eva
     model_registry.register("hlat")(HlatLM)
 
 
-def evaluate(checkpoint: str | Path, tasks: Sequence[str] | str = ("hlat_local",),
-             num_fewshot: int | Mapping[str, int] | None = None,
-             limit: int | float | None = None, device: str = "cpu", batch_size: int = DEFAULT_BATCH_SIZE,
-             max_length: int | None = None, include_defaults: bool = False, bootstrap_iters: int = 1000,
-             tokenizer: str | None = None, dtype: str = "float32", **kwargs: Any) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    checkpoint: str | Path,
+    tasks: Sequence[str] | str = ("hlat_local",),
+    num_fewshot: int | Mapping[str, int] | None = None,
+    limit: int | float | None = None,
+    device: str = "cpu",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_length: int | None = None,
+    include_defaults: bool = False,
+    bootstrap_iters: int = 1000,
+    tokenizer: str | None = None,
+    dtype: str = "float32",
+    **kwargs: Any,
+) -> dict[str, Any]:
     """Evaluate a checkpoint on lm-eval tasks; lm-eval's results dict (``results``, ``groups``, ``configs``, ...).
 
     lm-eval seeds Python's, NumPy's and torch's generators; they are restored afterwards, so a training run that
@@ -260,12 +277,25 @@ def evaluate(checkpoint: str | Path, tasks: Sequence[str] | str = ("hlat_local",
     kwargs.setdefault("log_samples", False)
     results: dict[str, Any] = {}
     with _rng_preserved():
-        lm = HlatLM(str(checkpoint), device=device, batch_size=batch_size, max_length=max_length, dtype=dtype,
-                    tokenizer=tokenizer)  # fmt: skip
+        lm = HlatLM(
+            str(checkpoint),
+            device=device,
+            batch_size=batch_size,
+            max_length=max_length,
+            dtype=dtype,
+            tokenizer=tokenizer,
+        )
         manager = task_manager(include_defaults)
         for n, group in by_shots.items():
-            part = simple_evaluate(model=lm, tasks=group, num_fewshot=n, limit=limit, task_manager=manager,
-                                   bootstrap_iters=bootstrap_iters, **kwargs)  # fmt: skip
+            part = simple_evaluate(
+                model=lm,
+                tasks=group,
+                num_fewshot=n,
+                limit=limit,
+                task_manager=manager,
+                bootstrap_iters=bootstrap_iters,
+                **kwargs,
+            )
             for key, value in (part or {}).items():  # None only on a non-zero rank of a distributed lm-eval run
                 if isinstance(value, dict) and isinstance(results.get(key), dict):
                     results[key].update(value)

@@ -84,8 +84,14 @@ def _write_tokenizer(spm_path: Path, out: Path, max_len: int) -> int:
     return ids["eos_token"]
 
 
-def export_hf(checkpoint_path: Path, out_dir: Path, *, tokenizer: Path | None = None, dtype: str | None = None,
-              overwrite: bool = False) -> Path:  # fmt: skip
+def export_hf(
+    checkpoint_path: Path,
+    out_dir: Path,
+    *,
+    tokenizer: Path | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write an hlat checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
 
     Args:
@@ -155,8 +161,12 @@ def import_hf_checkpoint(hf_dir: Path, out_dir: Path, *, untie_embeddings: bool 
 
         pieces = Tokenizer(spm_path, num_threads=1).vocab_size
         if pieces != cfg.vocab_size:
-            log.warning("%s has %d pieces but the model %d rows: hlat's data.tokenizer check will refuse it",
-                        spm_path, pieces, cfg.vocab_size)  # fmt: skip
+            log.warning(
+                "%s has %d pieces but the model %d rows: hlat's data.tokenizer check will refuse it",
+                spm_path,
+                pieces,
+                cfg.vocab_size,
+            )
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -165,14 +175,24 @@ def import_hf_checkpoint(hf_dir: Path, out_dir: Path, *, untie_embeddings: bool 
         dcp.save({"model": sd}, checkpoint_id=tmp, no_dist=True)
     if spm_path is not None:
         shutil.copyfile(spm_path, tmp / SPM)
-    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": checkpoint.sha256(p)}
-             for p in sorted(tmp.rglob("*")) if p.is_file()}  # fmt: skip
+    files = {
+        str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": checkpoint.sha256(p)}
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file()
+    }
     config = {"model": dataclasses.asdict(cfg)}
-    _dump(tmp / checkpoint.MANIFEST, {
-        "step": 0, "files": files, "config": config, "config_hash": checkpoint.config_hash(config),
-        "weights_only": True, "tokenizer": SPM if spm_path is not None else None,
-        "source": {"format": "hf-llama", "path": str(Path(hf_dir).expanduser().resolve())},
-    })  # fmt: skip
+    _dump(
+        tmp / checkpoint.MANIFEST,
+        {
+            "step": 0,
+            "files": files,
+            "config": config,
+            "config_hash": checkpoint.config_hash(config),
+            "weights_only": True,
+            "tokenizer": SPM if spm_path is not None else None,
+            "source": {"format": "hf-llama", "path": str(Path(hf_dir).expanduser().resolve())},
+        },
+    )
     os.replace(tmp, out_dir)
     log.info("imported %s into %s (%s)", hf_dir, out_dir, cfg)
     return out_dir
@@ -183,8 +203,11 @@ def import_hf_checkpoint(hf_dir: Path, out_dir: Path, *, untie_embeddings: bool 
 
 def main(argv: list[str]) -> int:
     """``hlat export CHECKPOINT --out DIR`` and ``hlat import HF_DIR --out DIR``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="hlat", description="Convert between hlat checkpoints and the Hugging Face "
-                                     "LLaMA layout (LlamaForCausalLM + sentencepiece LlamaTokenizer).")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="hlat",
+        description="Convert between hlat checkpoints and the Hugging Face "
+        "LLaMA layout (LlamaForCausalLM + sentencepiece LlamaTokenizer).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write a checkpoint as a HF LlamaForCausalLM directory")
     exp.add_argument("checkpoint", help="a checkpoint directory, or a checkpoints root (its newest valid one)")
@@ -195,21 +218,31 @@ def main(argv: list[str]) -> int:
     imp = sub.add_parser("import", help="write a HF LLaMA directory as a weights-only hlat checkpoint")
     imp.add_argument("hf_dir", help="save_pretrained output or a downloaded model snapshot (safetensors)")
     imp.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create")
-    imp.add_argument("--untie-embeddings", action="store_true", help="accept tied embeddings: the LM head starts "
-                     "as a copy of the embedding")  # fmt: skip
+    imp.add_argument(
+        "--untie-embeddings",
+        action="store_true",
+        help="accept tied embeddings: the LM head starts as a copy of the embedding",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.command == "export":
-            out = export_hf(Path(args.checkpoint), Path(args.out), dtype=args.dtype, overwrite=args.overwrite,
-                            tokenizer=Path(args.tokenizer) if args.tokenizer else None)  # fmt: skip
+            out = export_hf(
+                Path(args.checkpoint),
+                Path(args.out),
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+                tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+            )
             print(f"exported -> {out} (transformers: LlamaForCausalLM.from_pretrained({str(out)!r}))")
         else:
             out = import_hf_checkpoint(Path(args.hf_dir), Path(args.out), untie_embeddings=args.untie_embeddings)
             cfg = ModelConfig(**(checkpoint.manifest(out) or {})["config"]["model"])
             tok = f" data.tokenizer={out / SPM}" if (out / SPM).is_file() else ""
-            print(f"imported -> {out}; continue pretraining with: hlat train train.init_from={out}{tok} "
-                  + " ".join(model_overrides(cfg)))  # fmt: skip
+            print(
+                f"imported -> {out}; continue pretraining with: hlat train train.init_from={out}{tok} "
+                + " ".join(model_overrides(cfg))
+            )
     except ConfigError as err:
         print(f"hlat: error: {err}", file=sys.stderr)
         return 2

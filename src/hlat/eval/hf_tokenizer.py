@@ -77,32 +77,54 @@ def tokenizer_json(spm_path: Path) -> dict[str, Any]:
     proto = _proto(spm_path)
     norm = proto.normalizer_spec
     if norm.name != "identity" or norm.remove_extra_whitespaces or norm.precompiled_charsmap:
-        log.warning("%s normalizes text (rule %r, remove_extra_whitespaces=%s); the exported tokenizer.json does "
-                    "not, so transformers may tokenize some texts differently", spm_path, norm.name,
-                    norm.remove_extra_whitespaces)  # fmt: skip
+        log.warning(
+            "%s normalizes text (rule %r, remove_extra_whitespaces=%s); the exported tokenizer.json does "
+            "not, so transformers may tokenize some texts differently",
+            spm_path,
+            norm.name,
+            norm.remove_extra_whitespaces,
+        )
     pieces = [(p.piece, p.score, p.type == proto.SentencePiece.NORMAL) for p in proto.pieces]
     prefix = norm.add_dummy_prefix
     replace_space = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
-    decoders = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
-                {"type": "Fuse"}]  # fmt: skip
+    decoders = [
+        {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
     if prefix:  # sentencepiece drops the dummy prefix's space when decoding
         decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
     unk = proto.pieces[proto.trainer_spec.unk_id].piece if proto.trainer_spec.unk_id >= 0 else None
     return {
-        "version": "1.0", "truncation": None, "padding": None,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
         "added_tokens": [],  # none: transformers adds the declared special tokens, not matched in text (below)
-        "normalizer": {"type": "Sequence", "normalizers":
-                       ([{"type": "Prepend", "prepend": SPACE}] if prefix else []) + [replace_space]},
+        "normalizer": {
+            "type": "Sequence",
+            "normalizers": ([{"type": "Prepend", "prepend": SPACE}] if prefix else []) + [replace_space],
+        },
         "pre_tokenizer": None,
-        "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
-                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                           "special_tokens": {}},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {},
+        },
         "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": proto.trainer_spec.byte_fallback,
-                  "ignore_merges": False, "vocab": {p: i for i, (p, _, _) in enumerate(pieces)},
-                  "merges": [list(m) for m in merges(pieces)]},
-    }  # fmt: skip
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": unk,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": proto.trainer_spec.byte_fallback,
+            "ignore_merges": False,
+            "vocab": {p: i for i, (p, _, _) in enumerate(pieces)},
+            "merges": [list(m) for m in merges(pieces)],
+        },
+    }
 
 
 def write_tokenizer(spm_path: Path, out: Path, max_len: int, piece: dict[str, str]) -> None:
@@ -117,11 +139,20 @@ def write_tokenizer(spm_path: Path, out: Path, max_len: int, piece: dict[str, st
     """
     special = {**piece, "bos_token": piece["eos_token"]}
     _dump(out / TOKENIZER_JSON, tokenizer_json(spm_path))
-    _dump(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", **special, "pad_token": None, "add_bos_token": False,
-        "add_eos_token": False, "split_special_tokens": True, "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len, "spaces_between_special_tokens": False,
-    })  # fmt: skip
+    _dump(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "pad_token": None,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "split_special_tokens": True,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": max_len,
+            "spaces_between_special_tokens": False,
+        },
+    )
     _dump(out / "special_tokens_map.json", special)
 
 

@@ -64,8 +64,9 @@ class Loaded:
     checkpoint (whose training run is unknown)."""
 
 
-def load_weights(path: Path, cfg: ModelConfig, device: torch.device | str = "cpu",
-                 dtype: str = "float32") -> Transformer:  # fmt: skip
+def load_weights(
+    path: Path, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: str = "float32"
+) -> Transformer:
     """The decoder of ``cfg`` in eval mode with the weights of the checkpoint at ``path`` (see ``read_weights``).
 
     Raises:
@@ -116,9 +117,16 @@ def load(checkpoint: str | Path, device: str = "cpu", dtype: str = "float32", to
 
 
 @torch.inference_mode()
-def greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, *, eos_id: int | None = None,
-           stop: Callable[[list[int]], bool] | None = None, cache: KVCache | None = None,
-           use_cache: bool = True) -> list[int]:  # fmt: skip
+def greedy(
+    model: Transformer,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
+    cache: KVCache | None = None,
+    use_cache: bool = True,
+) -> list[int]:
     """Greedy continuation of one prompt: the new token ids (stopping after ``eos_id`` or when ``stop`` says so).
 
     Args:
@@ -153,9 +161,16 @@ def greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, *, eo
 
 
 @torch.inference_mode()
-def greedy_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 eos_id: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
-                 cache: KVCache | None = None, pad_id: int | None = None) -> list[list[int]]:  # fmt: skip
+def greedy_batch(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    stop: Callable[[int, list[int]], bool] | None = None,
+    cache: KVCache | None = None,
+    pad_id: int | None = None,
+) -> list[list[int]]:
     """Greedy continuations of several prompts decoded together: each row's new token ids, as ``greedy`` gives.
 
     The prompts are left-padded to the longest and the pads masked out of attention (``kv_cache.decode``'s
@@ -219,6 +234,11 @@ def decode_continuation(tokenizer: Tokenizer, context: Sequence[int], new: Seque
 
 def describe(loaded: Loaded) -> dict[str, Any]:
     """A few facts about a loaded checkpoint, for logs and result files."""
-    return {"checkpoint": str(loaded.path), "step": loaded.step, "model": loaded.model.cfg.name,
-            "params": sum(p.numel() for p in loaded.model.parameters()), "tokenizer": str(loaded.tokenizer.path),
-            "context_len": loaded.context_len}  # fmt: skip
+    return {
+        "checkpoint": str(loaded.path),
+        "step": loaded.step,
+        "model": loaded.model.cfg.name,
+        "params": sum(p.numel() for p in loaded.model.parameters()),
+        "tokenizer": str(loaded.tokenizer.path),
+        "context_len": loaded.context_len,
+    }

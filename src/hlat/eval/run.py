@@ -69,8 +69,9 @@ def scores(results: dict[str, Any], task: EvalTask) -> list[Score]:
             continue  # alias, name, sample_len, stderr entries (read with their metric)
         name = metric if filt == "none" else f"{metric}_{filt}"
         err = row.get(f"{metric}_stderr,{filt}")
-        out.append(Score(task.task, name, float(value), float(err) if isinstance(err, int | float) else None,
-                         task.num_fewshot))  # fmt: skip
+        out.append(
+            Score(task.task, name, float(value), float(err) if isinstance(err, int | float) else None, task.num_fewshot)
+        )
     if not out:  # a group that aggregates nothing: report its members
         for sub in results.get("group_subtasks", {}).get(task.task, []):
             out.extend(scores(results, EvalTask(task=sub, num_fewshot=task.num_fewshot)))
@@ -87,9 +88,15 @@ def run_scores(ckpt: Path, cfg: EvalConfig, device: str) -> list[Score]:
     out: list[Score] = []
     for shots, tasks in by_shots.items():
         names = [t.task for t in tasks]
-        results = evaluate(ckpt, names, num_fewshot=shots, limit=cfg.limit, device=device,
-                           batch_size=cfg.batch_size,
-                           include_defaults=not all(n.startswith(LOCAL_PREFIX) for n in names))  # fmt: skip
+        results = evaluate(
+            ckpt,
+            names,
+            num_fewshot=shots,
+            limit=cfg.limit,
+            device=device,
+            batch_size=cfg.batch_size,
+            include_defaults=not all(n.startswith(LOCAL_PREFIX) for n in names),
+        )
         for t in tasks:
             out.extend(scores(results, t))
     return out
@@ -97,8 +104,12 @@ def run_scores(ckpt: Path, cfg: EvalConfig, device: str) -> list[Score]:
 
 def markdown(ckpt: Path, step: int, tokens: int, rows: list[Score]) -> str:
     """The scores of one checkpoint as a markdown table."""
-    lines = [f"# {ckpt} (step {step:,}, {tokens:,} tokens)", "", "| task | shots | metric | value | stderr |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# {ckpt} (step {step:,}, {tokens:,} tokens)",
+        "",
+        "| task | shots | metric | value | stderr |",
+        "|---|---|---|---|---|",
+    ]
     for s in rows:
         err = f"{s.stderr:.4f}" if s.stderr is not None and math.isfinite(s.stderr) else ""
         lines.append(f"| {s.task} | {s.num_fewshot} | {s.metric} | {s.value:.4f} | {err} |")
@@ -145,13 +156,19 @@ class MlflowSink:
                 self._run_id = self.train_run_id
                 return self._run_id
             except MlflowException:
-                log.warning("training run %s is not in %s: logging the evaluation to a run of its own",
-                            self.train_run_id, self.uri)  # fmt: skip
+                log.warning(
+                    "training run %s is not in %s: logging the evaluation to a run of its own",
+                    self.train_run_id,
+                    self.uri,
+                )
         from hlat.track.trackers import experiment_id
 
         exp_id = experiment_id(self._client, self.experiment)
-        run = self._client.create_run(exp_id, run_name=f"eval-{ckpt.parent.parent.name}-{ckpt.name}",
-                                      tags={"hlat.kind": "eval", "hlat.checkpoint": str(ckpt)})  # fmt: skip
+        run = self._client.create_run(
+            exp_id,
+            run_name=f"eval-{ckpt.parent.parent.name}-{ckpt.name}",
+            tags={"hlat.kind": "eval", "hlat.checkpoint": str(ckpt)},
+        )
         self._run_id = run.info.run_id
         return self._run_id
 
@@ -176,11 +193,18 @@ class MlflowSink:
         client, run_id = self._client, self._run_id
         if client is None or run_id is None:
             return None
-        keys = sorted(k for k in client.get_run(run_id).data.metrics
-                      if k.startswith("eval/") and not k.endswith("_stderr") and k != "eval/tokens_seen")  # fmt: skip
-        series = {k[len("eval/"):]: [(m.step * tokens_per_step, m.value)
-                                     for m in sorted(client.get_metric_history(run_id, k), key=lambda m: m.step)]
-                  for k in keys}  # fmt: skip
+        keys = sorted(
+            k
+            for k in client.get_run(run_id).data.metrics
+            if k.startswith("eval/") and not k.endswith("_stderr") and k != "eval/tokens_seen"
+        )
+        series = {
+            k[len("eval/") :]: [
+                (m.step * tokens_per_step, m.value)
+                for m in sorted(client.get_metric_history(run_id, k), key=lambda m: m.step)
+            ]
+            for k in keys
+        }
         if not series:
             return None
         path = plot_eval_curves(series, out)

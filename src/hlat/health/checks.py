@@ -101,12 +101,23 @@ def check_all_reduce(device: torch.device, world: int, group: Any = None) -> tup
     want = world * (world + 1) / 2
     got = t.to("cpu")
     ok = bool((got == want).all())
-    return ok, "all-reduce correct" if ok else f"all-reduce returned {got.min().item():g}..{got.max().item():g}, " \
-                                              f"want {want:g}"  # fmt: skip
+    return (
+        ok,
+        "all-reduce correct"
+        if ok
+        else f"all-reduce returned {got.min().item():g}..{got.max().item():g}, want {want:g}",
+    )
 
 
-def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, seconds: float, repeats: int,
-                 sync: Sync | None = None, emulated: bool = False) -> float:  # fmt: skip
+def matmul_flops(
+    device: torch.device,
+    dtype: torch.dtype,
+    n: int,
+    seconds: float,
+    repeats: int,
+    sync: Sync | None = None,
+    emulated: bool = False,
+) -> float:
     """Best-window FLOP/s of ``n x n`` matmuls on ``device``.
 
     CPU and CUDA: :func:`hlat.plan.peak.measure_matmul_flops` (the MFU denominator's own measurement, which waits for
@@ -117,8 +128,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, seconds: floa
     if device.type in ("cpu", "cuda"):
         from hlat.plan.peak import measure_matmul_flops
 
-        return measure_matmul_flops(dtype, n=n, seconds=seconds, device=str(device), repeats=repeats,
-                                    emulated=emulated)  # fmt: skip
+        return measure_matmul_flops(dtype, n=n, seconds=seconds, device=str(device), repeats=repeats, emulated=emulated)
     wait = device_sync(device, sync)
     g = torch.Generator().manual_seed(0)
     b = (torch.randn(n, n, generator=g) / n**0.5).to(device=device, dtype=dtype)
@@ -152,8 +162,9 @@ def time_collective(op: Callable[[], Any], iters: int, sync: Sync, group: Any = 
     return (time.perf_counter() - t0) / iters
 
 
-def collective_figures(device: torch.device, sync: Sync, nbytes: int, iters: int, group: Any = None,
-                       size: int | None = None) -> dict[str, float]:  # fmt: skip
+def collective_figures(
+    device: torch.device, sync: Sync, nbytes: int, iters: int, group: Any = None, size: int | None = None
+) -> dict[str, float]:
     """All-reduce and all-gather bus bandwidth (GB/s) and 1-element all-reduce latency (µs) over ``group``.
 
     Args:

@@ -160,16 +160,24 @@ def _launch(cfg: RunConfig, overrides: list[str]) -> HealthReport:
 
     logs = tempfile.mkdtemp(prefix="hlat-doctor-")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=cfg.cluster.nproc_per_node, run_id=f"doctor-{uuid.uuid4().hex[:8]}",
-        **one_node_launch(), max_restarts=0, monitor_interval=0.5,  # stores and sockets on 127.0.0.1 only
-        start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
-    )  # fmt: skip
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.cluster.nproc_per_node,
+        run_id=f"doctor-{uuid.uuid4().hex[:8]}",
+        **one_node_launch(),
+        max_restarts=0,
+        monitor_interval=0.5,  # stores and sockets on 127.0.0.1 only
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
+    )
     try:
         results = elastic_launch(config, _worker)(overrides)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise JobFailedError(f"checking process {rank} failed with exit code {failure.exitcode} "
-                             f"({failure.message or 'no message'}); logs in {logs}") from None  # fmt: skip
+        raise JobFailedError(
+            f"checking process {rank} failed with exit code {failure.exitcode} "
+            f"({failure.message or 'no message'}); logs in {logs}"
+        ) from None
     report = results[min(results)]
     if isinstance(report, str):  # a ConfigError inside the workers, reported as text
         raise ConfigError(report)

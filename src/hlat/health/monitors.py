@@ -31,8 +31,9 @@ class Monitors:
         log_metrics: The run's ``tracker.log_metrics`` (a no-op off rank 0).
     """
 
-    def __init__(self, cfg: RunConfig, env: Env, model: nn.Module, run_dir: Path,
-                 log_metrics: Callable[[Rows], None]) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: RunConfig, env: Env, model: nn.Module, run_dir: Path, log_metrics: Callable[[Rows], None]
+    ) -> None:
         h = cfg.health
         self.watchdog: HangWatchdog | None = None
         if h.watchdog:

@@ -62,8 +62,15 @@ def parse_nccom_test(text: str) -> tuple[list[dict[str, float]], float | None, l
     for line in text.splitlines():
         if m := _ROW.match(line):
             size, count, _dtype, t_us, algbw, busbw = m.groups()
-            rows.append({"size_bytes": float(size), "count": float(count), "time_us": float(t_us),
-                         "algbw_gibps": float(algbw), "busbw_gibps": float(busbw)})  # fmt: skip
+            rows.append(
+                {
+                    "size_bytes": float(size),
+                    "count": float(count),
+                    "time_us": float(t_us),
+                    "algbw_gibps": float(algbw),
+                    "busbw_gibps": float(busbw),
+                }
+            )
         elif m := _AVG.search(line):
             avg = float(m.group(1))
         elif re.search(r"fail|error|not running", line, re.IGNORECASE):

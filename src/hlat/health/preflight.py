@@ -35,8 +35,9 @@ from hlat.health.report import HealthReport, PreflightError, RankResult, evaluat
 log = logging.getLogger(__name__)
 
 
-def preflight(cfg: RunConfig, env: Env, *, out_dir: Path | None = None,
-              sync: Sync | None = None) -> HealthReport | None:  # fmt: skip
+def preflight(
+    cfg: RunConfig, env: Env, *, out_dir: Path | None = None, sync: Sync | None = None
+) -> HealthReport | None:
     """The trainer's pre-flight check (``health.preflight``: auto = on for more than one process).
 
     Call it on every rank right after ``backend.setup`` (the process group is up) and before data and model are built.
@@ -57,8 +58,11 @@ def preflight(cfg: RunConfig, env: Env, *, out_dir: Path | None = None,
     if not cfg.health.preflight_enabled(env.world_size):
         return None
     if cfg.health.preflight == "auto" and sync is None and env.device.type not in ("cpu", "cuda"):
-        log.warning("no pre-flight check: timing work on a %s device needs the backend's synchronization "
-                    "(Backend.synchronize); health.preflight=on makes this an error", env.device.type)  # fmt: skip
+        log.warning(
+            "no pre-flight check: timing work on a %s device needs the backend's synchronization "
+            "(Backend.synchronize); health.preflight=on makes this an error",
+            env.device.type,
+        )
         return None
     log.info("pre-flight check of %d rank(s) (health.preflight=%s) ...", env.world_size, cfg.health.preflight)
     ranks = Ranks.from_env()
@@ -106,8 +110,10 @@ def run_checks(cfg: RunConfig, env: Env, *, tools: Sequence[ToolResult] = (), sy
     """
     h = cfg.health
     if h.inject_slow_rank is not None and h.inject_slow_rank >= env.world_size:
-        raise ConfigError(f"health.inject_slow_rank={h.inject_slow_rank} is not a rank of this {env.world_size}-rank "
-                          "job; use a rank below the world size, or null")  # fmt: skip
+        raise ConfigError(
+            f"health.inject_slow_rank={h.inject_slow_rank} is not a rank of this {env.world_size}-rank "
+            "job; use a rank below the world size, or null"
+        )
     wait = device_sync(env.device, sync)
     ranks, host = Ranks.from_env(), socket.gethostname()
     distributed = env.world_size > 1
@@ -119,8 +125,20 @@ def run_checks(cfg: RunConfig, env: Env, *, tools: Sequence[ToolResult] = (), sy
         ok, note = ok and ar_ok, f"{note}; {ar_note}"
     tflops, expected, source = _matmul_in_turn(cfg, env, wait, sync, group, ranks.local_world_size)
     intra, world, nodes = _collectives(cfg, env, wait, where) if distributed else ({}, {}, 1)
-    mine = RankResult(env.rank, host, ranks.local_rank, str(env.device), ok, note, tflops, expected, source,
-                      intra, world, expected_is_reference=reference_peak(cfg.cluster))  # fmt: skip
+    mine = RankResult(
+        env.rank,
+        host,
+        ranks.local_rank,
+        str(env.device),
+        ok,
+        note,
+        tflops,
+        expected,
+        source,
+        intra,
+        world,
+        expected_is_reference=reference_peak(cfg.cluster),
+    )
     rows: list[RankResult] = _gather(group, mine, env.world_size)
     all_tools = [t for part in _gather(group, list(tools), env.world_size) for t in part]
     if group is not None:
@@ -145,8 +163,9 @@ def node_ranks(where: Sequence[tuple[str, int]]) -> dict[str, list[int]]:
     return nodes
 
 
-def _matmul_in_turn(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None, group: Any,
-                    local_world: int) -> tuple[float, float | None, str]:  # fmt: skip
+def _matmul_in_turn(
+    cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None, group: Any, local_world: int
+) -> tuple[float, float | None, str]:
     """:func:`_matmul` on every rank: all at once on accelerators (a burn-in under load), one after the other on CPU.
 
     The ranks of a CPU host share its cores: measured together they would compare the OS scheduler's shares.
@@ -169,11 +188,22 @@ def _matmul(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None) -> tuple[fl
     h, dtype_name = cfg.health, cfg.precision.compute_dtype
     assert dtype_name in DTYPES, dtype_name
     n = h.matmul_size or (1024 if env.device.type == "cpu" else 8192)
-    measure = functools.partial(matmul_flops, env.device, getattr(torch, dtype_name), n, h.matmul_seconds,
-                                h.matmul_repeats, sync, emulated=env.bf16_matmul == "emulated")  # fmt: skip
+    measure = functools.partial(
+        matmul_flops,
+        env.device,
+        getattr(torch, dtype_name),
+        n,
+        h.matmul_seconds,
+        h.matmul_repeats,
+        sync,
+        emulated=env.bf16_matmul == "emulated",
+    )
     if h.inject_slow_rank == env.rank:
-        log.warning("health.inject_slow_rank=%d: this rank's matmuls run at %g of their speed (a test hook)",
-                    env.rank, h.inject_slow_factor)  # fmt: skip
+        log.warning(
+            "health.inject_slow_rank=%d: this rank's matmuls run at %g of their speed (a test hook)",
+            env.rank,
+            h.inject_slow_factor,
+        )
         with Throttle(h.inject_slow_factor, wait):
             flops = measure()
     else:
@@ -182,8 +212,9 @@ def _matmul(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None) -> tuple[fl
     return flops / 1e12, (peak / 1e12 if peak else None), source
 
 
-def _collectives(cfg: RunConfig, env: Env, wait: Sync,
-                 where: Sequence[tuple[str, int]]) -> tuple[dict[str, float], dict[str, float], int]:  # fmt: skip
+def _collectives(
+    cfg: RunConfig, env: Env, wait: Sync, where: Sequence[tuple[str, int]]
+) -> tuple[dict[str, float], dict[str, float], int]:
     """Collective figures within this rank's node and over the job, and the number of nodes.
 
     One node: measured once, reported as both. Several: every rank creates every node's group (new_group is
@@ -199,8 +230,9 @@ def _collectives(cfg: RunConfig, env: Env, wait: Sync,
     members = nodes[where[env.rank][0]]
     intra = {}
     if len(members) > 1:
-        intra = collective_figures(env.device, wait, nbytes, h.collective_iters, group=groups[where[env.rank][0]],
-                                   size=len(members))  # fmt: skip
+        intra = collective_figures(
+            env.device, wait, nbytes, h.collective_iters, group=groups[where[env.rank][0]], size=len(members)
+        )
     dist.barrier()
     world = collective_figures(env.device, wait, nbytes, h.collective_iters)
     for g in groups.values():

@@ -91,8 +91,11 @@ class HealthReport:
         parts = [f"node {n}: {'; '.join(by_node[n])}" for n in nodes]
         if JOB in by_node:
             parts.append(f"the job as a whole: {'; '.join(by_node[JOB])}")
-        return (f"pre-flight check failed on {len(nodes)} of {self.nodes} node(s): " + " | ".join(parts)
-                + f". {self._advice(nodes)}")  # fmt: skip
+        return (
+            f"pre-flight check failed on {len(nodes)} of {self.nodes} node(s): "
+            + " | ".join(parts)
+            + f". {self._advice(nodes)}"
+        )
 
     def _advice(self, nodes: list[str]) -> str:
         """The way out: exclude the named nodes where the job has others, otherwise what can be done on this one."""
@@ -104,18 +107,29 @@ class HealthReport:
         broken = any(f.reason.startswith("device check failed") for f in self.failures)
         repair = "Repair the device or its driver (it computes wrong results), then start again; " if broken else ""
         peak = "set cluster.peak_tflops to this device's real peak or lower health.min_matmul_fraction"
-        return (f"{repair}This job has one node, so there is no other node to move to: stop other work on this "
-                "host's devices and cores (other jobs, benchmarks) and start again with the same command (with the "
-                "same hydra.run.dir it continues from its newest checkpoint); if the expected peak is wrong, "
-                f"{peak}; {off}")  # fmt: skip
+        return (
+            f"{repair}This job has one node, so there is no other node to move to: stop other work on this "
+            "host's devices and cores (other jobs, benchmarks) and start again with the same command (with the "
+            "same hydra.run.dir it continues from its newest checkpoint); if the expected peak is wrong, "
+            f"{peak}; {off}"
+        )
 
     def table(self) -> str:
         """A markdown table, one row per rank, then the peak it was held to, the notes and the node-level tools."""
         multi = self.nodes > 1
         median = _median([r.matmul_tflops for r in self.ranks])
         scope = "node" if multi else "node = world"
-        head = ["node", "rank", "device", "matmul TFLOP/s", "of expected", "of median",
-                f"all-reduce GB/s ({scope})", f"all-gather GB/s ({scope})", f"latency µs ({scope})"]  # fmt: skip
+        head = [
+            "node",
+            "rank",
+            "device",
+            "matmul TFLOP/s",
+            "of expected",
+            "of median",
+            f"all-reduce GB/s ({scope})",
+            f"all-gather GB/s ({scope})",
+            f"latency µs ({scope})",
+        ]
         if multi:
             head += ["all-reduce GB/s (world)", "all-gather GB/s (world)", "latency µs (world)"]
         head.append("status")
@@ -124,8 +138,14 @@ class HealthReport:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         for r in self.ranks:
             device = f"{r.device} {'ok' if r.device_ok else 'BAD: ' + r.device_note}"
-            cells = [r.node, str(r.rank), device, f"{r.matmul_tflops:.3g}", _pct(r.matmul_tflops, r.expected_tflops),
-                     _pct(r.matmul_tflops, median)]  # fmt: skip
+            cells = [
+                r.node,
+                str(r.rank),
+                device,
+                f"{r.matmul_tflops:.3g}",
+                _pct(r.matmul_tflops, r.expected_tflops),
+                _pct(r.matmul_tflops, median),
+            ]
             cells += [_num(r.intra.get(k)) for k in COLLECTIVE_KEYS]
             if multi:
                 cells += [_num(r.world.get(k)) for k in COLLECTIVE_KEYS]
@@ -174,18 +194,30 @@ def evaluate(ranks: list[RankResult], tools: list[ToolResult], cfg: HealthConfig
     for r in ranks:
         bar = r.expected_tflops * cfg.min_matmul_fraction if r.expected_is_reference and r.expected_tflops else None
         if bar is not None and r.matmul_tflops < bar:
-            out.append(Failure(r.node, r.rank, f"matmul {r.matmul_tflops:.3g} TFLOP/s is "
-                               f"{r.matmul_tflops / r.expected_tflops:.0%} of the expected {r.expected_tflops:.3g} "
-                               f"({r.expected_source}; health.min_matmul_fraction="
-                               f"{cfg.min_matmul_fraction:g})"))  # fmt: skip
+            out.append(
+                Failure(
+                    r.node,
+                    r.rank,
+                    f"matmul {r.matmul_tflops:.3g} TFLOP/s is "
+                    f"{r.matmul_tflops / r.expected_tflops:.0%} of the expected {r.expected_tflops:.3g} "
+                    f"({r.expected_source}; health.min_matmul_fraction="
+                    f"{cfg.min_matmul_fraction:g})",
+                )
+            )
     per_node = node_medians(ranks)
     median = _median(list(per_node.values()))
     if len(per_node) > 1 and median:
         for node, value in per_node.items():
             if value < cfg.min_relative_fraction * median:
-                out.append(Failure(node, None, f"matmul {value:.3g} TFLOP/s (the median of its ranks) is "
-                                   f"{value / median:.0%} of the nodes' median {median:.3g} "
-                                   f"(health.min_relative_fraction={cfg.min_relative_fraction:g})"))  # fmt: skip
+                out.append(
+                    Failure(
+                        node,
+                        None,
+                        f"matmul {value:.3g} TFLOP/s (the median of its ranks) is "
+                        f"{value / median:.0%} of the nodes' median {median:.3g} "
+                        f"(health.min_relative_fraction={cfg.min_relative_fraction:g})",
+                    )
+                )
     out += _bandwidth_failures(ranks, cfg)
     out += [Failure(t.node, None, f"{t.tool}: {t.summary}") for t in tools if not t.ok]
     return out
@@ -210,14 +242,18 @@ def observations(ranks: list[RankResult], cfg: HealthConfig) -> list[str]:
     for r in ranks:
         median = per_node[r.node]
         if median and r.matmul_tflops < cfg.min_relative_fraction * median:
-            out.append(f"rank {r.rank} on {r.node} measured {r.matmul_tflops:.3g} TFLOP/s, "
-                       f"{r.matmul_tflops / median:.0%} of its node's median {median:.3g}; ranks that share a host "
-                       "are not held to each other (another process on this host's cores or device?)")  # fmt: skip
+            out.append(
+                f"rank {r.rank} on {r.node} measured {r.matmul_tflops:.3g} TFLOP/s, "
+                f"{r.matmul_tflops / median:.0%} of its node's median {median:.3g}; ranks that share a host "
+                "are not held to each other (another process on this host's cores or device?)"
+            )
         own_peak = r.expected_tflops if not r.expected_is_reference else None
         if own_peak and r.matmul_tflops < cfg.min_matmul_fraction * own_peak:
-            out.append(f"rank {r.rank} on {r.node} measured {r.matmul_tflops / own_peak:.0%} of the "
-                       f"{r.expected_source} ({own_peak:.3g} TFLOP/s); not held to it: set cluster.peak_tflops to "
-                       "check against a figure")  # fmt: skip
+            out.append(
+                f"rank {r.rank} on {r.node} measured {r.matmul_tflops / own_peak:.0%} of the "
+                f"{r.expected_source} ({own_peak:.3g} TFLOP/s); not held to it: set cluster.peak_tflops to "
+                "check against a figure"
+            )
     return out
 
 
@@ -241,17 +277,35 @@ def _bandwidth_failures(ranks: list[RankResult], cfg: HealthConfig) -> list[Fail
     want, frac = cfg.expected_busbw_gbps_intra, cfg.min_bandwidth_fraction
     for node, bw in per_node.items():
         if want and bw < frac * want:
-            out.append(Failure(node, None, f"intra-node all-reduce bus bandwidth {bw:.3g} GB/s is below "
-                               f"{frac:g} x health.expected_busbw_gbps_intra={want:g}"))  # fmt: skip
+            out.append(
+                Failure(
+                    node,
+                    None,
+                    f"intra-node all-reduce bus bandwidth {bw:.3g} GB/s is below "
+                    f"{frac:g} x health.expected_busbw_gbps_intra={want:g}",
+                )
+            )
         if len(per_node) > 1 and median and bw < cfg.min_relative_fraction * median:
-            out.append(Failure(node, None, f"intra-node all-reduce bus bandwidth {bw:.3g} GB/s is {bw / median:.0%} "
-                               f"of the nodes' median {median:.3g} (health.min_relative_fraction="
-                               f"{cfg.min_relative_fraction:g})"))  # fmt: skip
+            out.append(
+                Failure(
+                    node,
+                    None,
+                    f"intra-node all-reduce bus bandwidth {bw:.3g} GB/s is {bw / median:.0%} "
+                    f"of the nodes' median {median:.3g} (health.min_relative_fraction="
+                    f"{cfg.min_relative_fraction:g})",
+                )
+            )
     world = [r.world["allreduce_busbw_gbps"] for r in ranks if r.world]
     want = cfg.expected_busbw_gbps_world
     if world and want and min(world) < frac * want:
-        out.append(Failure(JOB, None, f"world all-reduce bus bandwidth {min(world):.3g} GB/s is below {frac:g} x "
-                           f"health.expected_busbw_gbps_world={want:g}"))  # fmt: skip
+        out.append(
+            Failure(
+                JOB,
+                None,
+                f"world all-reduce bus bandwidth {min(world):.3g} GB/s is below {frac:g} x "
+                f"health.expected_busbw_gbps_world={want:g}",
+            )
+        )
     return out
 
 

@@ -94,8 +94,15 @@ class StragglerMonitor:
         hosts: Host name of each rank, for the warning (default: gathered once here).
     """
 
-    def __init__(self, every: int, log_metrics: Callable[[Rows], None], model: nn.Module | None = None, *,
-                 warn_ratio: float = 1.25, hosts: list[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        every: int,
+        log_metrics: Callable[[Rows], None],
+        model: nn.Module | None = None,
+        *,
+        warn_ratio: float = 1.25,
+        hosts: list[str] | None = None,
+    ) -> None:
         self.every, self.log_metrics, self.warn_ratio = every, log_metrics, warn_ratio
         self.group = dist.new_group(backend="gloo")  # host floats, whatever the device backend (NCCL, XLA)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -116,8 +123,9 @@ class StragglerMonitor:
         now = time.perf_counter()
         n = max(self.steps, 1)
         forward_s = self.timer.read() if self.timer is not None else 0.0
-        mine = torch.tensor([(now - self.t_last) / n, (forward_s + self.data_wait_s) / n, self.data_wait_s / n],
-                            dtype=torch.float64)  # fmt: skip
+        mine = torch.tensor(
+            [(now - self.t_last) / n, (forward_s + self.data_wait_s) / n, self.data_wait_s / n], dtype=torch.float64
+        )
         gathered = torch.empty(self.world * 3, dtype=torch.float64)
         all_gather_flat(gathered, mine, self.group)
         self.last = [tuple(row) for row in gathered.view(self.world, 3).tolist()]  # host tensors: no device sync
@@ -125,9 +133,16 @@ class StragglerMonitor:
         metrics = straggler_metrics(self.last)
         ratio, slow = metrics["health/straggler_ratio"], int(metrics["health/slowest_rank"])
         if self.rank == 0 and ratio > self.warn_ratio:
-            log.warning("straggler: rank %d on %s takes %.2fx the median rank's local time per step (%.4fs behind, "
-                        "steps %d-%d); check that host (hlat doctor)", slow, self.hosts[slow], ratio,
-                        metrics["health/straggler_lag_s"], state.step - self.every + 1, state.step)  # fmt: skip
+            log.warning(
+                "straggler: rank %d on %s takes %.2fx the median rank's local time per step (%.4fs behind, "
+                "steps %d-%d); check that host (hlat doctor)",
+                slow,
+                self.hosts[slow],
+                ratio,
+                metrics["health/straggler_lag_s"],
+                state.step - self.every + 1,
+                state.step,
+            )
         self.log_metrics([(state.step, metrics)])
 
     def close(self) -> None:

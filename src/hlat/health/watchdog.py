@@ -69,9 +69,17 @@ class HangWatchdog:
         clock: Monotonic seconds (tests pass a fake one).
     """
 
-    def __init__(self, cfg: HealthConfig, dump_dir: Path, rank: int, last_step: int, *,
-                 heartbeat: Heartbeat | None = None, exit_fn: Callable[[int], Any] = os._exit,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: HealthConfig,
+        dump_dir: Path,
+        rank: int,
+        last_step: int,
+        *,
+        heartbeat: Heartbeat | None = None,
+        exit_fn: Callable[[int], Any] = os._exit,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cfg, self.dump_dir, self.rank, self.last_step = cfg, Path(dump_dir), rank, last_step
         self.heartbeat = heartbeat if heartbeat is not None else Heartbeat(rank)
         self.exit_fn, self.clock = exit_fn, clock
@@ -149,11 +157,13 @@ class HangWatchdog:
         self.fired = True
         path = self.dump_dir / f"rank{self.rank}.txt"
         median = self.median()
-        why = (f"step {step} has run {elapsed:.1f}s, more than the watchdog's {limit:.1f}s "
-               f"(max(health.watchdog_factor={self.cfg.watchdog_factor:g} x median step "
-               f"{'n/a' if median is None else f'{median:.3f}s'}, health.watchdog_floor_s="
-               f"{self.cfg.watchdog_floor_s:g}) or health.watchdog_first_step_s={self.cfg.watchdog_first_step_s:g} "
-               "for the first steps)")  # fmt: skip
+        why = (
+            f"step {step} has run {elapsed:.1f}s, more than the watchdog's {limit:.1f}s "
+            f"(max(health.watchdog_factor={self.cfg.watchdog_factor:g} x median step "
+            f"{'n/a' if median is None else f'{median:.3f}s'}, health.watchdog_floor_s="
+            f"{self.cfg.watchdog_floor_s:g}) or health.watchdog_first_step_s={self.cfg.watchdog_first_step_s:g} "
+            "for the first steps)"
+        )
         said, report = self.report(step, why, limit, elapsed)
         try:
             dump_stacks(path, f"rank {self.rank}, pid {os.getpid()}: {why}")
@@ -209,8 +219,9 @@ def py_spy_dump(pid: int) -> str:
         return "--- py-spy: not installed (pip install py-spy for native frames)\n"
     _allow_ptrace_by_children()
     try:
-        r = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                           timeout=PY_SPY_TIMEOUT_S, check=False)  # fmt: skip
+        r = subprocess.run(
+            [exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S, check=False
+        )
     except (OSError, subprocess.SubprocessError) as e:
         return f"--- py-spy dump failed: {e}\n"
     return f"--- py-spy dump (exit {r.returncode})\n{r.stdout}{r.stderr}"

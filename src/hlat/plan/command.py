@@ -23,8 +23,9 @@ def node_counts(text: str) -> list[int]:
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (node counts, e.g. "
-                                         f"--nodes 4,8,16), got {text!r}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers (node counts, e.g. --nodes 4,8,16), got {text!r}"
+        )
     return counts
 
 
@@ -32,8 +33,9 @@ def main(argv: list[str]) -> int:
     """Entry point of ``hlat plan``."""
     parser = argparse.ArgumentParser(prog="hlat plan", description=report.__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python train.py")
-    parser.add_argument("--nodes", type=node_counts,
-                        help="comma-separated node counts: a scaling table (e.g. 4,8,16,32,64)")  # fmt: skip
+    parser.add_argument(
+        "--nodes", type=node_counts, help="comma-separated node counts: a scaling table (e.g. 4,8,16,32,64)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.add_argument("--paper", action="store_true", help="the validation against the HLAT paper and the SDK")
     args = parser.parse_args(argv)

@@ -121,14 +121,21 @@ def check_fits(est: MemoryEstimate, budget_bytes: int, cfg: RunConfig, *, dims: 
     if dims is not None:
         check_layout(cfg, dims)  # a layout the backend refuses: that, not the estimate, is the problem
     fixes = suggest_fixes(cfg, dims, budget_bytes) if dims is not None else []
-    fix = ("Use a smaller model (model=tiny or model=small), a smaller train.micro_batch_size / train.seq_len, "
-           "or a cluster with more devices.")  # fmt: skip
+    fix = (
+        "Use a smaller model (model=tiny or model=small), a smaller train.micro_batch_size / train.seq_len, "
+        "or a cluster with more devices."
+    )
     if fixes:
         shown = " or ".join(f"`{' '.join(f.overrides)}` (~{f.memory.total / GiB:.1f} GiB)" for f in fixes)
-        launch = (" (more nodes: start every node with what `hlat launch` renders)"
-                  if any("cluster.nodes=" in o for f in fixes for o in f.overrides) else "")  # fmt: skip
-        fix = (f"The planner predicts these would fit: {shown}{launch} (`hlat plan` with the same overrides shows "
-               f"the breakdown). Otherwise: {fix[0].lower()}{fix[1:]}")  # fmt: skip
+        launch = (
+            " (more nodes: start every node with what `hlat launch` renders)"
+            if any("cluster.nodes=" in o for f in fixes for o in f.overrides)
+            else ""
+        )
+        fix = (
+            f"The planner predicts these would fit: {shown}{launch} (`hlat plan` with the same overrides shows "
+            f"the breakdown). Otherwise: {fix[0].lower()}{fix[1:]}"
+        )
     elif dims is not None:
         fix = f"{': '.join(nothing_fits(cfg, cluster_fix(cfg)))}. Otherwise: {fix[0].lower()}{fix[1:]}"
     raise ConfigError(
@@ -310,12 +317,16 @@ def nothing_fits(cfg: RunConfig, fix: Fix | None) -> tuple[str, str]:
     """
     c = cfg.cluster
     one_host = not can_add_nodes(c)
-    head = (f"No change that cluster={c.name} can run ({c.backend} backend{', one host' if one_host else ''}) is "
-            f"predicted to fit: this needs {'a' if one_host else 'another'} cluster")  # fmt: skip
+    head = (
+        f"No change that cluster={c.name} can run ({c.backend} backend{', one host' if one_host else ''}) is "
+        f"predicted to fit: this needs {'a' if one_host else 'another'} cluster"
+    )
     if fix is None:
         return head, "no preset in conf/cluster/ is predicted to fit it either"
-    return head, (f"see `hlat plan model={cfg.model.name} {' '.join(fix.overrides)}` with your other overrides "
-                  f"(~{fix.memory.total / GiB:.1f} GiB per device)")  # fmt: skip
+    return head, (
+        f"see `hlat plan model={cfg.model.name} {' '.join(fix.overrides)}` with your other overrides "
+        f"(~{fix.memory.total / GiB:.1f} GiB per device)"
+    )
 
 
 def planned_budget(cluster: ClusterConfig) -> int:
@@ -351,8 +362,9 @@ def check_world(cluster: ClusterConfig, world_size: int) -> None:
         )
 
 
-def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget: int,
-            bf16_matmul: str | None = None) -> str:  # fmt: skip
+def summary(
+    cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget: int, bf16_matmul: str | None = None
+) -> str:
     """A few lines describing the run before it starts (``bf16_matmul``: the backend's bf16 matmul policy)."""
     t = cfg.train
     tokens = t.global_batch_size * t.seq_len
@@ -369,8 +381,9 @@ def summary(cfg: RunConfig, dims: ParallelDims, n_params: int, est: Any, budget:
     )
 
 
-def check_run(cfg: RunConfig, dims: ParallelDims, budget_bytes: int,
-              bf16_matmul: str | None = None) -> tuple[int, MemoryEstimate]:  # fmt: skip
+def check_run(
+    cfg: RunConfig, dims: ParallelDims, budget_bytes: int, bf16_matmul: str | None = None
+) -> tuple[int, MemoryEstimate]:
     """The trainer's plan on the layout of the world it got: logged with its memory, refused if it cannot fit.
 
     Runs before any allocation (``hlat.train.run``): an estimate over ``budget_bytes`` (the device's memory) raises

@@ -36,15 +36,19 @@ class Reference:
 
 
 REF = "Neuron SDK docs, Trn1/Trn1n Training Performance (training_data_decoder.csv, its history)"
-SDK_7B_16 = Reference("7B, 16 nodes, TP8 DP64: seq/s, SDK 2.20", ("experiment=hlat_7b", "cluster.nodes=16"),
-                      seq_per_s=101.3, source=REF)  # fmt: skip
-SDK_7B_16_OLD = Reference("7B, 16 nodes, TP8 DP64: seq/s, SDK 2.18", ("experiment=hlat_7b", "cluster.nodes=16"),
-                          seq_per_s=92.9, source=REF)  # fmt: skip
-PAPER_7B_32 = Reference("7B, 32 nodes: MFU", ("experiment=hlat_7b", "cluster=trn1_x32"), mfu=0.335,
-                        source="HLAT slides p.36")  # fmt: skip
+SDK_7B_16 = Reference(
+    "7B, 16 nodes, TP8 DP64: seq/s, SDK 2.20", ("experiment=hlat_7b", "cluster.nodes=16"), seq_per_s=101.3, source=REF
+)
+SDK_7B_16_OLD = Reference(
+    "7B, 16 nodes, TP8 DP64: seq/s, SDK 2.18", ("experiment=hlat_7b", "cluster.nodes=16"), seq_per_s=92.9, source=REF
+)
+PAPER_7B_32 = Reference(
+    "7B, 32 nodes: MFU", ("experiment=hlat_7b", "cluster=trn1_x32"), mfu=0.335, source="HLAT slides p.36"
+)
 PAPER_7B_64 = Reference("7B, 64 nodes: MFU", ("experiment=hlat_7b",), mfu=0.279, source="HLAT slides p.36")
-SDK_70B_32 = Reference("70B, 32 nodes, TP32 PP8 DP4: seq/s, SDK 2.18", ("experiment=hlat_70b",), seq_per_s=17.9,
-                       source=REF)  # fmt: skip
+SDK_70B_32 = Reference(
+    "70B, 32 nodes, TP32 PP8 DP4: seq/s, SDK 2.18", ("experiment=hlat_70b",), seq_per_s=17.9, source=REF
+)
 SDK_70B_32_NEW = dataclasses.replace(SDK_70B_32, what="70B, 32 nodes: seq/s, SDK 2.20-2.21", seq_per_s=14.3)
 PAPER_SCALING = {32: 0.87, 64: 0.72}
 """HLAT slides p.36: 7B scaling efficiency. 27.9/0.72 = 38.8% and 33.5/0.87 = 38.5%: MFU relative to a base MFU
@@ -67,8 +71,12 @@ def measured_step_s(ref: Reference, plan: Plan) -> float:
 
 
 def _step_s(plan: Plan, compute: float, collective: float) -> float:
-    hw = dataclasses.replace(Hardware.of(plan.cfg.cluster), compute_efficiency=compute,
-                             intra_node_efficiency=collective, inter_node_efficiency=collective)  # fmt: skip
+    hw = dataclasses.replace(
+        Hardware.of(plan.cfg.cluster),
+        compute_efficiency=compute,
+        intra_node_efficiency=collective,
+        inter_node_efficiency=collective,
+    )
     return estimate_step(plan.cfg, plan.dims, hw, plan.n_params).step_s
 
 
@@ -120,8 +128,11 @@ def gpu_baseline(collective: float | None = None) -> Plan:
     """
     base, plans = compose(*GPU_BASELINE), []
     for tp in (1, 2, 4, 8):
-        changes = {"parallelism.tp": tp, "parallelism.sequence_parallel": tp > 1,
-                   "parallelism.activation_checkpointing": "selective"}  # fmt: skip
+        changes = {
+            "parallelism.tp": tp,
+            "parallelism.sequence_parallel": tp > 1,
+            "parallelism.activation_checkpointing": "selective",
+        }
         if collective is not None:
             changes |= {"cluster.intra_node_efficiency": collective, "cluster.inter_node_efficiency": collective}
         plan = make_plan(with_changes(base, changes))
@@ -144,8 +155,14 @@ def _err(pred: float, ref: float, pct: bool) -> str:
 def validation_rows() -> list[tuple[str, str, str, str, str]]:
     """(quantity, published, predicted, error, role) for the throughput figures."""
     rows = []
-    refs = ((SDK_7B_16, "fitted"), (PAPER_7B_64, "fitted"), (PAPER_7B_32, "predicted"),
-            (SDK_7B_16_OLD, "predicted"), (SDK_70B_32, "predicted"), (SDK_70B_32_NEW, "predicted"))  # fmt: skip
+    refs = (
+        (SDK_7B_16, "fitted"),
+        (PAPER_7B_64, "fitted"),
+        (PAPER_7B_32, "predicted"),
+        (SDK_7B_16_OLD, "predicted"),
+        (SDK_70B_32, "predicted"),
+        (SDK_70B_32_NEW, "predicted"),
+    )
     for ref, role in refs:
         pred, pub = predicted(ref)
         pct = ref.mfu is not None
@@ -156,11 +173,25 @@ def validation_rows() -> list[tuple[str, str, str, str, str]]:
         ref = PAPER_7B_32 if nodes == 32 else PAPER_7B_64
         pred = predicted(ref)[0] / base
         role = "predicted" if nodes == 32 else "from the fitted points"
-        rows.append((f"7B scaling efficiency, {nodes} vs 16 nodes", f"{100 * pub:.0f}%", f"{100 * pred:.1f}%",
-                     _err(pred, pub, True), role))  # fmt: skip
+        rows.append(
+            (
+                f"7B scaling efficiency, {nodes} vs 16 nodes",
+                f"{100 * pub:.0f}%",
+                f"{100 * pred:.1f}%",
+                _err(pred, pub, True),
+                role,
+            )
+        )
     ratio = cpt_ratio()
-    rows.append(("CPT, 7B: 64 trn1 / 64 p4d nodes", f"{100 * PAPER_CPT_RATIO:.0f}%", f"{100 * ratio:.1f}%",
-                 _err(ratio, PAPER_CPT_RATIO, True), "predicted (GPU side not calibrated)"))  # fmt: skip
+    rows.append(
+        (
+            "CPT, 7B: 64 trn1 / 64 p4d nodes",
+            f"{100 * PAPER_CPT_RATIO:.0f}%",
+            f"{100 * ratio:.1f}%",
+            _err(ratio, PAPER_CPT_RATIO, True),
+            "predicted (GPU side not calibrated)",
+        )
+    )
     return rows
 
 
@@ -169,11 +200,17 @@ def memory_rows() -> list[tuple[str, str, str]]:
     rows = []
     cases = [("7B, TP8 PP1 (experiment=hlat_7b), 64 nodes", compose("experiment=hlat_7b"))]
     big = compose("experiment=hlat_70b")
-    cases += [(f"70B, TP32 PP8 ZeRO-1 + master weights, {n} nodes", with_changes(big, {"cluster.nodes": n}))
-              for n in (8, 16, 32)]  # fmt: skip
-    cases += [(f"70B on 4 nodes, {what}", with_changes(big, {"cluster.nodes": 4, **ch}))
-              for what, ch in (("TP32 PP4 (TP32 PP8 needs 8 nodes)", {"parallelism.pp": 4}),
-                               ("TP16 PP8", {"parallelism.tp": 16}))]  # fmt: skip
+    cases += [
+        (f"70B, TP32 PP8 ZeRO-1 + master weights, {n} nodes", with_changes(big, {"cluster.nodes": n}))
+        for n in (8, 16, 32)
+    ]
+    cases += [
+        (f"70B on 4 nodes, {what}", with_changes(big, {"cluster.nodes": 4, **ch}))
+        for what, ch in (
+            ("TP32 PP4 (TP32 PP8 needs 8 nodes)", {"parallelism.pp": 4}),
+            ("TP16 PP8", {"parallelism.tp": 16}),
+        )
+    ]
     for what, cfg in cases:
         p = make_plan(cfg)
         rows.append((what, f"{p.memory.total / GiB:.2f} of {p.budget / GiB:.2f}", "fits" if p.fits else "OOM"))
@@ -183,16 +220,23 @@ def memory_rows() -> list[tuple[str, str, str]]:
 def validation_report() -> str:
     """Markdown: the fitted parameters, the throughput table, the memory table."""
     compute, collective = fit_trn1()
-    lines = [f"fit on {CALIBRATION[0].what} and {CALIBRATION[1].what}: compute_efficiency {compute:.3f}, "
-             f"collective efficiency {collective:.3f} (conf/cluster/trn1_1node.yaml)", "",
-             "| quantity | published | predicted | error | role |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"fit on {CALIBRATION[0].what} and {CALIBRATION[1].what}: compute_efficiency {compute:.3f}, "
+        f"collective efficiency {collective:.3f} (conf/cluster/trn1_1node.yaml)",
+        "",
+        "| quantity | published | predicted | error | role |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {' | '.join(r)} |" for r in validation_rows()]
     lines += ["", "| memory | GiB per device (of budget) | verdict |", "|---|---|---|"]
     lines += [f"| {' | '.join(r)} |" for r in memory_rows()]
     g = gpu_baseline()
-    lines += ["", f"GPU baseline as planned: tp {g.dims.tp} x dp {g.dims.dp}, MFU {100 * g.step.mfu:.1f}%; CPT ratio "
-              "with the p4d collective efficiency at " + ", ".join(f"{c}: {100 * cpt_ratio(c):.0f}%"
-                                                                   for c in (0.2, 0.5, 0.8, 1.0))]  # fmt: skip
+    lines += [
+        "",
+        f"GPU baseline as planned: tp {g.dims.tp} x dp {g.dims.dp}, MFU {100 * g.step.mfu:.1f}%; CPT ratio "
+        "with the p4d collective efficiency at "
+        + ", ".join(f"{c}: {100 * cpt_ratio(c):.0f}%" for c in (0.2, 0.5, 0.8, 1.0)),
+    ]
     return "\n".join(lines)
 
 

@@ -34,8 +34,9 @@ def _dtype(name: str) -> torch.dtype:
     """The torch dtype called ``name`` (``"float32"``, ``"bfloat16"``, ``"bfloat16_emulated"``, ...)."""
     dtype = getattr(torch, name.removesuffix(EMULATED), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}; use a name such as 'float32', 'bfloat16' or "
-                         "'bfloat16_emulated'")  # fmt: skip
+        raise ValueError(
+            f"unknown torch dtype {name!r}; use a name such as 'float32', 'bfloat16' or 'bfloat16_emulated'"
+        )
     return dtype
 
 
@@ -149,8 +150,9 @@ def measure_and_cache(
         ValueError: If a name is not a torch dtype (before anything is measured), or on bad ``kw`` values.
     """
     resolved = {name: _dtype(name) for name in dtypes}
-    flops = {name: measure_matmul_flops(dtype, emulated=name.endswith(EMULATED), **kw)
-             for name, dtype in resolved.items()}  # fmt: skip
+    flops = {
+        name: measure_matmul_flops(dtype, emulated=name.endswith(EMULATED), **kw) for name, dtype in resolved.items()
+    }
     path = cache_path(cache_dir)
     earlier = {name: cached_peak(name, cache_dir) for name in _cached_names(path)}  # other dtypes measured before
     record = {
@@ -236,9 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=2048, help="matrix side n (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each timed window (default: 1.0)")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows per dtype (default: %(default)s)")
-    parser.add_argument("--dtypes", nargs="+", default=None,
-                        help="dtype names, bfloat16_emulated included (default: float32 and bf16 as this host's "
-                             "precision.bf16_matmul=auto runs it)")  # fmt: skip
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=None,
+        help="dtype names, bfloat16_emulated included (default: float32 and bf16 as this host's "
+        "precision.bf16_matmul=auto runs it)",
+    )
     args = parser.parse_args(argv)
     if args.size < 1 or args.repeats < 1 or not args.seconds > 0:
         parser.error(
@@ -259,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = ["float32", peak_key("bfloat16", policy)]
         print(f"bf16 matmuls: {policy} ({why})")
     flops = measure_and_cache(args.cache_dir, dtypes, n=args.size, seconds=args.seconds, repeats=args.repeats)
-    print(f"matmul peak, n={args.size}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}\n")  # fmt: skip
+    print(
+        f"matmul peak, n={args.size}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}\n"
+    )
     print("| dtype | GFLOP/s |")
     print("|---|---:|")
     for name, value in flops.items():

@@ -73,8 +73,10 @@ def adapt_layout(cfg: RunConfig, world: int) -> tuple[RunConfig, str]:
                 ParallelDims.build(new.parallelism, world, new.model, new.train)
             except ConfigError:
                 continue
-            return new, (f"tp {par.tp} x pp {par.pp} needs {par.tp * par.pp} ranks per replica and this world has "
-                         f"{world}: planned with tp {tp} x pp {pp} instead")  # fmt: skip
+            return new, (
+                f"tp {par.tp} x pp {par.pp} needs {par.tp * par.pp} ranks per replica and this world has "
+                f"{world}: planned with tp {tp} x pp {pp} instead"
+            )
     raise ConfigError(
         f"no tp x pp layout up to tp {par.tp} x pp {par.pp} fits a world of {world} ranks: set parallelism.tp and "
         f"parallelism.pp so that tp x pp divides {world}, or change cluster.nodes / cluster.nproc_per_node"
@@ -131,15 +133,21 @@ def _activation_grid(cfg: RunConfig, dims: ParallelDims) -> list[str]:
 def _memory_lines(p: Plan) -> list[str]:
     m, c = p.memory, p.cfg.cluster
     where = f"{c.device_memory_gib:g} GiB" if c.device_memory_gib is not None else "this host's free memory"
-    verdict = (f"fits ({(p.budget - m.total) / GiB:.2f} GiB spare)" if p.fits
-               else f"DOES NOT FIT ({(m.total - p.budget) / GiB:.2f} GiB over)")  # fmt: skip
-    lines = [f"memory per device (GiB; budget {p.budget / GiB:.2f} = {where} x cluster.memory_fraction "
-             f"{c.memory_fraction:g}):",
-             f"  parameters        {m.params / GiB:9.2f}", f"  gradients         {m.grads / GiB:9.2f}",
-             f"  optimizer states  {(m.optimizer - m.master) / GiB:9.2f}   (AdamW moments)",
-             f"  master weights    {m.master / GiB:9.2f}",
-             f"  activations       {m.activations / GiB:9.2f}   (incl. fp32 logits and their gradient)",
-             f"  total             {m.total / GiB:9.2f}   {verdict}"]  # fmt: skip
+    verdict = (
+        f"fits ({(p.budget - m.total) / GiB:.2f} GiB spare)"
+        if p.fits
+        else f"DOES NOT FIT ({(m.total - p.budget) / GiB:.2f} GiB over)"
+    )
+    lines = [
+        f"memory per device (GiB; budget {p.budget / GiB:.2f} = {where} x cluster.memory_fraction "
+        f"{c.memory_fraction:g}):",
+        f"  parameters        {m.params / GiB:9.2f}",
+        f"  gradients         {m.grads / GiB:9.2f}",
+        f"  optimizer states  {(m.optimizer - m.master) / GiB:9.2f}   (AdamW moments)",
+        f"  master weights    {m.master / GiB:9.2f}",
+        f"  activations       {m.activations / GiB:9.2f}   (incl. fp32 logits and their gradient)",
+        f"  total             {m.total / GiB:9.2f}   {verdict}",
+    ]
     lines += _activation_grid(p.cfg, p.dims)
     for f in p.fixes:
         lines.append(f"  would fit: {' '.join(f.overrides)}  (~{f.memory.total / GiB:.2f} GiB)")
@@ -156,14 +164,21 @@ def _step_lines(p: Plan) -> list[str]:
     for name, sec in s.components().items():
         if sec > 0:
             lines.append(f"  {name:<17}{sec:9.3f} s  {100 * sec / s.step_s:5.1f}%")
-    lines.append(f"throughput: {s.tokens_per_s:,.0f} tokens/s | MFU {100 * s.mfu:.1f}% (as perf/mfu) | "
-                 + (f"CPT ${s.cost_per_4m_tokens:,.2f} per 4M tokens" if s.cost_per_4m_tokens is not None
-                    else "no cost (cluster.price_per_hour is null)"))  # fmt: skip
+    lines.append(
+        f"throughput: {s.tokens_per_s:,.0f} tokens/s | MFU {100 * s.mfu:.1f}% (as perf/mfu) | "
+        + (
+            f"CPT ${s.cost_per_4m_tokens:,.2f} per 4M tokens"
+            if s.cost_per_4m_tokens is not None
+            else "no cost (cluster.price_per_hour is null)"
+        )
+    )
     tokens = t.steps * s.tokens_per_step
     hours = t.steps * s.step_s / 3600
     cost = f", ${hours * s.nodes * s.price_per_hour:,.0f}" if s.price_per_hour is not None else ""
-    lines.append(f"run: {t.steps:,} steps = {tokens / 1e9:,.1f}B tokens: {hours:,.1f} h ({hours / 24:,.1f} days) "
-                 f"on {s.nodes} node(s){cost}")  # fmt: skip
+    lines.append(
+        f"run: {t.steps:,} steps = {tokens / 1e9:,.1f}B tokens: {hours:,.1f} h ({hours / 24:,.1f} days) "
+        f"on {s.nodes} node(s){cost}"
+    )
     return lines
 
 
@@ -172,10 +187,13 @@ def format_plan(p: Plan) -> str:
     c, d, par = p.cfg.cluster, p.dims, p.cfg.parallelism
     savers = [s for s, on in (("sequence parallel", par.sequence_parallel), ("ZeRO-1", par.zero1)) if on]
     mbs, accum = p.cfg.train.micro_batch_size, d.grad_accum(p.cfg.train)
-    head = [f"model={p.cfg.model.name}: {p.n_params / 1e9:,.2f}B parameters | precision={p.cfg.precision.name} | "
-            f"cluster={c.name}: {c.nodes} x {c.instance_type or c.device}, {d.world_size} ranks",
-            f"layout: tp {d.tp} x pp {d.pp} x dp {d.dp}; {par.activation_checkpointing} checkpointing"
-            + "".join(f", {s}" for s in savers) + f"; micro-batch {mbs} x {accum} per rank and step"]  # fmt: skip
+    head = [
+        f"model={p.cfg.model.name}: {p.n_params / 1e9:,.2f}B parameters | precision={p.cfg.precision.name} | "
+        f"cluster={c.name}: {c.nodes} x {c.instance_type or c.device}, {d.world_size} ranks",
+        f"layout: tp {d.tp} x pp {d.pp} x dp {d.dp}; {par.activation_checkpointing} checkpointing"
+        + "".join(f", {s}" for s in savers)
+        + f"; micro-batch {mbs} x {accum} per rank and step",
+    ]
     if p.adapted:
         head.append(f"NOTE: {p.adapted}")
     return "\n".join([*head, "", *_memory_lines(p), "", *_step_lines(p)])
@@ -183,18 +201,30 @@ def format_plan(p: Plan) -> str:
 
 def plan_dict(p: Plan) -> dict:
     """``--json``: the plan as plain data (bytes, seconds, fractions)."""
-    out: dict = {"model": p.cfg.model.name, "cluster": p.cfg.cluster.name, "nodes": p.cfg.cluster.nodes,
-                 "layout": {"tp": p.dims.tp, "pp": p.dims.pp, "dp": p.dims.dp}, "adapted": p.adapted,
-                 "n_params": p.n_params, "memory": asdict(p.memory) | {"total": p.memory.total},
-                 "budget": p.budget, "fits": p.fits,
-                 "fixes": [{"overrides": list(f.overrides), "total": f.memory.total} for f in p.fixes],
-                 "cluster_fix": {"overrides": list(p.cluster_fix.overrides), "total": p.cluster_fix.memory.total}
-                 if p.cluster_fix else None}  # fmt: skip
+    out: dict = {
+        "model": p.cfg.model.name,
+        "cluster": p.cfg.cluster.name,
+        "nodes": p.cfg.cluster.nodes,
+        "layout": {"tp": p.dims.tp, "pp": p.dims.pp, "dp": p.dims.dp},
+        "adapted": p.adapted,
+        "n_params": p.n_params,
+        "memory": asdict(p.memory) | {"total": p.memory.total},
+        "budget": p.budget,
+        "fits": p.fits,
+        "fixes": [{"overrides": list(f.overrides), "total": f.memory.total} for f in p.fixes],
+        "cluster_fix": {"overrides": list(p.cluster_fix.overrides), "total": p.cluster_fix.memory.total}
+        if p.cluster_fix
+        else None,
+    }
     if p.step is not None:
         s = p.step
-        out["step"] = {"step_s": s.step_s, "components_s": s.components(),
-                       "tokens_per_s": s.tokens_per_s, "mfu": s.mfu,
-                       "cost_per_4m_tokens": s.cost_per_4m_tokens}  # fmt: skip
+        out["step"] = {
+            "step_s": s.step_s,
+            "components_s": s.components(),
+            "tokens_per_s": s.tokens_per_s,
+            "mfu": s.mfu,
+            "cost_per_4m_tokens": s.cost_per_4m_tokens,
+        }
     return out
 
 
@@ -213,16 +243,27 @@ def scaling_rows(cfg: RunConfig, nodes: Sequence[int]) -> list[dict]:
 
 def format_scaling(rows: list[dict]) -> str:
     """The ``--nodes`` table."""
-    out = ["nodes  tp x pp x dp   GiB/device  fits   step s    tokens/s    MFU  scaling    CPT $",
-           "-----  ------------   ----------  ----   ------    --------    ---  -------    -----"]  # fmt: skip
+    out = [
+        "nodes  tp x pp x dp   GiB/device  fits   step s    tokens/s    MFU  scaling    CPT $",
+        "-----  ------------   ----------  ----   ------    --------    ---  -------    -----",
+    ]
     for r in rows:
         lay = r["layout"]
-        cells = [f"{r['nodes']:5d}", f"{lay['tp']:>4} x {lay['pp']:>2} x {lay['dp']:<4}",
-                 f"{r['memory']['total'] / GiB:10.2f}", f"{'yes' if r['fits'] else 'NO':>4}"]  # fmt: skip
+        cells = [
+            f"{r['nodes']:5d}",
+            f"{lay['tp']:>4} x {lay['pp']:>2} x {lay['dp']:<4}",
+            f"{r['memory']['total'] / GiB:10.2f}",
+            f"{'yes' if r['fits'] else 'NO':>4}",
+        ]
         if "step" in r:
             s = r["step"]
             cpt = f"{s['cost_per_4m_tokens']:8.2f}" if s["cost_per_4m_tokens"] is not None else "       -"
-            cells += [f"{s['step_s']:8.2f}", f"{s['tokens_per_s']:11,.0f}", f"{100 * s['mfu']:5.1f}%",
-                      f"{100 * s['scaling_efficiency']:7.1f}%", cpt]  # fmt: skip
+            cells += [
+                f"{s['step_s']:8.2f}",
+                f"{s['tokens_per_s']:11,.0f}",
+                f"{100 * s['mfu']:5.1f}%",
+                f"{100 * s['scaling_efficiency']:7.1f}%",
+                cpt,
+            ]
         out.append("  ".join(cells) + ("   (layout adapted)" if r["adapted"] else ""))
     return "\n".join(out)

@@ -94,13 +94,18 @@ class Hardware:
                 "p4d and p5 presets set them; see docs/planner.md); memory is still planned"
             )
         return cls(
-            instance_type=cluster.instance_type or cluster.name, devices_per_node=cluster.devices_per_node,
-            peak_flops=cluster.peak_tflops * 1e12, intra_node_bw=cluster.intra_node_gb_s * GB,
-            inter_node_bw=cluster.inter_node_gbit_s * GB / 8, memory_bw=cluster.memory_gb_s * GB,
-            price_per_hour=cluster.price_per_hour, compute_efficiency=cluster.compute_efficiency,
-            intra_node_efficiency=cluster.intra_node_efficiency, inter_node_efficiency=cluster.inter_node_efficiency,
+            instance_type=cluster.instance_type or cluster.name,
+            devices_per_node=cluster.devices_per_node,
+            peak_flops=cluster.peak_tflops * 1e12,
+            intra_node_bw=cluster.intra_node_gb_s * GB,
+            inter_node_bw=cluster.inter_node_gbit_s * GB / 8,
+            memory_bw=cluster.memory_gb_s * GB,
+            price_per_hour=cluster.price_per_hour,
+            compute_efficiency=cluster.compute_efficiency,
+            intra_node_efficiency=cluster.intra_node_efficiency,
+            inter_node_efficiency=cluster.inter_node_efficiency,
             grad_reduce_overlap=cluster.grad_reduce_overlap,
-        )  # fmt: skip
+        )
 
 
 def ring_all_reduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
@@ -174,9 +179,15 @@ class StepEstimate:
 
     def components(self) -> dict[str, float]:
         """Seconds per component, in the order they add up to ``step_s``."""
-        return {"forward_backward": self.compute_s - self.recompute_s, "recompute": self.recompute_s,
-                "tp_comm": self.tp_comm_s, "pp_bubble": self.bubble_s, "pp_p2p": self.pp_p2p_s,
-                "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s}  # fmt: skip
+        return {
+            "forward_backward": self.compute_s - self.recompute_s,
+            "recompute": self.recompute_s,
+            "tp_comm": self.tp_comm_s,
+            "pp_bubble": self.bubble_s,
+            "pp_p2p": self.pp_p2p_s,
+            "dp_exposed": self.dp_exposed_s,
+            "optimizer": self.optimizer_s,
+        }
 
 
 def hardware_flops_per_token(cfg: RunConfig, n_params: int) -> tuple[float, float]:
@@ -267,9 +278,17 @@ def estimate_step(cfg: RunConfig, dims: ParallelDims, hw: Hardware, n_params: in
     backward_last = compute / mb * 2 / 3  # the last micro-batch's backward, which a reduction can hide behind
     hidden = min(dp * hw.grad_reduce_overlap, backward_last)
     return StepEstimate(
-        compute_s=compute, recompute_s=extra_fpt * tokens / dims.world_size / rate, tp_comm_s=tp, bubble_s=bubble,
-        pp_p2p_s=_pp_p2p_s(cfg, dims, hw, mb), dp_comm_s=dp, dp_exposed_s=dp - hidden,
-        optimizer_s=_optimizer_s(cfg, dims, hw, n_params), tokens_per_step=tokens,
-        model_flops_per_token=model_fpt, peak_flops=hw.peak_flops * dims.world_size,
-        nodes=-(-dims.world_size // hw.devices_per_node), price_per_hour=hw.price_per_hour,
-    )  # fmt: skip
+        compute_s=compute,
+        recompute_s=extra_fpt * tokens / dims.world_size / rate,
+        tp_comm_s=tp,
+        bubble_s=bubble,
+        pp_p2p_s=_pp_p2p_s(cfg, dims, hw, mb),
+        dp_comm_s=dp,
+        dp_exposed_s=dp - hidden,
+        optimizer_s=_optimizer_s(cfg, dims, hw, n_params),
+        tokens_per_step=tokens,
+        model_flops_per_token=model_fpt,
+        peak_flops=hw.peak_flops * dims.world_size,
+        nodes=-(-dims.world_size // hw.devices_per_node),
+        price_per_hour=hw.price_per_hour,
+    )

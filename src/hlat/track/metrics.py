@@ -54,8 +54,12 @@ class SpikeDetector:
             elif self.length:
                 self.durations[self.length] += 1
                 self.length = 0
-            row = {"spike/active": float(above), "spike/length": float(self.length),
-                   "spike/count": float(self.count), "spike/limit": limit}  # fmt: skip
+            row = {
+                "spike/active": float(above),
+                "spike/length": float(self.length),
+                "spike/count": float(self.count),
+                "spike/limit": limit,
+            }
         if math.isfinite(norm):
             self._recent.append(norm)
         return row
@@ -83,8 +87,7 @@ class SpikeDetector:
 
     def state_dict(self) -> dict:
         """Plain-python state for checkpoints, so a resumed run continues the statistics."""
-        return {"recent": list(self._recent), "length": self.length,
-                "durations": dict(self.durations)}  # fmt: skip
+        return {"recent": list(self._recent), "length": self.length, "durations": dict(self.durations)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``."""
@@ -126,8 +129,9 @@ class Throughput:
         return out
 
 
-def resolve_peak_flops(cluster: ClusterConfig, compute_dtype: str, cache_dir: str,
-                       bf16_matmul: str | None = None) -> tuple[float | None, str]:  # fmt: skip
+def resolve_peak_flops(
+    cluster: ClusterConfig, compute_dtype: str, cache_dir: str, bf16_matmul: str | None = None
+) -> tuple[float | None, str]:
     """Peak FLOP/s of ONE device at ``compute_dtype`` and where the figure comes from.
 
     In order: ``cluster.peak_tflops``; the published figure for the device (trn1 on the neuron backend, the CUDA
@@ -187,8 +191,13 @@ class Uptime:
         """``uptime/*`` metrics at wall-clock time ``now`` (default: the current time)."""
         wall = max((time.time() if now is None else now) - self.start, 1e-9)
         productive = min(self.productive_s, wall)
-        return {"uptime/wall_s": wall, "uptime/productive_s": productive, "uptime/lost_s": wall - productive,
-                "uptime/restarts": float(self.restarts), "uptime/pct": 100 * productive / wall}  # fmt: skip
+        return {
+            "uptime/wall_s": wall,
+            "uptime/productive_s": productive,
+            "uptime/lost_s": wall - productive,
+            "uptime/restarts": float(self.restarts),
+            "uptime/pct": 100 * productive / wall,
+        }
 
     def state_dict(self) -> dict:
         """Plain-python state for checkpoints."""
@@ -323,8 +332,11 @@ class MetricsLogger:
             tensors.update({f"{step}|{name}": value for name, value in norms.items()})
         # Captured by value: on lazy devices ``emit`` runs after later steps have started.
         steps, lrs, wait, tokens_seen = self._steps, self._lr, self._wait, state.tokens_seen
-        faults = {"fault/skipped_updates": float(state.skipped_updates), "fault/rollbacks": float(state.rollbacks),
-                  "fault/discarded_batches": float(len(state.discarded_batches))}  # fmt: skip
+        faults = {
+            "fault/skipped_updates": float(state.skipped_updates),
+            "fault/rollbacks": float(state.rollbacks),
+            "fault/discarded_batches": float(len(state.discarded_batches)),
+        }
         host = self.extra() if self.extra is not None else {}
         phases = self.timer.take() if self.timer is not None else {}
         startup, self._startup = self._startup, {}  # flushed after a step: the first one has ended

@@ -45,15 +45,20 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     parts = urlsplit(uri)
     scheme = parts.scheme.split("+")[0].lower()  # postgresql+psycopg2 -> postgresql
     shown = uri.replace(f":{parts.password}@", ":***@") if parts.password else uri  # never print a password
-    fixes = ("fix tracker.uri, drop it (the local store ./mlflow.db) or use tracker=console" if cfg.uri else
-             "run from a writable directory, set tracker.uri to a writable store or use tracker=console")  # fmt: skip
+    fixes = (
+        "fix tracker.uri, drop it (the local store ./mlflow.db) or use tracker=console"
+        if cfg.uri
+        else "run from a writable directory, set tracker.uri to a writable store or use tracker=console"
+    )
     if scheme in _SERVER_PORTS:
         host, port = parts.hostname or "localhost", parts.port or _SERVER_PORTS[scheme]
         error = _http_error(uri, timeout_s) if scheme.startswith("http") else _connect_error(host, port, timeout_s)
         if error is not None:
             start = f"mlflow server --host {host} --port {port}" if scheme.startswith("http") else "the database"
-            raise ConfigError(f"tracker.uri={shown}: nothing answers at {host}:{port} within {timeout_s:g} s "
-                              f"({error}); start the server ({start}), {fixes}")  # fmt: skip
+            raise ConfigError(
+                f"tracker.uri={shown}: nothing answers at {host}:{port} within {timeout_s:g} s "
+                f"({error}); start the server ({start}), {fixes}"
+            )
         return
     if scheme == "sqlite":
         db = uri.removeprefix("sqlite:///")

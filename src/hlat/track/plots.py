@@ -58,8 +58,12 @@ def training_plots(series: dict[str, Series], histogram: dict[int, int], out_dir
     fig.savefig(png, dpi=100)
     plt.close(fig)
     spikes = out_dir / "spikes.json"
-    spikes.write_text(json.dumps({"histogram": {str(k): v for k, v in histogram.items()}, "count": n,
-                                  "single_step_fraction": single}, indent=1))  # fmt: skip
+    spikes.write_text(
+        json.dumps(
+            {"histogram": {str(k): v for k, v in histogram.items()}, "count": n, "single_step_fraction": single},
+            indent=1,
+        )
+    )
     return [png, spikes]
 
 

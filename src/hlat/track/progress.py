@@ -23,15 +23,25 @@ class ProgressBar:
     ``step 40/200 loss 6.120 2,480 tok/s eta 4m10s``. ``plain``: force either (None: ``stream.isatty()`` decides).
     """
 
-    def __init__(self, total: int, initial: int = 0, every: int = 10, stream: TextIO | None = None,
-                 plain: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        every: int = 10,
+        stream: TextIO | None = None,
+        plain: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.plain = not _isatty(self.stream) if plain is None else plain
         self.every, self.total, self.n, self.clock = max(1, every), total, initial, clock
         self.last: dict[str, float] = {}
         self._since = (clock(), initial)  # the ETA's rate counts the steps of this process only
-        self.bar = None if self.plain else tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                                                mininterval=1.0, file=self.stream)  # fmt: skip
+        self.bar = (
+            None
+            if self.plain
+            else tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, file=self.stream)
+        )
 
     def __call__(self, state: Any, out: Any) -> None:  # loop hook: advance without touching the device
         step, self.n = state.step, state.step

@@ -262,8 +262,11 @@ def _select(
     from hlat.track.sweep import recorded_run_ids
 
     recorded = set(recorded_run_ids(root))  # skipped jobs point at runs of an earlier sweep
-    runs = [run for run in candidates if run.info.run_id in recorded
-            or (run.data.tags.get("run_dir") and _under(run.data.tags["run_dir"], root))]  # fmt: skip
+    runs = [
+        run
+        for run in candidates
+        if run.info.run_id in recorded or (run.data.tags.get("run_dir") and _under(run.data.tags["run_dir"], root))
+    ]
     if not runs:
         raise ValueError(
             f"no MLflow run at {uri} has its run_dir tag under {root}; check --sweep (a Hydra multirun "

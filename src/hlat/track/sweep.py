@@ -29,13 +29,29 @@ SWEEP_FILE = "sweep.json"
 """In the sweep directory: the MLflow parent run of the sweep."""
 HASH_TAG = "hlat.config_hash"
 
-UNHASHED = frozenset({
-    "tracker.name", "tracker.run_name", "tracker.uri", "tracker.plots", "tracker.skip_finished",
-    "tracker.flush_every_s", "tracker.system_metrics",
-    "train.checkpoint_dir", "train.resume", "train.keep_last", "train.keep_every", "train.async_checkpoint",
-    "train.checkpoint_every", "train.preempt_grace_s", "cluster.max_restarts", "data.cache_dir", "data.worker",
-    "data.prefetch", "eval.on_error",
-})  # fmt: skip
+UNHASHED = frozenset(
+    {
+        "tracker.name",
+        "tracker.run_name",
+        "tracker.uri",
+        "tracker.plots",
+        "tracker.skip_finished",
+        "tracker.flush_every_s",
+        "tracker.system_metrics",
+        "train.checkpoint_dir",
+        "train.resume",
+        "train.keep_last",
+        "train.keep_every",
+        "train.async_checkpoint",
+        "train.checkpoint_every",
+        "train.preempt_grace_s",
+        "cluster.max_restarts",
+        "data.cache_dir",
+        "data.worker",
+        "data.prefetch",
+        "eval.on_error",
+    }
+)
 """Config keys that say where output goes or how it is kept, not what is computed: left out of the job hash."""
 UNHASHED_GROUPS = ("fault.",)
 """Whole groups left out: injected faults are recovered from bit-identically, so a run with faults (the tests'

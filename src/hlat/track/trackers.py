@@ -290,8 +290,9 @@ class MLflowTracker(NoopTracker):
         try:
             self.flush(everything=True)
         except Exception:
-            log.warning("MLflow log_batch failed before a checkpoint; the metrics are retried at the next flush",
-                        exc_info=True)  # fmt: skip
+            log.warning(
+                "MLflow log_batch failed before a checkpoint; the metrics are retried at the next flush", exc_info=True
+            )
             return False
         return True
 
@@ -318,9 +319,14 @@ class MLflowTracker(NoopTracker):
 
 
 def build_tracker(
-    cfg: TrackerConfig, *, rank: int, run_name: str, tags: dict[str, str], extra: list[Tracker],
+    cfg: TrackerConfig,
+    *,
+    rank: int,
+    run_name: str,
+    tags: dict[str, str],
+    extra: list[Tracker],
     run_id: str | None = None,
-) -> tuple[Tracker, MLflowTracker | None]:  # fmt: skip
+) -> tuple[Tracker, MLflowTracker | None]:
     """The tracker for this rank (a no-op off rank 0) and the MLflow tracker inside it, if any.
 
     ``extra`` trackers (progress bar, history) are added on rank 0 only. ``run_id``: the MLflow run of a job being

@@ -166,13 +166,17 @@ def resolve(path: str, key: str = "train.resume") -> Path:
     """
     p = Path(path).expanduser()
     if (manifest(p) or {}).get("weights_only"):
-        raise ConfigError(f"train.resume={path} holds weights only (written by hlat import), no optimizer or data "
-                          f"state to resume: start a new run from it with train.init_from={path}")  # fmt: skip
+        raise ConfigError(
+            f"train.resume={path} holds weights only (written by hlat import), no optimizer or data "
+            f"state to resume: start a new run from it with train.init_from={path}"
+        )
     if (p / MANIFEST).exists():  # the user named one checkpoint: it must be intact (its manifest too)
         bad = problems(p, checksums=True)
         if bad:
-            raise ConfigError(f"{key}={path}: this checkpoint is damaged ({'; '.join(bad)}); "
-                              f"point {key} at its parent directory to use the newest intact one")  # fmt: skip
+            raise ConfigError(
+                f"{key}={path}: this checkpoint is damaged ({'; '.join(bad)}); "
+                f"point {key} at its parent directory to use the newest intact one"
+            )
         return p
     found = latest(p)
     if found is None:
@@ -258,8 +262,11 @@ def check_compatible(path: Path, config: dict[str, Any]) -> None:
         return
     changed = [k for k in sorted(set(saved) | set(now)) if not k.endswith(".name") and saved.get(k) != now.get(k)]
     diff = {k: f"{k}={saved.get(k)!r} in the checkpoint but {now.get(k)!r} now" for k in changed}
-    breaking = [diff[k] + (f" ({LAYOUT_KEYS[k]})" if k in LAYOUT_KEYS else "") for k in changed
-                if k in SHAPE_KEYS or k in LAYOUT_KEYS]  # fmt: skip
+    breaking = [
+        diff[k] + (f" ({LAYOUT_KEYS[k]})" if k in LAYOUT_KEYS else "")
+        for k in changed
+        if k in SHAPE_KEYS or k in LAYOUT_KEYS
+    ]
     if breaking:
         raise ConfigError(
             f"cannot resume {path}: {'; '.join(breaking)}. Resume with the checkpoint's settings for these keys, "
@@ -315,11 +322,24 @@ class Checkpointer:
     after each checkpoint is complete.
     """
 
-    def __init__(self, backend: Backend, root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 extra_fn: Callable[[TrainState], dict[str, Any]], *, every: int, last_step: int, keep_last: int,
-                 keep_every: int = 0, meta: dict[str, Any] | None = None, async_save: bool = True,
-                 fault: SaveFault | None = None, rank: int = 0,
-                 on_saved: Callable[[Path, int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: Backend,
+        root: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra_fn: Callable[[TrainState], dict[str, Any]],
+        *,
+        every: int,
+        last_step: int,
+        keep_last: int,
+        keep_every: int = 0,
+        meta: dict[str, Any] | None = None,
+        async_save: bool = True,
+        fault: SaveFault | None = None,
+        rank: int = 0,
+        on_saved: Callable[[Path, int], None] | None = None,
+    ) -> None:
         self.backend, self.root, self.model, self.optimizer = backend, root, model, optimizer
         self.extra_fn, self.every, self.last_step, self.keep_last = extra_fn, every, last_step, keep_last
         self.keep_every, self.meta, self.async_save, self.fault = keep_every, meta or {}, async_save, fault
@@ -379,8 +399,11 @@ class Checkpointer:
                 return
             if self.fault is not None:
                 self.fault("written", step, tmp)
-            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
-                     for p in sorted(tmp.rglob("*")) if p.is_file()}  # fmt: skip
+            files = {
+                str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
+                for p in sorted(tmp.rglob("*"))
+                if p.is_file()
+            }
             with open(tmp / MANIFEST, "w") as f:
                 json.dump({"step": step, "files": files, **self.meta}, f)
                 f.flush()
@@ -396,8 +419,12 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:
             raise self._failed(e, tmp, step) from e
         self.last_saved, self.last_save_s = final, time.perf_counter() - started
-        log.info("checkpoint %s complete in %.2f s (%.1f MB)", final, self.last_save_s,
-                 sum(f["size"] for f in files.values()) / 1e6)  # fmt: skip
+        log.info(
+            "checkpoint %s complete in %.2f s (%.1f MB)",
+            final,
+            self.last_save_s,
+            sum(f["size"] for f in files.values()) / 1e6,
+        )
         self._retain()
         if self.fault is not None:
             self.fault("complete", step, final)

@@ -64,8 +64,11 @@ def scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> EvalSch
     from hlat.track.trackers import default_uri
 
     if e.every_tokens < tokens_per_step * cfg.train.checkpoint_every:
-        log.warning("eval.every_tokens=%d is below one checkpoint interval (%d tokens): evaluations happen at "
-                    "checkpoints only", e.every_tokens, tokens_per_step * cfg.train.checkpoint_every)  # fmt: skip
+        log.warning(
+            "eval.every_tokens=%d is below one checkpoint interval (%d tokens): evaluations happen at checkpoints only",
+            e.every_tokens,
+            tokens_per_step * cfg.train.checkpoint_every,
+        )
     tracker = (
         ["tracker=console"]
         if cfg.tracker.kind != "mlflow"
@@ -85,8 +88,13 @@ def eval_overrides(e: EvalConfig) -> list[str]:
     tasks = ",".join(f"{{task:'{_escape(t.task)}',num_fewshot:{t.num_fewshot}}}" for t in e.tasks)
     limit = "null" if e.limit is None else e.limit
     device = "null" if e.device is None else e.device
-    return [f"eval={e.name}", f"eval.tasks=[{tasks}]", f"eval.batch_size={e.batch_size}", f"eval.limit={limit}",
-            f"eval.device={device}"]  # fmt: skip
+    return [
+        f"eval={e.name}",
+        f"eval.tasks=[{tasks}]",
+        f"eval.batch_size={e.batch_size}",
+        f"eval.limit={limit}",
+        f"eval.device={device}",
+    ]
 
 
 def _escape(text: str) -> str:
@@ -126,8 +134,13 @@ class EvalScheduler:
         cmd = [sys.executable, "-m", "hlat.cli", "eval", f"checkpoint={ckpt}", *self.overrides]
         out = ckpt.parent / "eval" / f"{self.cfg.name}_{ckpt.name}.log"  # a file, not a pipe nobody reads
         out.parent.mkdir(exist_ok=True)
-        log.info("evaluating %s (%s tokens) on eval=%s in the background; log: %s", ckpt.name, f"{tokens:,}",
-                 self.cfg.name, out)  # fmt: skip
+        log.info(
+            "evaluating %s (%s tokens) on eval=%s in the background; log: %s",
+            ckpt.name,
+            f"{tokens:,}",
+            self.cfg.name,
+            out,
+        )
         with open(out, "w") as f:
             self.procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), ckpt, out))
 

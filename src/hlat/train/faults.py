@@ -77,8 +77,10 @@ class FaultInjector:
             return None
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if cfg.hang_rank >= world:
-            raise ConfigError(f"fault.hang_rank={cfg.hang_rank} is not a rank of this {world}-rank job; set "
-                              "fault.hang_rank below the world size (0 in a one-process run)")  # fmt: skip
+            raise ConfigError(
+                f"fault.hang_rank={cfg.hang_rank} is not a rank of this {world}-rank job; set "
+                "fault.hang_rank below the world size (0 in a one-process run)"
+            )
         return dist.new_group(backend="gloo") if world > 1 and cfg.hang_at is not None else None
 
     def _once(self, name: str) -> bool:
@@ -120,8 +122,12 @@ class FaultInjector:
 
     def _hang(self, step: int) -> None:
         """Block for good: in an all-reduce no other rank joins (they block in the next step's), or on a wait."""
-        log.warning("fault injection: rank %d hangs after step %d %s", self.rank, step,
-                    "in an all-reduce that no other rank joins" if self.hang_group else "on a wait")  # fmt: skip
+        log.warning(
+            "fault injection: rank %d hangs after step %d %s",
+            self.rank,
+            step,
+            "in an all-reduce that no other rank joins" if self.hang_group else "on a wait",
+        )
         for h in logging.getLogger().handlers:
             h.flush()
         if self.hang_group is not None:  # returns only by raising, when the group's collective timeout expires

@@ -33,14 +33,17 @@ def check_writable(root: Path) -> Path:
         probe = probe.parent
     fix = "set train.checkpoint_dir (or hydra.run.dir, which holds checkpoints/ by default) to a writable directory"
     if not probe.is_dir():
-        raise ConfigError(f"train.checkpoint_dir={root}: {probe} is a file, not a directory, so the checkpoints "
-                          f"cannot go there; {fix}")  # fmt: skip
+        raise ConfigError(
+            f"train.checkpoint_dir={root}: {probe} is a file, not a directory, so the checkpoints "
+            f"cannot go there; {fix}"
+        )
     try:  # a real write: permissions, read-only mounts and pseudo filesystems (/proc) alike
         with tempfile.TemporaryFile(dir=probe, prefix=".hlat-write-test-"):
             pass
     except OSError as e:
-        raise ConfigError(f"train.checkpoint_dir={root}: cannot write into {probe} ({e.strerror or e}); "
-                          f"{fix}") from None  # fmt: skip
+        raise ConfigError(
+            f"train.checkpoint_dir={root}: cannot write into {probe} ({e.strerror or e}); {fix}"
+        ) from None
     return probe
 
 

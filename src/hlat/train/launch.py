@@ -125,13 +125,22 @@ def supervise(cfg: RunConfig, run_dir: Path) -> None:
     # One node: its stores and sockets on 127.0.0.1 only (hlat.train.rendezvous); several: c10d on the first host.
     rdzv = one_node_launch() if nodes == 1 else {"rdzv_backend": "c10d", "rdzv_endpoint": endpoint}
     config = LaunchConfig(
-        min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id, **rdzv,
-        max_restarts=restarts, monitor_interval=0.5, start_method="spawn",
+        min_nodes=nodes,
+        max_nodes=nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        **rdzv,
+        max_restarts=restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic" / (f"node{global_rank()}" if slurm else ""))),
         **_stop_settings(LaunchConfig, cfg.train.preempt_grace_s),
-    )  # fmt: skip
-    log.info("starting %d trainer process(es) with torch elastic; up to %d restarts from the newest checkpoint",
-             nproc, restarts)  # fmt: skip
+    )
+    log.info(
+        "starting %d trainer process(es) with torch elastic; up to %d restarts from the newest checkpoint",
+        nproc,
+        restarts,
+    )
     try:
         results = _run_agent(elastic_launch(config, _worker), cfg, run_dir)
     except ChildFailedError as e:
@@ -215,8 +224,9 @@ def _worker(cfg: RunConfig, run_dir: str, log_file: str) -> tuple[str, str] | No
 
     console = logging.StreamHandler(sys.stdout)
     console.addFilter(LibraryFilter())  # mlflow's INFO lines to the file only, as under Hydra's job logging
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True,
-                        handlers=[console, logging.FileHandler(log_file)])  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO, format=LOG_FORMAT, force=True, handlers=[console, logging.FileHandler(log_file)]
+    )
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates; the others speak up on problems
     # A restart is logged by hlat.attempt once the ranks agree on it (this agent's own count can be 0 on a node
@@ -237,8 +247,9 @@ def _worker(cfg: RunConfig, run_dir: str, log_file: str) -> tuple[str, str] | No
 # ---------------------------------------------------------------- the command line's entry, its errors and hints
 
 
-def _print_continue_hint(cfg: RunConfig, lead: str = "the run stopped",
-                         note: str = " (or set cluster.max_restarts to recover automatically)") -> None:  # fmt: skip
+def _print_continue_hint(
+    cfg: RunConfig, lead: str = "the run stopped", note: str = " (or set cluster.max_restarts to recover automatically)"
+) -> None:
     """After a run stopped: the command that continues it from its newest checkpoint (if it has one)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

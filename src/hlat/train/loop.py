@@ -29,8 +29,9 @@ class MicroBatches:
     forward and backward with (``timer.phase("forward")``) without knowing whether timing is on.
     """
 
-    def __init__(self, data: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int,
-                 timer: StepTimer | NullTimer = NULL_TIMER) -> None:  # fmt: skip
+    def __init__(
+        self, data: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, timer: StepTimer | NullTimer = NULL_TIMER
+    ) -> None:
         self.data, self.n, self.timer = data, n, timer
         self.waits: list[float] = []
 

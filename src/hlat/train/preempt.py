@@ -67,8 +67,9 @@ def signal_name(signum: int) -> str:
 class PreemptedError(Exception):
     """Training stopped on a signal at a step boundary; the checkpoint of ``step`` holds the run. Rerun to continue."""
 
-    def __init__(self, signum: int, step: int, received_at: float, checkpoint: str | None = None,
-                 elapsed_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, signum: int, step: int, received_at: float, checkpoint: str | None = None, elapsed_s: float | None = None
+    ) -> None:
         self.signum, self.step, self.received_at = signum, step, received_at
         self.checkpoint, self.elapsed_s = checkpoint, elapsed_s
         super().__init__(signum, step)
@@ -83,8 +84,13 @@ class PreemptedError(Exception):
         return f"preempted by {signal_name(self.signum)} after step {self.step}{saved}{took}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"signal": signal_name(self.signum), "signum": self.signum, "step": self.step,
-                "checkpoint": self.checkpoint, "elapsed_s": self.elapsed_s}  # fmt: skip
+        return {
+            "signal": signal_name(self.signum),
+            "signum": self.signum,
+            "step": self.step,
+            "checkpoint": self.checkpoint,
+            "elapsed_s": self.elapsed_s,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PreemptedError:
@@ -214,8 +220,11 @@ def checkpoint_now(stop: PreemptedError, saver: Any, state: Any, grace_s: float)
     """
     t0 = time.monotonic()
     if saver.last_save_s is not None and saver.last_save_s > grace_s - (t0 - stop.received_at):
-        log.warning("the last checkpoint took %.1f s; it may not fit in what is left of train.preempt_grace_s=%g",
-                    saver.last_save_s, grace_s)  # fmt: skip
+        log.warning(
+            "the last checkpoint took %.1f s; it may not fit in what is left of train.preempt_grace_s=%g",
+            saver.last_save_s,
+            grace_s,
+        )
     saver.wait()  # a save in flight completes first: it may be this very step's (the hook's)
     if not _save_due(saver, state.step):
         saver.async_save = False  # the process exits next: nothing may be left in a background thread
@@ -233,9 +242,13 @@ def report(stop: PreemptedError, grace_s: float) -> None:
     if took <= grace_s:
         log.info("stopped %.1f s after the signal (train.preempt_grace_s=%g)", took, grace_s)
         return
-    log.warning("stopping took %.1f s from the signal, more than train.preempt_grace_s=%g: a launcher that gives %d s "
-                "may kill the trainer before it is done; raise train.preempt_grace_s", took, grace_s,
-                launcher_grace_s(grace_s))  # fmt: skip
+    log.warning(
+        "stopping took %.1f s from the signal, more than train.preempt_grace_s=%g: a launcher that gives %d s "
+        "may kill the trainer before it is done; raise train.preempt_grace_s",
+        took,
+        grace_s,
+        launcher_grace_s(grace_s),
+    )
 
 
 def record(stop: PreemptedError, run_dir: Path, mlflow_tracker: Any) -> None:

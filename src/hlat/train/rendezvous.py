@@ -60,8 +60,10 @@ def create_handler(params: Any) -> Any:
     store = loopback_store(timeout=timeout)
     handler = dynamic_handler(store, LoopbackBackend(store, params.run_id), params)
     if not hasattr(handler, "_create_tcp_store_server"):  # a torch whose handler shares no store (before 2.4)
-        log.warning("torch elastic's rendezvous handler has no shared-store hook: the workers' store may listen on "
-                    "every interface")  # fmt: skip
+        log.warning(
+            "torch elastic's rendezvous handler has no shared-store hook: the workers' store may listen on "
+            "every interface"
+        )
     handler._create_tcp_store_server = lambda _addr, port: loopback_store(port)
     return handler
 
@@ -78,8 +80,7 @@ def loopback_store(port: int = 0, timeout: datetime.timedelta | None = None) -> 
         raise
     bound = sock.getsockname()[1]
     extra = {"timeout": timeout} if timeout is not None else {}
-    return dist.TCPStore(LOOPBACK, bound, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
-                         **extra)  # fmt: skip
+    return dist.TCPStore(LOOPBACK, bound, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(), **extra)
 
 
 def loopback_interface() -> str:

@@ -165,8 +165,12 @@ def record_start(root: Path, resume: str, launched: float, *, create: bool = Fal
         uptime, record = Uptime(launched), {}
     checkpoint.write_job(root, {**record, "uptime": uptime.state_dict(), COUNTED: True})
     if uptime.restarts:
-        log.info("start %d of this job (restart %d), recorded in %s", uptime.restarts + 1, uptime.restarts,
-                 root / checkpoint.JOB)  # fmt: skip
+        log.info(
+            "start %d of this job (restart %d), recorded in %s",
+            uptime.restarts + 1,
+            uptime.restarts,
+            root / checkpoint.JOB,
+        )
 
 
 def job_record(saved: dict, latest: dict, launched: float) -> tuple[Uptime, str | None]:
@@ -215,9 +219,16 @@ def halt_message(e: NonFiniteError, why: str, ckpt: Path | None, root: Path) -> 
     )
 
 
-def rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoint.Checkpointer, root: Path,
-             logger: MetricsLogger, uptime: Uptime,
-             restore: Callable[..., tuple[TrainState, dict]]) -> TrainState:  # fmt: skip
+def rollback(
+    e: NonFiniteError,
+    state: TrainState,
+    policy: str,
+    saver: checkpoint.Checkpointer,
+    root: Path,
+    logger: MetricsLogger,
+    uptime: Uptime,
+    restore: Callable[..., tuple[TrainState, dict]],
+) -> TrainState:
     """on_nonfinite=rollback: reload the newest valid checkpoint and discard the offending step's batch.
 
     Raises:
@@ -241,6 +252,11 @@ def rollback(e: NonFiniteError, state: TrainState, policy: str, saver: checkpoin
     if "uptime" in job:  # the work since the checkpoint is lost: productive time goes back to its value there
         uptime.productive_s = job["uptime"]["productive_s"]
     logger.rewind()
-    log.warning("%s: rolled back to %s (rollback %d); the batch of step %d will be discarded",
-                e, ckpt, restored.rollbacks, e.step)  # fmt: skip
+    log.warning(
+        "%s: rolled back to %s (rollback %d); the batch of step %d will be discarded",
+        e,
+        ckpt,
+        restored.rollbacks,
+        e.step,
+    )
     return restored

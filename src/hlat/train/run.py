@@ -63,9 +63,14 @@ def main(cfg: RunConfig, run_dir: Path) -> RunResult:
     health = preflight(cfg, env, out_dir=run_dir / "health", sync=backend.synchronize)
 
     data = build_loader(
-        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
-        seed=t.seed, dp_rank=dims.dp_rank(env.rank), dp_size=dims.dp,
-    )  # fmt: skip
+        cfg.data,
+        vocab_size=cfg.model.vocab_size,
+        seq_len=t.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        seed=t.seed,
+        dp_rank=dims.dp_rank(env.rank),
+        dp_size=dims.dp,
+    )
     init_state = initial_weights(cfg) if job.resume_from is None and t.init_from else None
     model = backend.build_model(functools.partial(Transformer, cfg.model), dims, init_state)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer))
@@ -73,11 +78,13 @@ def main(cfg: RunConfig, run_dir: Path) -> RunResult:
     state, uptime, run_id = resume.resume_job(job, backend, model, optimizer, data, spikes)  # new job: step 0
     track = tracking.start(cfg, run_dir, job, env, backend.name, n_params, state.step, run_id, uptime.state_dict())
     tracking.log_health(track, health, env, run_dir)
-    hooks = build_hooks(cfg, backend, env, model, optimizer, data, spikes, uptime, track, job, run_dir,
-                        first_tokens=state.tokens_seen)  # fmt: skip
+    hooks = build_hooks(
+        cfg, backend, env, model, optimizer, data, spikes, uptime, track, job, run_dir, first_tokens=state.tokens_seen
+    )
 
-    trainer = Trainer(cfg, backend, dims, model, optimizer, data, spikes, uptime, track, hooks, job, run_dir,
-                      rank=env.rank)  # fmt: skip
+    trainer = Trainer(
+        cfg, backend, dims, model, optimizer, data, spikes, uptime, track, hooks, job, run_dir, rank=env.rank
+    )
     state = trainer.run(state)
     trainer.report(state)
     return RunResult(cfg, state, track.history, track.mlflow.run_id if track.mlflow else None)

@@ -120,12 +120,27 @@ class SweepCallback(Callback):
         name = config.tracker.experiment
         experiment_id = get_experiment(client, name)
         overrides = " ".join(config.hydra.overrides.task)
-        run = client.create_run(experiment_id, run_name=f"sweep {sweep_dir.name}", tags={
-            "hlat.sweep_dir": str(sweep_dir.resolve()), "hlat.sweep_overrides": overrides[:5000],
-            "mlflow.note.content": f"Hydra multirun `{config.hydra.job.config_name}` {overrides}"[:5000]})  # fmt: skip
-        (sweep_dir / sweep.SWEEP_FILE).write_text(json.dumps(
-            {"parent_run_id": run.info.run_id, "experiment": name, "uri": uri,
-             "overrides": list(config.hydra.overrides.task)}, indent=2) + "\n")  # fmt: skip
+        run = client.create_run(
+            experiment_id,
+            run_name=f"sweep {sweep_dir.name}",
+            tags={
+                "hlat.sweep_dir": str(sweep_dir.resolve()),
+                "hlat.sweep_overrides": overrides[:5000],
+                "mlflow.note.content": f"Hydra multirun `{config.hydra.job.config_name}` {overrides}"[:5000],
+            },
+        )
+        (sweep_dir / sweep.SWEEP_FILE).write_text(
+            json.dumps(
+                {
+                    "parent_run_id": run.info.run_id,
+                    "experiment": name,
+                    "uri": uri,
+                    "overrides": list(config.hydra.overrides.task),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         log.info("sweep %s: MLflow parent run %s in experiment %r", sweep_dir, run.info.run_id, name)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -153,11 +168,14 @@ class SweepCallback(Callback):
             MlflowClient(tracking_uri=uri).set_terminated(parent["parent_run_id"], status)
         self._release()
         if undone:
-            jobs = "; ".join(f"{d.name} {r.get('status', 'killed')} (logs: {', '.join(_logs(d, r))})"
-                             for d, r in undone.items())  # fmt: skip
-            print(f"hlat: {len(undone)} of {len(records)} jobs did not finish: {jobs}. Fix the cause and run the same "
-                  "command again: finished jobs are skipped and the others continue from their newest checkpoint",
-                  file=sys.stderr)  # fmt: skip
+            jobs = "; ".join(
+                f"{d.name} {r.get('status', 'killed')} (logs: {', '.join(_logs(d, r))})" for d, r in undone.items()
+            )
+            print(
+                f"hlat: {len(undone)} of {len(records)} jobs did not finish: {jobs}. Fix the cause and run the same "
+                "command again: finished jobs are skipped and the others continue from their newest checkpoint",
+                file=sys.stderr,
+            )
             raise SystemExit(1)  # Hydra turns a callback's exceptions into warnings; the sweep must fail
 
     def _release(self) -> None:
@@ -182,9 +200,11 @@ class SweepCallback(Callback):
         except Exception:  # exiting anyway: report, never raise from atexit
             log.exception("could not mark the parent run %s of sweep %s KILLED", parent_run_id, sweep_dir)
             return
-        print(f"hlat: sweep {sweep_dir} interrupted: its MLflow parent run {parent_run_id} is KILLED. Run the same "
-              "command again to continue: finished jobs are skipped, the others continue from their checkpoints",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hlat: sweep {sweep_dir} interrupted: its MLflow parent run {parent_run_id} is KILLED. Run the same "
+            "command again to continue: finished jobs are skipped, the others continue from their checkpoints",
+            file=sys.stderr,
+        )
 
     @staticmethod
     def _compare(uri: str, sweep_dir: Path, parent: dict[str, Any] | None) -> None:
@@ -281,11 +301,16 @@ def _note(runs: Sequence[RunData], experiment_id: str, view: str, overrides: str
         return "-" if v is None else f"{v:.4f}"
 
     order = sorted(runs, key=lambda r: (final_loss(r) is None, final_loss(r) or 0.0))
-    head = (f"Hydra multirun {overrides}\n\n[All {len(runs)} arms: loss curves, parallel coordinates]({view}) "
-            "(comparison.md and comparison.png: Artifacts)\n\n"
-            "| arm | final loss (last 10%) | min loss | status |\n|---|---:|---:|---|\n")  # fmt: skip
-    rows = [f"| [{r.run_name.replace('|', '/')}]({ui_page(experiment_id, r.run_id)}) | {cell(final_loss(r))} | "
-            f"{cell(min_loss(r))} | {r.status} |\n" for r in order]  # fmt: skip
+    head = (
+        f"Hydra multirun {overrides}\n\n[All {len(runs)} arms: loss curves, parallel coordinates]({view}) "
+        "(comparison.md and comparison.png: Artifacts)\n\n"
+        "| arm | final loss (last 10%) | min loss | status |\n|---|---:|---:|---|\n"
+    )
+    rows = [
+        f"| [{r.run_name.replace('|', '/')}]({ui_page(experiment_id, r.run_id)}) | {cell(final_loss(r))} | "
+        f"{cell(min_loss(r))} | {r.status} |\n"
+        for r in order
+    ]
     text = head
     for i, row in enumerate(rows):
         if len(text) + len(row) > 7000:  # MLflow's tag values hold 8000 characters
@@ -306,36 +331,84 @@ def sweep_view(name: str, runs: Sequence[RunData], parent_run_id: str, now_ms: i
     from hlat.track.compare import differing_keys
 
     ids = [r.run_id for r in runs]
-    where = (f"attributes.run_id IN ({', '.join(repr(i) for i in ids)})" if len(ids) <= 200
-             else f"tags.`mlflow.parentRunId` = '{parent_run_id}'")  # fmt: skip
+    where = (
+        f"attributes.run_id IN ({', '.join(repr(i) for i in ids)})"
+        if len(ids) <= 200
+        else f"tags.`mlflow.parentRunId` = '{parent_run_id}'"
+    )
     params = differing_keys(runs)[:8]
     section = f"hlat{parent_run_id[:12]}s"
 
     def chart(kind: str, n: int, **fields: Any) -> dict[str, Any]:
-        return {"uuid": f"hlat{parent_run_id[:12]}c{n}", "type": kind, "runsCountToCompare": max(10, len(ids)),
-                "metricSectionId": section, "deleted": False, "isGenerated": False, **fields}  # fmt: skip
+        return {
+            "uuid": f"hlat{parent_run_id[:12]}c{n}",
+            "type": kind,
+            "runsCountToCompare": max(10, len(ids)),
+            "metricSectionId": section,
+            "deleted": False,
+            "isGenerated": False,
+            **fields,
+        }
 
-    line = {"lineSmoothness": 0, "xAxisScaleType": "linear", "scaleType": "linear", "range": {}, "xAxisKey": "step",
-            "selectedXAxisMetricKey": "", "yAxisKey": "metric", "yAxisExpressions": [], "ignoreOutliers": False,
-            "useGlobalXaxisKey": True, "useGlobalLineSmoothing": True}  # fmt: skip
+    line = {
+        "lineSmoothness": 0,
+        "xAxisScaleType": "linear",
+        "scaleType": "linear",
+        "range": {},
+        "xAxisKey": "step",
+        "selectedXAxisMetricKey": "",
+        "yAxisKey": "metric",
+        "yAxisExpressions": [],
+        "ignoreOutliers": False,
+        "useGlobalXaxisKey": True,
+        "useGlobalLineSmoothing": True,
+    }
     charts = [chart("LINE", 0, displayName="train/loss", metricKey="train/loss", **line)]
     if params:
-        charts.append(chart("PARALLEL", 1, displayName="swept params and the final loss", selectedParams=params,
-                            selectedMetrics=["train/loss"], showAllRuns=True))  # fmt: skip
+        charts.append(
+            chart(
+                "PARALLEL",
+                1,
+                displayName="swept params and the final loss",
+                selectedParams=params,
+                selectedMetrics=["train/loss"],
+                showAllRuns=True,
+            )
+        )
     charts.append(chart("BAR", 2, displayName="last train/loss", metricKey="train/loss"))
     state = {
-        "searchFilter": where, "orderByKey": "metrics.`train/loss`", "orderByAsc": True, "startTime": "ALL",
-        "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
+        "searchFilter": where,
+        "orderByKey": "metrics.`train/loss`",
+        "orderByAsc": True,
+        "startTime": "ALL",
+        "lifecycleFilter": "Active",
+        "datasetsFilter": [],
+        "modelVersionFilter": "All Runs",
         "selectedColumns": [*(f"params.`{k}`" for k in params), "metrics.`train/loss`"],
-        "columnOrder": [], "columnWidths": {}, "runsHiddenMode": "SHOW_ALL",
+        "columnOrder": [],
+        "columnWidths": {},
+        "runsHiddenMode": "SHOW_ALL",
         "compareRunCharts": charts,
-        "compareRunSections": [{"uuid": section, "name": f"sweep {name}", "display": True, "isReordered": True,
-                                "deleted": False, "isGenerated": False}],
-        "viewMaximized": False, "runListHidden": False, "isAccordionReordered": True, "groupBy": None,
-        "groupsExpanded": {}, "useGroupedValuesInCharts": True, "hideEmptyCharts": True,
+        "compareRunSections": [
+            {
+                "uuid": section,
+                "name": f"sweep {name}",
+                "display": True,
+                "isReordered": True,
+                "deleted": False,
+                "isGenerated": False,
+            }
+        ],
+        "viewMaximized": False,
+        "runListHidden": False,
+        "isAccordionReordered": True,
+        "groupBy": None,
+        "groupsExpanded": {},
+        "useGroupedValuesInCharts": True,
+        "hideEmptyCharts": True,
         "globalLineChartConfig": {"xAxisKey": "step", "lineSmoothness": 0, "selectedXAxisMetricKey": ""},
         "chartsSearchFilter": "",
-    }  # fmt: skip
+    }
     return json.dumps({"name": f"sweep {name}", "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(state)})
 
 

@@ -97,8 +97,9 @@ def _look_up(cfg: Any, h: str, job_dir: Path) -> Decision:
     exp = client.get_experiment_by_name(cfg.tracker.experiment)
     if exp is None:
         return Decision("train", h)
-    runs = client.search_runs([exp.experiment_id], f"tags.`{HASH_TAG}` = '{h}'", max_results=100,
-                              order_by=["attributes.start_time DESC"])  # fmt: skip
+    runs = client.search_runs(
+        [exp.experiment_id], f"tags.`{HASH_TAG}` = '{h}'", max_results=100, order_by=["attributes.start_time DESC"]
+    )
     for run in runs:
         if run.info.status == "FINISHED":
             return Decision("skip", h, run_id=run.info.run_id)
@@ -115,8 +116,11 @@ def _look_up(cfg: Any, h: str, job_dir: Path) -> Decision:
 def finish_job(job_dir: Path, *, mlflow_run_id: str | None, status: str, objective: float | None) -> None:
     """Record how the job ended (rank 0; the other ranks read the objective from here)."""
     record = read_record(job_dir)
-    record.update(mlflow_run_id=mlflow_run_id, status=status,
-                  objective=None if objective is None or math.isnan(objective) else objective)  # fmt: skip
+    record.update(
+        mlflow_run_id=mlflow_run_id,
+        status=status,
+        objective=None if objective is None or math.isnan(objective) else objective,
+    )
     write_json(Path(job_dir) / JOB_FILE, record)
 
 
@@ -165,14 +169,19 @@ def run_job(
             return math.inf
         decision = decide(cfg, job_dir)
         if decision.action == "skip":
-            print(f"hlat: skipped {job_dir.name}: this config (hash {decision.config_hash}) already FINISHED as MLflow "
-                  f"run {decision.run_id} in experiment {cfg.tracker.experiment!r}; tracker.skip_finished=false runs "
-                  "it again")  # fmt: skip
+            print(
+                f"hlat: skipped {job_dir.name}: this config (hash {decision.config_hash}) already FINISHED as MLflow "
+                f"run {decision.run_id} in experiment {cfg.tracker.experiment!r}; tracker.skip_finished=false runs "
+                "it again"
+            )
             run_id, status = decision.run_id, "skipped"
         else:
             if decision.action == "resume":
-                log.warning("continuing MLflow run %s, which did not finish, from its checkpoints in %s",
-                            decision.run_id, decision.checkpoint_dir)  # fmt: skip
+                log.warning(
+                    "continuing MLflow run %s, which did not finish, from its checkpoints in %s",
+                    decision.run_id,
+                    decision.checkpoint_dir,
+                )
                 cfg = dataclasses.replace(
                     cfg, train=dataclasses.replace(cfg.train, checkpoint_dir=decision.checkpoint_dir)
                 )
@@ -216,9 +225,11 @@ def _stop(job_dir: Path, e: BaseException, run_id: str | None, status: str) -> N
     if rank() == 0:
         finish_job(job_dir, mlflow_run_id=run_id, status=status, objective=None)
     what = str(e) if isinstance(e, (PreemptedError, AbortedError)) else "interrupted (Ctrl-C)"
-    print(f"hlat: sweep job {job_dir.name} {what}. Run the same sweep command again to continue: finished jobs are "
-          "skipped and this one continues from its newest checkpoint, in the same MLflow run",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"hlat: sweep job {job_dir.name} {what}. Run the same sweep command again to continue: finished jobs are "
+        "skipped and this one continues from its newest checkpoint, in the same MLflow run",
+        file=sys.stderr,
+    )
     if isinstance(e, PreemptedError):
         hand_over(e.signum)  # under hydra/launcher=slurm: submitit requeues this job, which then continues
         raise SystemExit(PREEMPTED_EXIT_CODE)

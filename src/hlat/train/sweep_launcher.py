@@ -92,8 +92,9 @@ def _last_line(e: BaseException) -> str:
 class CollectingLauncher(plugin.BaseSubmititLauncher):
     """A submitit launcher that collects every job's result on its own; a dead job fails the sweep at its end."""
 
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
-                 singleton_state: dict[type, Any]) -> JobReturn:  # fmt: skip
+    def __call__(
+        self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: dict[type, Any]
+    ) -> JobReturn:
         """Run one job (in the submitted process) and return what can be unpickled by the launcher."""
         return picklable(super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state))
 
@@ -131,8 +132,11 @@ class CollectingLauncher(plugin.BaseSubmititLauncher):
     def _job_params(self) -> dict[str, Any]:
         """The jobs' parameters (the plugin's mapping): shared keys as they are, the others ``<executor>_<key>``."""
         base = set(OmegaConf.structured(plugin.BaseQueueConf).keys())
-        return {k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in self.params.items()
-                if k not in ("submitit_folder", "max_num_timeout")}  # fmt: skip
+        return {
+            k if k in base else f"{self._EXECUTOR}_{k}": v
+            for k, v in self.params.items()
+            if k not in ("submitit_folder", "max_num_timeout")
+        }
 
     def _collect(self, job: Any, overrides: list[str], idx: int) -> JobReturn:
         """The job's result; for a job that died, its record (:func:`hlat.track.sweep.record_dead_job`) and +inf."""
@@ -153,8 +157,13 @@ class CollectingLauncher(plugin.BaseSubmititLauncher):
             what = "ended without a result" if killed else f"failed: {_last_line(e)}"
         reason = f"submitit job {job.job_id} {what} (state {job.state})"
         job_dir, run_id = self._job_dir(overrides, idx)
-        status = sweep.record_dead_job(job_dir, "killed" if killed else "failed", reason, mlflow_run_id=run_id,
-                                       logs=[str(job.paths.stdout), str(job.paths.stderr)])  # fmt: skip
+        status = sweep.record_dead_job(
+            job_dir,
+            "killed" if killed else "failed",
+            reason,
+            mlflow_run_id=run_id,
+            logs=[str(job.paths.stdout), str(job.paths.stderr)],
+        )
         log.error("sweep job %s %s: %s; logs: %s, %s", job_dir, status, reason, job.paths.stdout, job.paths.stderr)
         ret = JobReturn(overrides=overrides, working_dir=str(job_dir))
         ret.status, ret.return_value = JobStatus.COMPLETED, math.inf  # the worst objective; SweepCallback fails it
@@ -182,8 +191,12 @@ class CollectingLauncher(plugin.BaseSubmititLauncher):
 def accounting_problem() -> str | None:
     """Why ``sacct`` cannot tell submitit that a Slurm job ended (None when it answers)."""
     try:
-        r = subprocess.run(["sacct", "--noheader", "--allocations", "--format=JobID", "--starttime=now"],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        r = subprocess.run(
+            ["sacct", "--noheader", "--allocations", "--format=JobID", "--starttime=now"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"sacct did not run ({e})"
     if r.returncode == 0:
@@ -200,9 +213,12 @@ def require_accounting() -> None:
     why = accounting_problem()
     if why is None:
         return
-    print(f"hlat: configuration error: hydra/launcher=slurm needs Slurm accounting, and {why}. submitit learns that a "
-          "job ended without a result (scancel, out of memory, a lost node) only from sacct, so without it the sweep "
-          "would wait forever for such a job. Enable accounting on the cluster (slurmdbd, and "
-          "AccountingStorageType=accounting_storage/slurmdbd in slurm.conf: https://slurm.schedmd.com/accounting.html)"
-          ", or run the sweep on one machine with hydra/launcher=submitit_local", file=sys.stderr)  # fmt: skip
+    print(
+        f"hlat: configuration error: hydra/launcher=slurm needs Slurm accounting, and {why}. submitit learns that a "
+        "job ended without a result (scancel, out of memory, a lost node) only from sacct, so without it the sweep "
+        "would wait forever for such a job. Enable accounting on the cluster (slurmdbd, and "
+        "AccountingStorageType=accounting_storage/slurmdbd in slurm.conf: https://slurm.schedmd.com/accounting.html)"
+        ", or run the sweep on one machine with hydra/launcher=submitit_local",
+        file=sys.stderr,
+    )
     raise SystemExit(2)

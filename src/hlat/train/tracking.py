@@ -56,8 +56,17 @@ class Tracking:
             log.exception("could not write the end-of-run plots to %s", out_dir)
 
 
-def start(cfg: RunConfig, run_dir: Path, job: JobStart, env: Env, backend: str, n_params: int, first_step: int,
-          saved_run_id: str | None, uptime_state: dict) -> Tracking:  # fmt: skip
+def start(
+    cfg: RunConfig,
+    run_dir: Path,
+    job: JobStart,
+    env: Env,
+    backend: str,
+    n_params: int,
+    first_step: int,
+    saved_run_id: str | None,
+    uptime_state: dict,
+) -> Tracking:
     """Open the run's tracker with its tags and params; record the MLflow run in the job record (rank 0).
 
     Args:
@@ -76,9 +85,11 @@ def start(cfg: RunConfig, run_dir: Path, job: JobStart, env: Env, backend: str, 
     tags = _tags(cfg, run_dir, job, backend, env.bf16_matmul)
     throughput, peak_source = _throughput(cfg, n_params, env.world_size, env.bf16_matmul)
     tags["perf.peak_source"] = peak_source
-    derived = {"perf.flops_per_token": throughput.flops_per_token,
-               "perf.flops_per_token_causal": throughput.flops_per_token_causal,
-               "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None}  # fmt: skip
+    derived = {
+        "perf.flops_per_token": throughput.flops_per_token,
+        "perf.flops_per_token_causal": throughput.flops_per_token_causal,
+        "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
+    }
     history, recorder = History(), SeriesRecorder(PLOTTED)
     extra = [history, recorder] + ([progress] if progress else [])
     tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id)
@@ -114,8 +125,15 @@ def _tags(cfg: RunConfig, run_dir: Path, job: JobStart, backend: str, bf16_matmu
     return tags
 
 
-def _open(cfg: RunConfig, run_dir: Path, tags: dict[str, str], rank: int, extra: list, derived: dict[str, Any],
-          run_id: str | None) -> tuple:  # fmt: skip
+def _open(
+    cfg: RunConfig,
+    run_dir: Path,
+    tags: dict[str, str],
+    rank: int,
+    extra: list,
+    derived: dict[str, Any],
+    run_id: str | None,
+) -> tuple:
     """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files."""
     prov_tags, files = write_provenance(run_dir, to_yaml(cfg)) if rank == 0 else ({}, [])
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
@@ -132,8 +150,9 @@ def _open(cfg: RunConfig, run_dir: Path, tags: dict[str, str], rank: int, extra:
 def _throughput(cfg: RunConfig, n_params: int, world_size: int, bf16_matmul: str | None) -> tuple[Throughput, str]:
     """FLOPs per token of this model and sequence length, the run's peak FLOP/s and cost per hour."""
     m = cfg.model
-    per_token = functools.partial(flops_per_token, n_params, m.vocab_size * m.dim, m.n_layers, m.n_heads,
-                                  m.head_dim, cfg.train.seq_len)  # fmt: skip
+    per_token = functools.partial(
+        flops_per_token, n_params, m.vocab_size * m.dim, m.n_layers, m.n_heads, m.head_dim, cfg.train.seq_len
+    )
     peak, source = resolve_peak_flops(cfg.cluster, cfg.precision.compute_dtype, cfg.data.cache_dir, bf16_matmul)
     nodes = -(-world_size // cfg.cluster.devices_per_node)
     price = cfg.cluster.price_per_hour

@@ -71,14 +71,23 @@ class Trainer:
 
     def _fit_with_rollback(self, state: TrainState) -> TrainState:
         """``fit`` until the last step; a non-finite step goes back to the last checkpoint (or halts)."""
-        reload = functools.partial(restore, self.backend, model=self.model, optimizer=self.optimizer, data=self.data,
-                                   spikes=self.spikes)  # fmt: skip
+        reload = functools.partial(
+            restore, self.backend, model=self.model, optimizer=self.optimizer, data=self.data, spikes=self.spikes
+        )
         while True:
             try:
                 return self._fit(state)
             except NonFiniteError as e:
-                state = rollback(e, state, self.cfg.train.on_nonfinite, self.hooks.saver, self.job.root,
-                                 self.hooks.logger, self.uptime, reload)  # fmt: skip
+                state = rollback(
+                    e,
+                    state,
+                    self.cfg.train.on_nonfinite,
+                    self.hooks.saver,
+                    self.job.root,
+                    self.hooks.logger,
+                    self.uptime,
+                    reload,
+                )
                 if self.tracking.progress is not None:
                     self.tracking.progress.reset()
 
@@ -142,8 +151,9 @@ class Trainer:
         if self.rank != 0:
             return
         losses = self.tracking.history.series("train/loss") or [(0, float("nan"))]
-        print(f"trained {state.step} steps, {state.tokens_seen:,} tokens: "
-              f"loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}")  # fmt: skip
+        print(
+            f"trained {state.step} steps, {state.tokens_seen:,} tokens: loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}"
+        )
         if self.hooks.saver.last_saved is not None:
             print(f"checkpoint: {self.hooks.saver.last_saved}")
         if self.tracking.mlflow is not None:

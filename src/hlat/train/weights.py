@@ -54,8 +54,14 @@ from hlat.train import checkpoint as ckpt
 log = logging.getLogger(__name__)
 EXTRA = "extra.rank0.pt"
 """The rank-0 train-state file the torch backend writes next to the weights (holds the tokenizer fingerprint)."""
-SHAPE = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "kv_heads": "n_kv_heads", "ffn_dim": "ffn_dim",
-         "vocab_size": "vocab_size"}  # fmt: skip
+SHAPE = {
+    "dim": "dim",
+    "n_layers": "n_layers",
+    "n_heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "ffn_dim": "ffn_dim",
+    "vocab_size": "vocab_size",
+}
 """ModelConfig attribute -> config key, for the fields that decide the shape of the weights."""
 
 
@@ -78,16 +84,20 @@ def find_checkpoint(path: str | Path) -> Path:
     if ckpt.manifest(p) is not None:
         bad = ckpt.problems(p, checksums=True)
         if bad:
-            raise ConfigError(f"checkpoint={path} is damaged ({'; '.join(bad)}); give its parent directory to use "
-                              "the newest intact checkpoint")  # fmt: skip
+            raise ConfigError(
+                f"checkpoint={path} is damaged ({'; '.join(bad)}); give its parent directory to use "
+                "the newest intact checkpoint"
+            )
         return p
     for root in (p, p / "checkpoints"):
         found = ckpt.latest(root)
         if found is not None:
             return found
-    raise ConfigError(f"checkpoint={path} is neither a checkpoint nor a directory of them: no complete checkpoint "
-                      f"there (a step_* directory with {ckpt.MANIFEST}); give a step_N checkpoint or a run's "
-                      "checkpoints/ dir")  # fmt: skip
+    raise ConfigError(
+        f"checkpoint={path} is neither a checkpoint nor a directory of them: no complete checkpoint "
+        f"there (a step_* directory with {ckpt.MANIFEST}); give a step_N checkpoint or a run's "
+        "checkpoints/ dir"
+    )
 
 
 def run_config(path: Path) -> RunConfig:
@@ -120,8 +130,13 @@ def model_config(path: Path) -> ModelConfig:
 def _build(cls: type, values: dict[str, Any]) -> Any:
     """The dataclass ``cls`` from ``dataclasses.asdict`` output, nested dataclasses (and lists of them) included."""
     hints = typing.get_type_hints(cls)
-    return cls(**{f.name: _value(hints[f.name], values[f.name]) for f in dataclasses.fields(cls)
-                  if f.init and f.name in values})  # fmt: skip
+    return cls(
+        **{
+            f.name: _value(hints[f.name], values[f.name])
+            for f in dataclasses.fields(cls)
+            if f.init and f.name in values
+        }
+    )
 
 
 def _value(tp: Any, v: Any) -> Any:
@@ -148,8 +163,10 @@ def check_torch_backend(path: Path) -> None:
         what = "has no .metadata: it is not a torch.distributed.checkpoint"
     else:
         return
-    raise ConfigError(f"checkpoint {path} {what}: evaluation runs on the torch backend, and NxD checkpoints "
-                      "cannot be exported or loaded by train.init_from yet; evaluate a torch-backend run")  # fmt: skip
+    raise ConfigError(
+        f"checkpoint {path} {what}: evaluation runs on the torch backend, and NxD checkpoints "
+        "cannot be exported or loaded by train.init_from yet; evaluate a torch-backend run"
+    )
 
 
 def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> Tensors:
@@ -170,8 +187,11 @@ def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> T
             trusted: see :mod:`hlat.safe_load`).
     """
     md = safe_load.read_metadata(path).state_dict_metadata  # never unpickles code from the checkpoint
-    stored = {k.removeprefix("model."): m for k, m in md.items()
-              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # fmt: skip
+    stored = {
+        k.removeprefix("model."): m
+        for k, m in md.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
     check_tensors({k: m.size for k, m in stored.items()}, expected_shapes(cfg), f"checkpoint {path}")
     sd = into if into is not None else {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()}
     with warnings.catch_warnings():  # "torch.distributed is disabled": no process group, as intended
@@ -210,8 +230,9 @@ def saved_tokenizer_fingerprint(path: Path) -> str | None:
     return (extra.get("data") or {}).get("tokenizer")
 
 
-def find_tokenizer(path: Path, explicit: str | Path | None = None, *, vocab: int | None = None,
-                   retrain: bool = False) -> Tokenizer:  # fmt: skip
+def find_tokenizer(
+    path: Path, explicit: str | Path | None = None, *, vocab: int | None = None, retrain: bool = False
+) -> Tokenizer:
     """The sentencepiece tokenizer a checkpoint's model was trained with.
 
     The first of: ``explicit``; the file a weights-only checkpoint carries; the run's ``data.tokenizer``; the
@@ -249,16 +270,24 @@ def find_tokenizer(path: Path, explicit: str | Path | None = None, *, vocab: int
             column = "text" if data.path is None else data.text_column
             tok = load_or_train_tokenizer(data, tokenizer_sample(TextSource(corpus, column)), vocab, cache_dir)
         else:
-            raise ConfigError(f"cannot find the tokenizer of {path} (fingerprint {saved}) among the {len(cached)} "
-                              f"cached in {cache_dir / 'tokenizers'}; {hint}")  # fmt: skip
+            raise ConfigError(
+                f"cannot find the tokenizer of {path} (fingerprint {saved}) among the {len(cached)} "
+                f"cached in {cache_dir / 'tokenizers'}; {hint}"
+            )
     if saved is not None and tok.fingerprint != saved and explicit is not None:
-        log.warning("tokenizer=%s is not the tokenizer the run trained with (fingerprint %s, the checkpoint says %s)",
-                    explicit, tok.fingerprint, saved)  # fmt: skip
+        log.warning(
+            "tokenizer=%s is not the tokenizer the run trained with (fingerprint %s, the checkpoint says %s)",
+            explicit,
+            tok.fingerprint,
+            saved,
+        )
     elif saved is not None and tok.fingerprint != saved:
         why = f"{given} changed after the run" if given else "the data or the builtin corpus's Python version changed"
-        raise ConfigError(f"the tokenizer found for checkpoint {path} ({tok.path}) is not the one the run trained "
-                          f"with (fingerprint {tok.fingerprint}, the checkpoint says {saved}): {why}; "
-                          f"{hint}")  # fmt: skip
+        raise ConfigError(
+            f"the tokenizer found for checkpoint {path} ({tok.path}) is not the one the run trained "
+            f"with (fingerprint {tok.fingerprint}, the checkpoint says {saved}): {why}; "
+            f"{hint}"
+        )
     return tok
 
 
@@ -302,13 +331,18 @@ def import_hf(hf_dir: Path, *, untie_embeddings: bool = False) -> tuple[ModelCon
     if "lm_head.weight" not in tensors and hf_cfg.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     meta = {k: torch.empty(s, device="meta") for k, s in expected_shapes(cfg).items()}
-    check_tensors({k: v.shape for k, v in tensors.items()}, {k: v.shape for k, v in to_hf(cfg, meta).items()},
-                  str(hf_dir))  # fmt: skip
+    check_tensors(
+        {k: v.shape for k, v in tensors.items()}, {k: v.shape for k, v in to_hf(cfg, meta).items()}, str(hf_dir)
+    )
     sd = from_hf(cfg, tensors)
     spm_path = hf_dir / SPM if (hf_dir / SPM).is_file() else None
     if spm_path is None:
-        log.warning("%s has no %s: hlat trains with sentencepiece; set data.tokenizer to one with %d pieces",
-                    hf_dir, SPM, cfg.vocab_size)  # fmt: skip
+        log.warning(
+            "%s has no %s: hlat trains with sentencepiece; set data.tokenizer to one with %d pieces",
+            hf_dir,
+            SPM,
+            cfg.vocab_size,
+        )
     return cfg, sd, spm_path
 
 
@@ -339,15 +373,25 @@ def load_init_weights(path: Path, cfg: ModelConfig) -> tuple[Tensors, Path | Non
             spm = checkpoint_tokenizer(found)
         except ConfigError:
             spm = None
-    diff = [f"model.{key}={getattr(cfg, attr)} but {getattr(have, attr)} there" for attr, key in SHAPE.items()
-            if getattr(cfg, attr) != getattr(have, attr)]  # fmt: skip
+    diff = [
+        f"model.{key}={getattr(cfg, attr)} but {getattr(have, attr)} there"
+        for attr, key in SHAPE.items()
+        if getattr(cfg, attr) != getattr(have, attr)
+    ]
     if diff:
-        raise ConfigError(f"cannot start from the weights in {path}: {'; '.join(diff)}; set these model keys to the "
-                          f"weights' values ({' '.join(model_overrides(have))})")  # fmt: skip
+        raise ConfigError(
+            f"cannot start from the weights in {path}: {'; '.join(diff)}; set these model keys to the "
+            f"weights' values ({' '.join(model_overrides(have))})"
+        )
     for key in ("max_seq_len", "norm_eps", "rope_theta"):  # a different function, but a legitimate one (long context)
         if getattr(cfg, key) != getattr(have, key):
-            log.warning("starting from %s with model.%s=%s; the weights were trained with %s", path, key,
-                        getattr(cfg, key), getattr(have, key))  # fmt: skip
+            log.warning(
+                "starting from %s with model.%s=%s; the weights were trained with %s",
+                path,
+                key,
+                getattr(cfg, key),
+                getattr(have, key),
+            )
     return sd, spm
 
 
