@@ -25,12 +25,12 @@ import torch
 import yaml
 
 from hlat.backends.torch import TorchBackend
+from hlat.checkpoint import Checkpointer
 from hlat.config import ModelConfig, OptimizerConfig, RunConfig, TrainConfig
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from hlat.state import TrainState
-from hlat.train.checkpoint import Checkpointer
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 

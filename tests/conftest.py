@@ -69,13 +69,13 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextmanager
 def lock_held_elsewhere(root: Path) -> Iterator[None]:
-    """Another live process holds ``root``'s trainer lock (``hlat.train.checkpoint.hold_lock``) inside the block."""
+    """Another live process holds ``root``'s trainer lock (``hlat.checkpoint.hold_lock``) inside the block."""
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
             (
-                "import time; from pathlib import Path; from hlat.train.checkpoint import hold_lock; "
+                "import time; from pathlib import Path; from hlat.checkpoint import hold_lock; "
                 f"f = hold_lock(Path({str(root)!r})); print('held', flush=True); time.sleep({hang_guard(3600)})"
             ),
         ],

@@ -4,10 +4,11 @@ The packages are the layers, bottom to top (each may import only from the layers
 
 - ``config``: the typed schemas, composing ``conf/``, the job's rank and stamp.
 - the core, directly in ``hlat/``: ``model``, ``attention``, ``parallel``, ``precision``, ``optim``, ``sizing``,
-  ``layouts``, ``recompute``, ``bf16_matmul``, ``host``, ``state``, ``attempt``, ``safe_load``, ``hf_layout``,
+  ``layouts``, ``recompute``, ``bf16_matmul``, ``host``, ``state``, ``attempt``, ``safe_load``,
   ``logs``; and ``experiments``, what experiments change in the model (the information leak's attention).
 - ``plan``: memory, step time, MFU and cost, without a device.
 - ``data``, ``backends``, ``track``: batches, devices, and what a run reports.
+- ``checkpoint``: checkpoint files, their manifests and job files, reading weights, the Hugging Face layout.
 - ``health``: the checks and monitors a run carries.
 - ``train``: the trainer (``train.run.main`` is the build graph) and its launcher.
 - ``eval``, ``deploy``, ``cli`` (and ``hlat doctor``, ``hlat plan``): the commands.

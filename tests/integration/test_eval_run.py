@@ -68,7 +68,7 @@ def test_a_failed_evaluation_fails_the_run_unless_on_error_warn(tmp_path: Path, 
     restart it; ``eval.on_error=warn`` finishes the run."""
     from mlflow import MlflowClient
 
-    from hlat.train import checkpoint
+    from hlat import checkpoint
     from tests.unit.test_bad_input import ROOT, TINY, one_clean_error
     from tests.unit.test_eval_checks import run
 

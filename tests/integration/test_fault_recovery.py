@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from hlat import checkpoint
+from hlat.checkpoint import CheckpointError
 from hlat.state import HaltedError
-from hlat.train import checkpoint
-from hlat.train.checkpoint import CheckpointError
 from hlat.train.run import main
 from tests.conftest import run_config
 from tests.integration.test_train import SMALL_RUN, cli

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hlat import checkpoint
+from hlat.checkpoint import weights
 from hlat.config import ConfigError
 from hlat.eval import hf
-from hlat.train import checkpoint, weights
 from hlat.train.run import main
 from tests.conftest import run_config
 from tests.integration.test_train import SMALL_RUN

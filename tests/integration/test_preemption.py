@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hlat.train import checkpoint
+from hlat import checkpoint
 from hlat.train.preempt import MARKER, PREEMPTED_EXIT_CODE
 from hlat.train.run import main
 from tests.conftest import run_config

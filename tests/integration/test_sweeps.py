@@ -135,7 +135,7 @@ def _kill_when_hanging(sweep: subprocess.Popen, root: Path, job: str, timeout_s:
     while not (markers := list(root.glob(f"multirun/*/*/{job}/checkpoints/faults/hang-*"))):
         assert sweep.poll() is None and time.monotonic() < deadline, "the job never reached its hang"
         time.sleep(0.2)
-    lock = str((markers[0].parents[1] / ".lock").resolve())  # held by the job's trainer (hlat.train.job_dir.hold_lock)
+    lock = str((markers[0].parents[1] / ".lock").resolve())  # held by the job's trainer (job_dir.hold_lock)
     holders = [
         p for p in psutil.Process(sweep.pid).children(recursive=True) if any(f.path == lock for f in p.open_files())
     ]

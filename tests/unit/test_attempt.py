@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hlat import attempt
-from hlat.train.checkpoint import restart_resume
+from hlat.checkpoint import restart_resume
 from hlat.train.rendezvous import loopback_store
 from tests.timeouts import hang_guard
 

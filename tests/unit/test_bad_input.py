@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hlat import checkpoint
 from hlat.config import ConfigError, TrackerConfig
-from hlat.train import checkpoint
 from tests.conftest import backend_config, compose_cfg
 from tests.timeouts import hang_guard
 
@@ -94,7 +94,7 @@ def test_a_manifest_of_the_wrong_shape_is_skipped_like_a_damaged_checkpoint(
     good = fake_checkpoint(tmp_path, 1)
     damaged = fake_checkpoint(tmp_path, 2, BAD_MANIFESTS[bad])
     assert checkpoint.manifest(damaged) is None
-    with caplog.at_level("WARNING", logger="hlat.train.checkpoint"):
+    with caplog.at_level("WARNING", logger="hlat.checkpoint"):
         assert checkpoint.find_resume("auto", tmp_path) == good
     assert f"skipping checkpoint {damaged}: manifest.json" in caplog.text
     assert checkpoint.newest_complete(tmp_path) == good  # what a "how to continue" message may name

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hlat import checkpoint
 from hlat.backends.torch import TorchBackend
+from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError
 from hlat.state import TrainState
-from hlat.train import checkpoint
-from hlat.train.checkpoint import CheckpointError
 from tests.conftest import backend_config
 
 WEIGHTS = "__0_0.distcp"  # torch.distributed.checkpoint's data file of rank 0
@@ -83,7 +83,7 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path: Path, caplog) -> None
     (tmp_path / "step_00000009.tmp").mkdir()  # a save that died before its rename
     with open(torn / WEIGHTS, "r+b") as f:  # a file truncated after the manifest was written
         f.truncate(10)
-    with caplog.at_level("WARNING", logger="hlat.train.checkpoint"):
+    with caplog.at_level("WARNING", logger="hlat.checkpoint"):
         assert checkpoint.latest(tmp_path) == good
     assert "step_00000009.tmp: no readable manifest.json" in caplog.text
     assert f"step_00000008: {WEIGHTS} has 10 bytes" in caplog.text
@@ -113,7 +113,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_by_checksum(tmp_path: Path, capl
     data[len(data) // 2] ^= 0xFF  # same size, one flipped byte: only the checksum can tell
     (bad / WEIGHTS).write_bytes(bytes(data))
     assert checkpoint.problems(bad) == []  # sizes still match: only the checksum can tell
-    with caplog.at_level("WARNING", logger="hlat.train.checkpoint"):
+    with caplog.at_level("WARNING", logger="hlat.checkpoint"):
         assert checkpoint.latest(tmp_path) == good
     assert "step_00000008" in caplog.text and "sha256" in caplog.text
     assert checkpoint.resolve(str(tmp_path)) == good
@@ -145,7 +145,7 @@ def test_a_full_disk_is_a_clear_error_and_loses_no_checkpoint(tmp_path: Path, as
 def test_a_stale_partial_checkpoint_is_removed_when_saving_starts(tmp_path: Path, caplog) -> None:
     model, opt = model_and_opt()
     (tmp_path / "step_00000004.tmp").mkdir(parents=True)
-    with caplog.at_level("WARNING", logger="hlat.train.checkpoint"):
+    with caplog.at_level("WARNING", logger="hlat.checkpoint"):
         save(tmp_path, model, opt, 5)
     assert "removing the partial checkpoint" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
@@ -184,7 +184,7 @@ def test_an_incompatible_config_is_refused_naming_every_key(tmp_path: Path, capl
     assert "precision.param_dtype='float32' in the checkpoint but 'bfloat16' now (the weights" in str(e.value)
     with pytest.raises(ConfigError, match=r"parallelism\.tp=1 in the checkpoint but 2 now \(.*sharded"):
         checkpoint.check_compatible(path, {**config, "parallelism": {"tp": 2}})
-    with caplog.at_level("INFO", logger="hlat.train.checkpoint"):  # not a shape or layout: allowed, and logged
+    with caplog.at_level("INFO", logger="hlat.checkpoint"):  # not a shape or layout: allowed, and logged
         checkpoint.check_compatible(
             path, {**config, "model": {**config["model"], "name": "x", "init_std": 0.01}, "train": {"steps": 20}}
         )

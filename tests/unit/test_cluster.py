@@ -103,7 +103,7 @@ def test_python_train_py_does_not_start_one_node_of_a_multi_node_job(tmp_path: P
 
 def test_an_elastic_restart_continues_its_own_checkpoints(tmp_path: Path, monkeypatch) -> None:
     """torchrun / Slurm / a PyTorchJob restart the same command line; the job must not refuse or rewind itself."""
-    from hlat.train.checkpoint import restart_resume
+    from hlat.checkpoint import restart_resume
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     assert restart_resume("never", tmp_path) == "never"

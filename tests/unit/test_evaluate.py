@@ -358,7 +358,7 @@ def test_bad_checkpoints_are_clear_errors(run_dir: Path, tmp_path: Path) -> None
 
 
 def test_the_tokenizer_must_be_the_runs(run_dir: Path, tmp_path: Path) -> None:
-    from hlat.train import checkpoint
+    from hlat import checkpoint
 
     step = tmp_path / "step_00000002"
     shutil.copytree(run_dir / "checkpoints" / "step_00000002", step)
@@ -440,8 +440,8 @@ def test_bf16_inference_runs_the_hosts_bf16_matmul_policy(run_dir: Path, monkeyp
     both policies score a text alike (within bf16 rounding of the fp32 model's logits)."""
     from hlat import bf16_matmul
     from hlat.bf16_matmul import EmulatedBf16Linear
+    from hlat.checkpoint.weights import find_checkpoint, model_config
     from hlat.eval.inference import load_weights
-    from hlat.train.weights import find_checkpoint, model_config
 
     monkeypatch.setattr(bf16_matmul, "resolve_policy", lambda requested, device, cache_dir: (policy, "test"))
     path = find_checkpoint(run_dir / "checkpoints")

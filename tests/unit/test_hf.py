@@ -11,15 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hlat import hf_layout
+from hlat import checkpoint
 from hlat.backends.torch import TorchBackend
 from hlat.backends.torch_dist import _interleave_gate_up
+from hlat.checkpoint import hf_layout, weights
 from hlat.config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, ParallelismConfig, RunConfig, TrainConfig
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from hlat.eval import hf
 from hlat.model import Transformer
 from hlat.state import TrainState
-from hlat.train import checkpoint, weights
 from tests.conftest import backend_config
 
 VOCAB = 512
@@ -144,7 +144,7 @@ def test_export_then_import_gives_the_same_model(exported, tok) -> None:
         "tokenizer_config.json",
         "special_tokens_map.json",
     }
-    cfg, sd, spm = weights.import_hf(out)
+    cfg, sd, spm = hf_layout.import_hf(out)
     assert cfg == CFG
     assert spm == out / "tokenizer.model" and spm.read_bytes() == tok.path.read_bytes()  # found by fingerprint
     want = model.state_dict()
@@ -268,7 +268,7 @@ def test_tensor_parallel_checkpoint_gets_gate_up_back_in_order(tok, tmp_path) ->
     assert all(torch.equal(sd[k], v) and sd[k].dtype == torch.bfloat16 for k, v in want.items())
     out = hf.export_hf(ckpt, tmp_path / "out", tokenizer=tok.path)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    _, back, _ = weights.import_hf(out)
+    _, back, _ = hf_layout.import_hf(out)
     assert torch.equal(back["layers.1.mlp.gate_up.weight"], want["layers.1.mlp.gate_up.weight"])
 
 
@@ -307,13 +307,13 @@ def test_hf_config_without_hlat_keys(exported, tmp_path) -> None:
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # older exports saved it: ignored
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(_hf(tie_word_embeddings=True, rope_theta=500.0)))
-    cfg, sd, spm = weights.import_hf(tmp_path, untie_embeddings=True)
+    cfg, sd, spm = hf_layout.import_hf(tmp_path, untie_embeddings=True)
     assert cfg == dataclasses.replace(CFG, name=tmp_path.name, scaled_init=True) and spm is None
     assert torch.equal(sd["lm_head.weight"], sd["embed.weight"]) and sd["lm_head.weight"] is not sd["embed.weight"]
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"wrong shapes.*up_proj.*\(95, 64\)"):
-        weights.import_hf(tmp_path, untie_embeddings=True)
+        hf_layout.import_hf(tmp_path, untie_embeddings=True)
 
 
 def test_user_errors_name_the_fix(exported, tok, tmp_path) -> None:
@@ -323,10 +323,10 @@ def test_user_errors_name_the_fix(exported, tok, tmp_path) -> None:
     with pytest.raises(ConfigError, match="neither a checkpoint"):
         hf.export_hf(tmp_path, tmp_path / "x")
     with pytest.raises(ConfigError, match=r"no config\.json"):
-        weights.import_hf(tmp_path)
+        hf_layout.import_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(_hf()))
     with pytest.raises(ConfigError, match="safetensors"):
-        weights.import_hf(tmp_path)
+        hf_layout.import_hf(tmp_path)
     other = save_checkpoint(tmp_path / "other", random_model(), tok, fingerprint="0123456789abcdef")
     with pytest.raises(ConfigError, match=r"tokenizer of .*0123456789abcdef.*--tokenizer"):
         hf.export_hf(other, tmp_path / "y")

@@ -101,16 +101,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hlat.logs",
         "hlat.state",
         "hlat.recompute",
-        "hlat.hf_layout",
     ),
     ("hlat.plan",),
     ("hlat.data", "hlat.backends", "hlat.track"),
+    ("hlat.checkpoint",),
     ("hlat.health",),
     ("hlat.train",),
     ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.health.doctor", "hlat.plan.command"),
 )
 """Bottom to top: the config layer; the core (model, layouts, precision, ...); the planner; data, backends and
-tracking; the health checks the trainer runs; training; the commands (evaluation, deployment, the command line,
+tracking; checkpoints (their files, manifests, weights and the Hugging Face layout: training and evaluation
+both read them); the health checks the trainer runs; training; the commands (evaluation, deployment, the command line,
 ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed prefix (a module directly in
 ``hlat/`` is listed by its own name); imports go down or sideways, never up."""
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hlat.train import checkpoint
+from hlat import checkpoint
 from hlat.train.resume import COUNTED, job_record, record_start
 
 

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from hlat import checkpoint
 from hlat.backends import get_backend
 from hlat.backends.neuron import EXTRA, neuron_env
 from hlat.config import (
@@ -31,7 +32,6 @@ from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from hlat.state import TrainState
 from hlat.track.metrics import MetricsLogger
-from hlat.train import checkpoint
 from hlat.train.loop import fit
 from tests.fakes.neuron_api import FakeNeuronApi
 

@@ -74,7 +74,7 @@ def test_the_stop_hook_raises_at_the_step_boundary_but_lets_the_last_step_finish
 
 
 class FakeSaver:
-    """The parts of hlat.train.checkpoint.Checkpointer that the grace path uses."""
+    """The parts of hlat.checkpoint.Checkpointer that the grace path uses."""
 
     def __init__(self, every: int, last_step: int = 100) -> None:
         self.every, self.last_step, self.async_save = every, last_step, True

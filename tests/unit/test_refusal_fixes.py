@@ -15,8 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from hlat import checkpoint
 from hlat.config import ConfigError
-from hlat.train import checkpoint
 from tests.conftest import compose_cfg, run_config
 from tests.unit.test_bad_input import TINY, one_clean_error, train_py
 
@@ -333,11 +333,10 @@ def refusal(call) -> str:
 
 
 def test_layout_resume_import_and_launch_refusals_say_what_to_do(tmp_path: Path) -> None:
+    from hlat.checkpoint.hf_layout import import_hf, model_config_from_hf
     from hlat.config import ModelConfig, ParallelismConfig, TrainConfig
     from hlat.deploy.render import check_name
-    from hlat.hf_layout import model_config_from_hf
     from hlat.parallel import ParallelDims
-    from hlat.train.weights import import_hf
 
     six = ModelConfig(n_layers=6)
     msg = refusal(lambda: ParallelDims.build(ParallelismConfig(pp=4), 4, six, TrainConfig()))

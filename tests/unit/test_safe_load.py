@@ -183,8 +183,8 @@ def plant(checkpoint: Path, payload: object) -> None:
 
 @pytest.mark.slow
 def test_resuming_a_planted_checkpoint_fails_cleanly(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    from hlat.checkpoint.weights import load_checkpoint_weights
     from hlat.train.run import main
-    from hlat.train.weights import load_checkpoint_weights
     from tests.conftest import run_config
 
     monkeypatch.chdir(tmp_path)

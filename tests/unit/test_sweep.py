@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from hlat import checkpoint
 from hlat.config import ConfigError, resolvers, to_run_config
 from hlat.track import runs, sweep
-from hlat.train import checkpoint, launch, sweep_job
+from hlat.train import launch, sweep_job
 from tests.conftest import compose_cfg, lock_held_elsewhere
 from tests.timeouts import hang_guard
 

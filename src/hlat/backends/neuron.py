@@ -21,7 +21,7 @@ A run on trn1, in order (``run.main`` -> ``loop.fit``):
   ``model.run_train`` over all micro-batches at once), ``update`` (``optimizer.step()``: NxD all-reduces sequence-
   and data-parallel gradients, clips, steps; ``optimizer.grad_norm`` is the norm before clipping), ``step_end``
   (``torch_xla.sync()``). Metrics leave the device in ``fetch`` through ``xm.add_step_closure``.
-- checkpoints: ``nxd.save_checkpoint`` / ``load_checkpoint`` (xser) into the directory ``hlat.train.checkpoint`` gives,
+- checkpoints: ``nxd.save_checkpoint`` / ``load_checkpoint`` (xser) into the directory ``hlat.checkpoint`` gives,
   train state and loader position in ``user_content`` and in one small file per rank.
 
 **Nothing in this module has run on a trn1 host.** It runs against the real NxD 0.17 on CPU in the NxD lane

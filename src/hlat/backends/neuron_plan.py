@@ -262,7 +262,7 @@ def apply_env(env: dict[str, str]) -> None:
 def checkpoint_calls(path: Path, extra: dict[str, Any], *, async_save: bool, zero1: bool) -> tuple[dict, dict]:
     """Keyword arguments of ``nxd.save_checkpoint`` and ``nxd.load_checkpoint`` for one hlat checkpoint directory.
 
-    ``hlat.train.checkpoint`` keeps owning atomicity and retention (the ``.tmp`` directory, manifest with checksums,
+    ``hlat.checkpoint`` keeps owning atomicity and retention (the ``.tmp`` directory, manifest with checksums,
     keep_last / keep_every), so NxD writes into ``path`` as one tag and prunes nothing (``num_kept_ckpts=None``).
     xser serialization writes one tensor at a time (no host OOM at 70B; NxD's ``checkpoint.py``); loader position, train
     state and RNG travel in ``user_content``. ``async_save`` uses NxD's own thread pool, which

@@ -7,5 +7,5 @@ Owns ``harness`` (``HlatLM``, hlat as an lm-eval model, and ``python -m hlat.eva
 ``python -m hlat.eval.tasks``: whether lm-eval knows a task).
 
 May import: anything below the command line (``hlat.config``, core, ``hlat.data``, ``hlat.backends``,
-``hlat.track``, ``hlat.train``'s checkpoint and weight readers). Never ``hlat.cli``.
+``hlat.track``, ``hlat.checkpoint``: checkpoints and their weights). Never ``hlat.train`` or ``hlat.cli``.
 """

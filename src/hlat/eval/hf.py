@@ -12,8 +12,9 @@ special token, as hlat's packing). lm-eval's ``hf`` model therefore starts rolli
 windows with EOS, as hlat's ``hlat`` model does, and gives its numbers; for tasks with a context (multiple choice,
 generation), where hlat's model puts EOS before the context, pass ``add_bos_token=True`` in ``--model_args``.
 
-The weight and ``config.json`` mapping itself (and why it needs no rotary permutation) is ``hlat.hf_layout``'s;
-reading checkpoints and HF directories (``import_hf``, ``train.init_from``) is ``hlat.train.weights``'s.
+The weight and ``config.json`` mapping itself (and why it needs no rotary permutation) is
+``hlat.checkpoint.hf_layout``'s; reading checkpoints and HF directories (``train.init_from``) is
+``hlat.checkpoint.weights``'s.
 
 An import writes a *weights-only* hlat checkpoint (``manifest.json`` with ``"weights_only": true``): model
 weights through torch.distributed.checkpoint and the tokenizer, but no optimizer state, data position or step.
@@ -35,15 +36,11 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
+from hlat import checkpoint
+from hlat.checkpoint.hf_layout import DTYPES, SPM, WEIGHTS, hf_config, import_hf, model_overrides, to_hf
+from hlat.checkpoint.weights import checkpoint_tokenizer, load_checkpoint_weights
 from hlat.config import ConfigError, ModelConfig
 from hlat.eval.hf_tokenizer import write_tokenizer
-from hlat.hf_layout import DTYPES, SPM, WEIGHTS, hf_config, model_overrides, to_hf
-from hlat.train import checkpoint
-from hlat.train.weights import (
-    checkpoint_tokenizer,
-    import_hf,
-    load_checkpoint_weights,
-)
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +140,14 @@ def import_hf_checkpoint(hf_dir: Path, out_dir: Path, *, untie_embeddings: bool 
     The directory holds the weights (torch.distributed.checkpoint, ``{"model": state_dict}``, HF's dtype), the
     tokenizer (``tokenizer.model`` when the HF directory has one), and ``manifest.json`` with checksums, the model
     config under ``config.model``, ``"step": 0`` and ``"weights_only": true``. It is written atomically (a
-    ``.tmp`` sibling, then renamed), and ``hlat.train.weights.load_checkpoint_weights`` and :func:`export_hf` read
+    ``.tmp`` sibling, then renamed), and ``hlat.checkpoint.weights.load_checkpoint_weights`` and :func:`export_hf` read
     it.
 
     Returns:
         ``out_dir``.
 
     Raises:
-        ConfigError: See ``hlat.train.weights.import_hf``; or ``out_dir`` already exists.
+        ConfigError: See ``hlat.checkpoint.hf_layout.import_hf``; or ``out_dir`` already exists.
     """
     out_dir = Path(out_dir).expanduser()
     if out_dir.exists():

@@ -8,7 +8,7 @@ model, and the fused gate_up rows a tensor-parallel run interleaved are put back
 the run trained with: ``data.tokenizer`` if the run named one, else the run's trained tokenizer from
 ``data.cache_dir`` (retrained from the same data, deterministically, if the cache is gone), checked against the
 fingerprint the data loader saved in the checkpoint. A weights-only checkpoint (``hlat import``) brings its own
-tokenizer file. Finding and reading the checkpoint and its tokenizer is ``hlat.train.weights``'s (through which
+tokenizer file. Finding and reading the checkpoint and its tokenizer is ``hlat.checkpoint.weights``'s (through which
 ``hlat.eval.hf`` and ``train.init_from`` read checkpoints too). Example::
 
     loaded = load("outputs/2025-01-01/12-00-00/checkpoints", device="cuda")
@@ -27,13 +27,9 @@ from typing import Any
 
 import torch
 
+from hlat import checkpoint as ckpt
 from hlat.bf16_matmul import apply_auto_policy
-from hlat.config import DTYPES, ConfigError, ModelConfig, RunConfig
-from hlat.data.tokenizer import Tokenizer
-from hlat.eval.kv_cache import KVCache, decode, new_cache
-from hlat.model import Transformer
-from hlat.train import checkpoint as ckpt
-from hlat.train.weights import (
+from hlat.checkpoint.weights import (
     check_torch_backend,
     find_checkpoint,
     find_tokenizer,
@@ -41,6 +37,10 @@ from hlat.train.weights import (
     read_weights,
     run_config,
 )
+from hlat.config import DTYPES, ConfigError, ModelConfig, RunConfig
+from hlat.data.tokenizer import Tokenizer
+from hlat.eval.kv_cache import KVCache, decode, new_cache
+from hlat.model import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def load_weights(
     """The decoder of ``cfg`` in eval mode with the weights of the checkpoint at ``path`` (see ``read_weights``).
 
     Raises:
-        ConfigError: ``dtype`` is not a dtype name, or see :func:`hlat.train.weights.read_weights`.
+        ConfigError: ``dtype`` is not a dtype name, or see :func:`hlat.checkpoint.weights.read_weights`.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")

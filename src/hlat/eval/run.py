@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hlat import checkpoint
 from hlat.config import ConfigError, EvalConfig, EvalTask, RunConfig
 from hlat.eval.tasks import check_tasks
-from hlat.train import checkpoint
 
 log = logging.getLogger(__name__)
 

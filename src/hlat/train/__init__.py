@@ -3,18 +3,17 @@
 Owns ``run`` (the build graph: job -> backend -> layout and memory -> data -> model/optimizer -> state -> tracking ->
 hooks -> fit), ``hooks`` (the hooks ``fit`` runs, built in one place: metrics, the non-finite guard, checkpoints,
 monitors, fault injection, the signal stop), ``trainer`` (``fit`` with those hooks: rollback, signals and clean-up),
-``loop`` (``fit`` itself: the step,
-micro-batches, hooks), ``tracking`` (the run's tags, params, tracker and throughput model), ``checkpoint`` and
-``job_dir`` (atomic, verified checkpoints and the job files beside them), ``resume`` (which start this is, what it
-resumes from, restore, roll-back on a non-finite step), ``weights`` (reading an hlat checkpoint's or a Hugging Face
-directory's weights: ``train.init_from``, and evaluation), ``launch`` (the command-line entry, torch elastic
-supervision, exit codes and "how to continue" hints), ``preempt`` (signals -> a checkpoint of the step in flight),
-``faults`` (fault injection), ``rendezvous`` (one-node stores on loopback), ``evals`` (evaluations along training,
-as child processes, and the check of their tasks before anything is built), and the multirun: ``sweep_job`` (one
-job: skip, continue or train), ``sweep_callback`` (Hydra's callback: the sweep's parent run and summary) and
-``sweep_launcher`` (submitit launchers that collect every job's result).
+``loop`` (``fit`` itself: the step, micro-batches, hooks), ``tracking`` (the run's tags, params, tracker and
+throughput model), ``resume`` (which start this is, what it resumes from, restore, roll-back on a non-finite step),
+``launch`` (the command-line entry, torch elastic supervision, exit codes and "how to continue" hints), ``preempt``
+(signals -> a checkpoint of the step in flight), ``faults`` (fault injection), ``rendezvous`` (one-node stores on
+loopback), ``evals`` (evaluations along training, as child processes, and the check of their tasks before anything
+is built), and the multirun: ``sweep_job`` (one job: skip, continue or train), ``sweep_callback`` (Hydra's
+callback: the sweep's parent run and summary) and ``sweep_launcher`` (submitit launchers that collect every job's
+result).
 
 May import: everything below it (``hlat.config``, the core modules, ``hlat.plan``, ``hlat.data``,
-``hlat.backends``, ``hlat.track``, ``hlat.health``'s checks and monitors). Never ``hlat.eval``, ``hlat.cli``,
-``hlat.deploy`` or ``hlat.health.doctor`` (tests/unit/test_import_boundaries.py draws the graph).
+``hlat.backends``, ``hlat.track``, ``hlat.checkpoint``, ``hlat.health``'s checks and monitors). Never
+``hlat.eval``, ``hlat.cli``, ``hlat.deploy`` or ``hlat.health.doctor`` (tests/unit/test_import_boundaries.py draws
+the graph).
 """

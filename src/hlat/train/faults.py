@@ -143,7 +143,7 @@ class FaultInjector:
                 p.grad.fill_(float("nan"))
 
     def on_save(self, stage: str, step: int, path: Path) -> None:
-        """Checkpoint callback (``hlat.train.checkpoint.SaveFault``)."""
+        """Checkpoint callback (``hlat.checkpoint.SaveFault``)."""
         if self.rank != 0:
             return
         cfg = self.cfg
@@ -174,7 +174,7 @@ class FaultHooks:
     grad: list[Callable[[int, nn.Module], None]] = field(default_factory=list)
     """While the step's gradients exist (NaN gradients)."""
     on_save: Callable[[str, int, Path], None] | None = None
-    """The checkpoint callback (``hlat.train.checkpoint.SaveFault``: crashes, a full disk, corruption)."""
+    """The checkpoint callback (``hlat.checkpoint.SaveFault``: crashes, a full disk, corruption)."""
 
 
 def fault_hooks(cfg: FaultConfig, steps: int, markers: Path, rank: int) -> FaultHooks:

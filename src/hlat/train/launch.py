@@ -31,14 +31,15 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
+from hlat import checkpoint
+from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.config.resolvers import global_rank, under_elastic
 from hlat.health.blame import last_verdict
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
 from hlat.state import HaltedError
-from hlat.train import checkpoint, evals, preempt, sweep_job
-from hlat.train.checkpoint import CheckpointError
+from hlat.train import evals, preempt, sweep_job
 from hlat.train.evals import EvalFailedError
 from hlat.train.run import main
 

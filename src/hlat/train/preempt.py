@@ -211,7 +211,7 @@ def checkpoint_now(stop: PreemptedError, saver: Any, state: Any, grace_s: float)
 
     Args:
         stop: What the stop hook raised.
-        saver: The run's ``hlat.train.checkpoint.Checkpointer``.
+        saver: The run's ``hlat.checkpoint.Checkpointer``.
         state: The run's ``TrainState`` at the step boundary.
         grace_s: ``train.preempt_grace_s`` (a warning when the last checkpoint took longer than what is left of it).
 

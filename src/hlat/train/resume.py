@@ -17,14 +17,13 @@ from typing import IO
 import torch
 from torch import nn
 
-from hlat import attempt
+from hlat import attempt, checkpoint
 from hlat.backends.base import Backend
 from hlat.config import ConfigError, RunConfig
 from hlat.data import Loader
 from hlat.data.loader import CHECKPOINT
 from hlat.state import HaltedError, NonFiniteError, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
-from hlat.train import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +142,7 @@ def record_start(root: Path, resume: str, launched: float, *, create: bool = Fal
     """Count this start of the trainer in the job record (``<checkpoint dir>/job.json``) before anything can fail.
 
     Rank 0 (``RANK``, as torchrun sets it) calls it twice. First thing (``create=False``): a start that resumes the
-    job (its record exists and ``train.resume``, as :func:`hlat.train.checkpoint.restart_resume` makes it for this
+    job (its record exists and ``train.resume``, as :func:`hlat.checkpoint.restart_resume` makes it for this
     attempt, is not ``never``) is one more restart. Counted here, a restart that dies in start-up (setting up the
     device, the pre-flight check, building, restoring) still counts, as the next start reads it back. Then, once the
     read-only resume checks have passed (``create=True``), a new job records that it started: a run refused before that

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hlat.backends import get_backend
+from hlat.checkpoint.weights import initial_weights
 from hlat.config import RunConfig
 from hlat.data import build_loader
 from hlat.experiments.information_leak import warn_mask_leak
@@ -28,7 +29,6 @@ from hlat.track.trackers import History, check_reachable
 from hlat.train import resume, tracking
 from hlat.train.hooks import build_hooks
 from hlat.train.trainer import Trainer
-from hlat.train.weights import initial_weights
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hlat import checkpoint
+from hlat.checkpoint import checkpoint_root, read_job
 from hlat.config import RunConfig
 from hlat.track.runs import objective
 from hlat.track.sweep import HASH_TAG, JOB_FILE, config_hash, default_run_name, rank, read_record, write_json
-from hlat.train import checkpoint
-from hlat.train.checkpoint import checkpoint_root, read_job
 from hlat.train.preempt import PREEMPTED_EXIT_CODE, AbortedError, PreemptedError, hand_over
 
 log = logging.getLogger(__name__)

@@ -171,7 +171,7 @@ class CollectingLauncher(plugin.BaseSubmititLauncher):
 
     def _job_dir(self, overrides: list[str], idx: int) -> tuple[Path, str | None]:
         """The job's output directory and the MLflow run its trainer recorded in its checkpoint directory, if any."""
-        from hlat.train.checkpoint import read_job
+        from hlat.checkpoint import read_job
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hlat import checkpoint
 from hlat.backends.base import Env
 from hlat.config import RunConfig, flatten, to_yaml
 from hlat.health.preflight import log_preflight
@@ -22,7 +23,7 @@ from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resol
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
 from hlat.track.trackers import History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
-from hlat.train import checkpoint, preempt
+from hlat.train import preempt
 from hlat.train.resume import JobStart
 
 log = logging.getLogger(__name__)

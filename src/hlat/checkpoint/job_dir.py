@@ -1,6 +1,6 @@
 """The checkpoint directory as the job's home: writable and large enough, its job record, its one-trainer lock.
 
-``hlat.train.checkpoint`` owns the step directories inside it (and re-exports these names); this module owns the files
+``hlat.checkpoint`` owns the step directories inside it (and re-exports these names); this module owns the files
 beside them: ``job.json`` (the MLflow run id and uptime accounting, written at every start) and ``.lock``.
 """
 

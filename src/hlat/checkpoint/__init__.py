@@ -1,4 +1,10 @@
-"""Checkpoint policy: where and when to save, atomic step directories, finding the newest valid one.
+"""Checkpoints: atomic, verified step directories, the job files beside them, and reading their weights.
+
+Owns this module (the policy: where and when to save, atomic step directories, finding the newest valid one, the
+:class:`Checkpointer`), ``manifest`` (what a complete, intact checkpoint is; whether a config can load one),
+``job_dir`` (the job record, the trainer lock, writability and free space), ``weights`` (reading an hlat
+checkpoint's or a Hugging Face directory's weights and tokenizer: ``train.init_from`` and evaluation) and
+``hf_layout`` (the Hugging Face LLaMA layout and ``config.json``). Training and evaluation both import it.
 
 *How* weights and optimizer state are written is the backend's business (``Backend.save``/``load``:
 torch.distributed.checkpoint on the torch backend, sharded NxD files on Trainium). This module makes each save
@@ -6,13 +12,15 @@ atomic: the backend writes into ``step_XXXXXXXX.tmp/`` (in a background thread w
 ``manifest.json`` (step, every file's size and sha256, the config and its hash) goes in last and the directory is
 renamed. A directory without a manifest is never loaded, and one whose files do not match their checksums is
 skipped with a warning naming it. Retention deletes old checkpoints only after a new one is complete.
+
+May import: ``hlat.config``, the core modules, ``hlat.plan``, ``hlat.data``, ``hlat.backends`` and ``hlat.track``.
+Never ``hlat.health``, ``hlat.train`` or the commands (tests/unit/test_import_boundaries.py draws the graph).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -27,9 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat.backends.base import Backend
-from hlat.config import ConfigError, RunConfig, flatten
-from hlat.state import StepOutput, TrainState
-from hlat.train.job_dir import (  # noqa: F401  the job files beside the checkpoints, re-exported for checkpoint.* callers
+from hlat.checkpoint.job_dir import (  # noqa: F401  the job files beside the checkpoints, re-exported for checkpoint.* callers
     JOB,
     LOCK,
     check_disk_space,
@@ -39,96 +45,26 @@ from hlat.train.job_dir import (  # noqa: F401  the job files beside the checkpo
     read_job,
     write_job,
 )
+from hlat.checkpoint.manifest import (  # noqa: F401  re-exported for checkpoint.* callers
+    LAYOUT_KEYS,
+    MANIFEST,
+    SHAPE_KEYS,
+    check_compatible,
+    checkpoint_bytes,
+    config_hash,
+    manifest,
+    problems,
+    sha256,
+    step_dir,
+)
+from hlat.config import ConfigError, RunConfig
+from hlat.state import StepOutput, TrainState
 
-MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written; the message names the cause and which checkpoints are intact."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    """Directory of the checkpoint taken after ``step`` optimizer steps."""
-    return root / f"step_{step:08d}"
-
-
-def sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def config_hash(config: dict[str, Any]) -> str:
-    """Short, stable hash of a resolved config (sorted JSON)."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _shape_problem(meta: Any) -> str | None:
-    """Why parsed ``manifest.json`` content is not a manifest hlat wrote (None: it has the right shape).
-
-    A manifest is an object with ``files`` (name -> size, or ``{"size": int, "sha256": str}``) and optionally an
-    integer ``step`` and ``config`` / ``model`` objects; anything else is damage (or another tool's file).
-    """
-    if not isinstance(meta, dict):
-        return f"holds a JSON {type(meta).__name__}, not an object"
-    files = meta.get("files")
-    if not isinstance(files, dict):
-        return "has no 'files' object"
-    for name, rec in files.items():
-        size, digest = (rec.get("size"), rec.get("sha256")) if isinstance(rec, dict) else (rec, None)
-        if not _is_int(size) or size < 0 or (digest is not None and not isinstance(digest, str)):
-            return f"has a malformed entry for {name!r} in 'files'"
-    if "step" in meta and not _is_int(meta["step"]):
-        return f"has a non-integer 'step' ({meta['step']!r})"
-    for key in ("config", "model"):
-        if key in meta and not isinstance(meta[key], dict):
-            return f"has a non-object '{key}'"
-    return None
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, str]:
-    """The checkpoint's manifest, or None and why it is missing, unreadable or malformed."""
-    try:
-        meta = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        return None, f"no readable {MANIFEST} (an interrupted save)"
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        return None, f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
-    why = _shape_problem(meta)
-    if why is not None:
-        return None, f"{MANIFEST} {why} (damaged, or not written by hlat)"
-    return meta, ""
-
-
-def manifest(path: Path) -> dict[str, Any] | None:
-    """The checkpoint's manifest, or None when it has none, or one that is unreadable or of the wrong shape."""
-    return _read_manifest(path)[0]
-
-
-def problems(path: Path, *, checksums: bool = False) -> list[str]:
-    """What is wrong with the checkpoint at ``path`` (empty: it is complete and, with ``checksums``, intact)."""
-    meta, why = _read_manifest(path)
-    if meta is None:
-        return [why]
-    out = []
-    for name, rec in meta["files"].items():
-        size, digest = (rec, None) if isinstance(rec, int) else (rec["size"], rec.get("sha256"))
-        f = path / name
-        if not f.is_file():
-            out.append(f"{name} is missing")
-        elif f.stat().st_size != size:
-            out.append(f"{name} has {f.stat().st_size} bytes, the manifest says {size}")
-        elif checksums and digest is not None and sha256(f) != digest:
-            out.append(f"{name} does not match its sha256")
-    return out
 
 
 def latest(root: Path) -> Path | None:
@@ -211,17 +147,6 @@ def find_resume(resume: str, root: Path) -> Path | None:
     return resolve(resume)
 
 
-SHAPE_KEYS = tuple(f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"))
-"""Config keys that decide the shape of the saved weights."""
-LAYOUT_KEYS = {
-    "parallelism.tp": "the weights are saved sharded by tensor-parallel rank",
-    "parallelism.pp": "the layers are saved by pipeline stage",
-    "precision.param_dtype": "the weights and optimizer moments are stored in that dtype",
-    "precision.master_weights": "the optimizer state holds (or lacks) the fp32 master copy",
-}
-"""Other keys whose change makes the saved state unloadable, and why (there is no resharding or conversion)."""
-
-
 def checkpoint_root(cfg: RunConfig, run_dir: Path) -> Path:
     """Where the run's checkpoints go: ``train.checkpoint_dir``, or ``<run dir>/checkpoints``."""
     d = cfg.train.checkpoint_dir
@@ -244,43 +169,6 @@ def restart_resume(resume: str, root: Path) -> str:
     if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):
         return "auto"
     return resume
-
-
-def check_compatible(path: Path, config: dict[str, Any]) -> None:
-    """Refuse, before anything is built, to resume a checkpoint whose saved state this config cannot load.
-
-    ``config`` is the run's resolved config as nested plain values. A change of model shape, parallel layout or
-    parameter/optimizer storage is a ConfigError naming every such key; any other change (more steps, another
-    learning rate, ...) is allowed and logged.
-    """
-    meta = manifest(path) or {}
-    if "config" in meta:
-        saved, now = flatten(meta["config"]), flatten(config)
-    elif "model" in meta:  # written before the whole config was recorded
-        saved, now = flatten({"model": meta["model"]}), flatten({"model": config.get("model", {})})
-    else:
-        return
-    changed = [k for k in sorted(set(saved) | set(now)) if not k.endswith(".name") and saved.get(k) != now.get(k)]
-    diff = {k: f"{k}={saved.get(k)!r} in the checkpoint but {now.get(k)!r} now" for k in changed}
-    breaking = [
-        diff[k] + (f" ({LAYOUT_KEYS[k]})" if k in LAYOUT_KEYS else "")
-        for k in changed
-        if k in SHAPE_KEYS or k in LAYOUT_KEYS
-    ]
-    if breaking:
-        raise ConfigError(
-            f"cannot resume {path}: {'; '.join(breaking)}. Resume with the checkpoint's settings for these keys, "
-            "or start a new run (train.resume=never with another train.checkpoint_dir)"
-        )
-    for k in changed:
-        if not k.startswith(("train.resume", "fault.")):
-            log.info("resuming with a changed setting: %s", diff[k])
-
-
-def checkpoint_bytes(path: Path | None) -> int | None:
-    """Total size of a checkpoint from its manifest (None without one)."""
-    meta = manifest(path) if path is not None else None
-    return sum(r if isinstance(r, int) else r["size"] for r in meta["files"].values()) if meta else None
 
 
 def _disk_full(e: BaseException) -> bool:

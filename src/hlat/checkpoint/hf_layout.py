@@ -1,10 +1,11 @@
 """The Hugging Face LLaMA layout: pure conversions between hlat's model and ``LlamaForCausalLM``.
 
 Owns the tensor mapping both ways (``to_hf``, ``from_hf``), ``config.json`` both ways (``hf_config``,
-``model_config_from_hf``), reading safetensors files (``read_safetensors``), the shape checks of a state dict
-against a model config (``expected_shapes``, ``check_tensors``) and the file names of the layout. Nothing here
-reads an hlat checkpoint or a tokenizer: ``hlat.train.weights`` (``train.init_from``, and every reader of
-checkpoints) and ``hlat.eval.hf`` (``hlat export`` / ``hlat import``) build on it.
+``model_config_from_hf``), reading safetensors files (``read_safetensors``), the shape checks of a state dict against a
+model config (``expected_shapes``, ``check_tensors``), the file names of the layout, and reading a whole HF directory
+into hlat's layout (``import_hf``). Nothing here reads an hlat checkpoint or a tokenizer: ``hlat.checkpoint.weights``
+(``train.init_from``, and every reader of checkpoints) and ``hlat.eval.hf`` (``hlat export`` / ``hlat import``) build on
+it.
 
 The weight mapping is a relabelling plus two splits, with no rotary permutation: hlat's RoPE already is HF's
 rotate-half convention (``model.rope_tables``/``apply_rope``), so HF's ``q_proj``/``k_proj`` rows are hlat's
@@ -13,7 +14,7 @@ interleaved-pair layout, which hlat never used). The fused qkv weight holds per 
 ``[q_{g*r} .. q_{g*r+r-1}, k_g, v_g]`` (r = n_heads / n_kv_heads, head_dim rows each): query head h uses kv
 head h // r in both models. The fused gate_up weight is ``[gate; up]``; a torch-backend checkpoint saved with
 ``parallelism.tp`` = t > 1 holds it reordered for the split, ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]``, which
-``hlat.train.weights.load_checkpoint_weights`` puts back in order. The LM head is never tied in hlat.
+``hlat.checkpoint.weights.load_checkpoint_weights`` puts back in order. The LM head is never tied in hlat.
 
 May import: ``hlat.config`` and ``hlat.model`` only (and torch, safetensors).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from hlat.config import ConfigError, ModelConfig
 from hlat.model import Transformer
 
 Tensors = dict[str, torch.Tensor]
+log = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -247,3 +250,45 @@ def check_tensors(have: dict[str, torch.Size], want: dict[str, torch.Size], wher
             f"wrong shapes {wrong[:4]}" if wrong else "",
         ]
         raise ConfigError(f"{where} does not match its config: {'; '.join(p for p in parts if p)}")
+
+
+def import_hf(hf_dir: Path, *, untie_embeddings: bool = False) -> tuple[ModelConfig, Tensors, Path | None]:
+    """Read a HF LLaMA-layout directory (``config.json``, safetensors, optional ``tokenizer.model``).
+
+    Args:
+        hf_dir: The directory (``save_pretrained`` output or a downloaded model snapshot).
+        untie_embeddings: Accept ``tie_word_embeddings=true``: the LM head starts as a copy of the embedding and
+            is trained separately from then on.
+
+    Returns:
+        hlat's model config, its state dict (HF's dtype), and the sentencepiece model (None if the directory has
+        none: hlat then needs ``data.tokenizer`` with ``vocab_size`` pieces).
+
+    Raises:
+        ConfigError: Missing files, an architecture hlat does not implement, or tensors that do not match.
+    """
+    hf_dir = Path(hf_dir).expanduser()
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{hf_dir} has no config.json: not a Hugging Face model directory; give the directory that holds "
+            "config.json and the *.safetensors weights (save_pretrained writes both)"
+        )
+    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = model_config_from_hf(hf_cfg, hf_dir.resolve().name, untie_embeddings=untie_embeddings)
+    tensors = read_safetensors(hf_dir)
+    if "lm_head.weight" not in tensors and hf_cfg.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    meta = {k: torch.empty(s, device="meta") for k, s in expected_shapes(cfg).items()}
+    check_tensors(
+        {k: v.shape for k, v in tensors.items()}, {k: v.shape for k, v in to_hf(cfg, meta).items()}, str(hf_dir)
+    )
+    sd = from_hf(cfg, tensors)
+    spm_path = hf_dir / SPM if (hf_dir / SPM).is_file() else None
+    if spm_path is None:
+        log.warning(
+            "%s has no %s: hlat trains with sentencepiece; set data.tokenizer to one with %d pieces",
+            hf_dir,
+            SPM,
+            cfg.vocab_size,
+        )
+    return cfg, sd, spm_path

@@ -1,27 +1,25 @@
 """Reading an hlat checkpoint's weights and tokenizer, or a Hugging Face LLaMA directory's, outside training.
 
-Owns finding a checkpoint (``find_checkpoint``: a ``step_N`` directory, a run's ``checkpoints/`` directory or a
-run directory holding one, then the newest checkpoint whose files match their checksums), its recorded config
-(``run_config``, ``model_config``), its model weights (``read_weights``, ``load_checkpoint_weights``: from the
-torch backend's torch.distributed.checkpoint files, with no process group; tensor- or FSDP-sharded saves are
-resharded into one plain model, and the fused gate_up rows a tensor-parallel run interleaved are put back in
-order), and the tokenizer the run trained with (``find_tokenizer``): ``data.tokenizer`` if the run named one, else
-the run's trained tokenizer from ``data.cache_dir`` (retrained from the same data, deterministically, if the cache
-is gone), checked against the fingerprint the data loader saved in the checkpoint. A weights-only checkpoint
-(``hlat import``) brings its own tokenizer file. It also reads a HF LLaMA-layout directory (``import_hf``, with
-``hlat.hf_layout``) and picks the weights a new run starts from (``load_init_weights``: ``train.init_from``).
+Owns finding a checkpoint (``find_checkpoint``: a ``step_N`` directory, a run's ``checkpoints/`` directory or a run
+directory holding one, then the newest checkpoint whose files match their checksums), its recorded config
+(``run_config``, ``model_config``), its model weights (``read_weights``, ``load_checkpoint_weights``: from the torch
+backend's torch.distributed.checkpoint files, with no process group; tensor- or FSDP-sharded saves are resharded into
+one plain model, and the fused gate_up rows a tensor-parallel run interleaved are put back in order), and the tokenizer
+the run trained with (``find_tokenizer``): ``data.tokenizer`` if the run named one, else the run's trained tokenizer
+from ``data.cache_dir`` (retrained from the same data, deterministically, if the cache is gone), checked against the
+fingerprint the data loader saved in the checkpoint. A weights-only checkpoint (``hlat import``) brings its own
+tokenizer file. It also picks the weights a new run starts from (``load_init_weights``: ``train.init_from``).
 
 Training (``train.init_from``) and evaluation, export and import (``hlat.eval``) all read checkpoints through
 this module.
 
-May import: ``hlat.config``, the core modules (``hlat.model``, ``hlat.safe_load``, ``hlat.hf_layout``),
-``hlat.data``, ``hlat.backends.torch_dist`` and ``hlat.train.checkpoint``. Never ``hlat.eval`` or ``hlat.cli``.
+May import: ``hlat.config``, the core modules (``hlat.model``, ``hlat.safe_load``), ``hlat.data``,
+``hlat.backends.torch_dist`` and the rest of ``hlat.checkpoint``. Never ``hlat.train``, ``hlat.eval`` or ``hlat.cli``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import typing
 import warnings
@@ -31,25 +29,21 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from hlat import checkpoint as ckpt
 from hlat import safe_load
 from hlat.backends.torch_dist import gate_up_in_model_order
+from hlat.checkpoint.hf_layout import (
+    Tensors,
+    check_tensors,
+    expected_shapes,
+    import_hf,
+    model_overrides,
+)
 from hlat.config import ConfigError, DataConfig, ModelConfig, RunConfig
 from hlat.data.builtin import builtin_corpus_path
 from hlat.data.loader import tokenizer_sample
 from hlat.data.sources import TextSource
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer, load_tokenizer
-from hlat.hf_layout import (
-    SPM,
-    Tensors,
-    check_tensors,
-    expected_shapes,
-    from_hf,
-    model_config_from_hf,
-    model_overrides,
-    read_safetensors,
-    to_hf,
-)
-from hlat.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 EXTRA = "extra.rank0.pt"
@@ -301,49 +295,7 @@ def _open_tokenizer(path: str | Path, vocab: int | None) -> Tokenizer:
     return Tokenizer(path)
 
 
-# ---------------------------------------------------------------------------------- HF directories, train.init_from
-
-
-def import_hf(hf_dir: Path, *, untie_embeddings: bool = False) -> tuple[ModelConfig, Tensors, Path | None]:
-    """Read a HF LLaMA-layout directory (``config.json``, safetensors, optional ``tokenizer.model``).
-
-    Args:
-        hf_dir: The directory (``save_pretrained`` output or a downloaded model snapshot).
-        untie_embeddings: Accept ``tie_word_embeddings=true``: the LM head starts as a copy of the embedding and
-            is trained separately from then on.
-
-    Returns:
-        hlat's model config, its state dict (HF's dtype), and the sentencepiece model (None if the directory has
-        none: hlat then needs ``data.tokenizer`` with ``vocab_size`` pieces).
-
-    Raises:
-        ConfigError: Missing files, an architecture hlat does not implement, or tensors that do not match.
-    """
-    hf_dir = Path(hf_dir).expanduser()
-    if not (hf_dir / "config.json").is_file():
-        raise ConfigError(
-            f"{hf_dir} has no config.json: not a Hugging Face model directory; give the directory that holds "
-            "config.json and the *.safetensors weights (save_pretrained writes both)"
-        )
-    hf_cfg = json.loads((hf_dir / "config.json").read_text())
-    cfg = model_config_from_hf(hf_cfg, hf_dir.resolve().name, untie_embeddings=untie_embeddings)
-    tensors = read_safetensors(hf_dir)
-    if "lm_head.weight" not in tensors and hf_cfg.get("tie_word_embeddings", False):
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    meta = {k: torch.empty(s, device="meta") for k, s in expected_shapes(cfg).items()}
-    check_tensors(
-        {k: v.shape for k, v in tensors.items()}, {k: v.shape for k, v in to_hf(cfg, meta).items()}, str(hf_dir)
-    )
-    sd = from_hf(cfg, tensors)
-    spm_path = hf_dir / SPM if (hf_dir / SPM).is_file() else None
-    if spm_path is None:
-        log.warning(
-            "%s has no %s: hlat trains with sentencepiece; set data.tokenizer to one with %d pieces",
-            hf_dir,
-            SPM,
-            cfg.vocab_size,
-        )
-    return cfg, sd, spm_path
+# ---------------------------------------------------------------------------------- train.init_from
 
 
 def load_init_weights(path: Path, cfg: ModelConfig) -> tuple[Tensors, Path | None]:
@@ -361,7 +313,7 @@ def load_init_weights(path: Path, cfg: ModelConfig) -> tuple[Tensors, Path | Non
         The state dict (hlat names, tp=1 layout, stored dtype) and the tokenizer that goes with it (None: unknown).
 
     Raises:
-        ConfigError: The weights' shape differs from ``cfg`` (naming each key), or see :func:`import_hf` and
+        ConfigError: The weights' shape differs from ``cfg`` (naming each key), or see ``hf_layout.import_hf`` and
             :func:`load_checkpoint_weights`.
     """
     path = Path(path).expanduser()

@@ -1,0 +1,153 @@
+"""Checkpoint manifests: what a complete, intact checkpoint is, and whether a config can load one.
+
+A checkpoint is a ``step_XXXXXXXX/`` directory whose ``manifest.json``, written last, records the step, every
+file's size and sha256, and the config that wrote it. This module reads and verifies manifests and compares a
+saved config with the run's (``check_compatible``); the package (:mod:`hlat.checkpoint`) writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hlat.config import ConfigError, flatten
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Directory of the checkpoint taken after ``step`` optimizer steps."""
+    return root / f"step_{step:08d}"
+
+
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Short, stable hash of a resolved config (sorted JSON)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _shape_problem(meta: Any) -> str | None:
+    """Why parsed ``manifest.json`` content is not a manifest hlat wrote (None: it has the right shape).
+
+    A manifest is an object with ``files`` (name -> size, or ``{"size": int, "sha256": str}``) and optionally an
+    integer ``step`` and ``config`` / ``model`` objects; anything else is damage (or another tool's file).
+    """
+    if not isinstance(meta, dict):
+        return f"holds a JSON {type(meta).__name__}, not an object"
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return "has no 'files' object"
+    for name, rec in files.items():
+        size, digest = (rec.get("size"), rec.get("sha256")) if isinstance(rec, dict) else (rec, None)
+        if not _is_int(size) or size < 0 or (digest is not None and not isinstance(digest, str)):
+            return f"has a malformed entry for {name!r} in 'files'"
+    if "step" in meta and not _is_int(meta["step"]):
+        return f"has a non-integer 'step' ({meta['step']!r})"
+    for key in ("config", "model"):
+        if key in meta and not isinstance(meta[key], dict):
+            return f"has a non-object '{key}'"
+    return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The checkpoint's manifest, or None and why it is missing, unreadable or malformed."""
+    try:
+        meta = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None, f"no readable {MANIFEST} (an interrupted save)"
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        return None, f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    why = _shape_problem(meta)
+    if why is not None:
+        return None, f"{MANIFEST} {why} (damaged, or not written by hlat)"
+    return meta, ""
+
+
+def manifest(path: Path) -> dict[str, Any] | None:
+    """The checkpoint's manifest, or None when it has none, or one that is unreadable or of the wrong shape."""
+    return _read_manifest(path)[0]
+
+
+def problems(path: Path, *, checksums: bool = False) -> list[str]:
+    """What is wrong with the checkpoint at ``path`` (empty: it is complete and, with ``checksums``, intact)."""
+    meta, why = _read_manifest(path)
+    if meta is None:
+        return [why]
+    out = []
+    for name, rec in meta["files"].items():
+        size, digest = (rec, None) if isinstance(rec, int) else (rec["size"], rec.get("sha256"))
+        f = path / name
+        if not f.is_file():
+            out.append(f"{name} is missing")
+        elif f.stat().st_size != size:
+            out.append(f"{name} has {f.stat().st_size} bytes, the manifest says {size}")
+        elif checksums and digest is not None and sha256(f) != digest:
+            out.append(f"{name} does not match its sha256")
+    return out
+
+
+SHAPE_KEYS = tuple(f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"))
+"""Config keys that decide the shape of the saved weights."""
+
+
+LAYOUT_KEYS = {
+    "parallelism.tp": "the weights are saved sharded by tensor-parallel rank",
+    "parallelism.pp": "the layers are saved by pipeline stage",
+    "precision.param_dtype": "the weights and optimizer moments are stored in that dtype",
+    "precision.master_weights": "the optimizer state holds (or lacks) the fp32 master copy",
+}
+"""Other keys whose change makes the saved state unloadable, and why (there is no resharding or conversion)."""
+
+
+def check_compatible(path: Path, config: dict[str, Any]) -> None:
+    """Refuse, before anything is built, to resume a checkpoint whose saved state this config cannot load.
+
+    ``config`` is the run's resolved config as nested plain values. A change of model shape, parallel layout or
+    parameter/optimizer storage is a ConfigError naming every such key; any other change (more steps, another
+    learning rate, ...) is allowed and logged.
+    """
+    meta = manifest(path) or {}
+    if "config" in meta:
+        saved, now = flatten(meta["config"]), flatten(config)
+    elif "model" in meta:  # written before the whole config was recorded
+        saved, now = flatten({"model": meta["model"]}), flatten({"model": config.get("model", {})})
+    else:
+        return
+    changed = [k for k in sorted(set(saved) | set(now)) if not k.endswith(".name") and saved.get(k) != now.get(k)]
+    diff = {k: f"{k}={saved.get(k)!r} in the checkpoint but {now.get(k)!r} now" for k in changed}
+    breaking = [
+        diff[k] + (f" ({LAYOUT_KEYS[k]})" if k in LAYOUT_KEYS else "")
+        for k in changed
+        if k in SHAPE_KEYS or k in LAYOUT_KEYS
+    ]
+    if breaking:
+        raise ConfigError(
+            f"cannot resume {path}: {'; '.join(breaking)}. Resume with the checkpoint's settings for these keys, "
+            "or start a new run (train.resume=never with another train.checkpoint_dir)"
+        )
+    for k in changed:
+        if not k.startswith(("train.resume", "fault.")):
+            log.info("resuming with a changed setting: %s", diff[k])
+
+
+def checkpoint_bytes(path: Path | None) -> int | None:
+    """Total size of a checkpoint from its manifest (None without one)."""
+    meta = manifest(path) if path is not None else None
+    return sum(r if isinstance(r, int) else r["size"] for r in meta["files"].values()) if meta else None
