@@ -27,10 +27,10 @@ FAST_CHECKS = ["health.matmul_size=256", "health.matmul_seconds=0.1", "health.co
 
 
 def doctor(*args: str, cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """``hlat doctor`` as a separate process (``python -m hlat.health.doctor``: the same ``main``)."""
+    """``hlat doctor`` as a separate process (``python -m hlat.cli.doctor``: the same ``main``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     return subprocess.run(
-        [sys.executable, "-m", "hlat.health.doctor", *args],
+        [sys.executable, "-m", "hlat.cli.doctor", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

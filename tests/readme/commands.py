@@ -114,7 +114,7 @@ EXCEPTIONS: dict[str, Policy] = {
     "hlat doctor cluster=gpu_8x health.expected_busbw_gbps_intra=150": Policy(
         "run", "needs 8 CUDA GPUs: here it must stop at once and say why", returncode=2, output="no CUDA device"
     ),
-    "torchrun --nnodes 4 --nproc-per-node 32 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 -m hlat.health.doctor "
+    "torchrun --nnodes 4 --nproc-per-node 32 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 -m hlat.cli.doctor "
     "cluster=trn1_x4": Policy("skip", "needs 4 trn1 nodes (the cluster lane runs torchrun across two hosts)"),
     "hlat compile --run cluster=trn1_1node experiment=hlat_7b": Policy(
         "run",

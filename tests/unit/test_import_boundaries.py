@@ -46,7 +46,7 @@ def test_neuron_backend_imports_them_lazily() -> None:
 
 
 HYDRA_ALLOWED = {
-    "cli.py",
+    "cli/__init__.py",
     "config/__init__.py",
     "config/compose.py",
     "config/resolvers.py",  # ConfigStore, compose, resolvers
@@ -107,12 +107,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.checkpoint",),
     ("hlat.health",),
     ("hlat.train",),
-    ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.health.doctor", "hlat.plan.command"),
+    ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.plan.command"),
 )
 """Bottom to top: the config layer; the core (model, layouts, precision, ...); the planner; data, backends and
 tracking; checkpoints (their files, manifests, weights and the Hugging Face layout: training and evaluation
-both read them); the health checks the trainer runs; training; the commands (evaluation, deployment, the command line,
-``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed prefix (a module directly in
+both read them); the health checks the trainer runs; training; the commands (evaluation, deployment, the command line
+and ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed prefix (a module directly in
 ``hlat/`` is listed by its own name); imports go down or sideways, never up."""
 
 

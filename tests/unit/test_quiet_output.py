@@ -101,7 +101,7 @@ def test_the_mfu_hint_is_given_once_per_host(tmp_path: Path) -> None:
 
 
 def test_doctor_flags_are_split_from_the_overrides() -> None:
-    from hlat.health.doctor import _flags
+    from hlat.cli.doctor import _flags
 
     assert _flags(["cluster=cpu", "--mlflow", "--out", "r.md"]) == (["cluster=cpu"], Path("r.md"), True)
     assert _flags(["--out=x/y.md", "health=off"]) == (["health=off"], Path("x/y.md"), False)
@@ -110,7 +110,7 @@ def test_doctor_flags_are_split_from_the_overrides() -> None:
 
 
 def test_doctor_help_names_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    from hlat.health.doctor import main
+    from hlat.cli.doctor import main
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -14,6 +14,6 @@ result).
 
 May import: everything below it (``hlat.config``, the core modules, ``hlat.plan``, ``hlat.data``,
 ``hlat.backends``, ``hlat.track``, ``hlat.checkpoint``, ``hlat.health``'s checks and monitors). Never
-``hlat.eval``, ``hlat.cli``, ``hlat.deploy`` or ``hlat.health.doctor`` (tests/unit/test_import_boundaries.py draws
+``hlat.eval``, ``hlat.cli``, ``hlat.deploy`` or ``hlat.cli.doctor`` (tests/unit/test_import_boundaries.py draws
 the graph).
 """

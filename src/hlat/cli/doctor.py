@@ -2,7 +2,7 @@
 
 It takes the same Hydra overrides as ``python train.py`` and checks the processes that run would start: with
 ``cluster.nproc_per_node > 1`` it starts them on this node through torch elastic (as ``python train.py`` does);
-under an external ``torchrun`` (several nodes: ``torchrun --nnodes N ... -m hlat.health.doctor <overrides>`` on
+under an external ``torchrun`` (several nodes: ``torchrun --nnodes N ... -m hlat.cli.doctor <overrides>`` on
 every node) it is one of them. Each process sets up its backend exactly as training does (device, threads, the
 process group: gloo, NCCL, or XLA on trn1), and local rank 0 of each node first runs ``neuron-ls`` and
 ``nccom-test`` when they are installed (before any process claims the NeuronCores). It prints a table per rank and
@@ -44,7 +44,7 @@ options:
 examples:
   hlat doctor cluster=cpu_x2
   hlat doctor cluster=gpu_8x health.expected_busbw_gbps_intra=150 --mlflow
-  torchrun --nnodes 4 --nproc-per-node 32 ... -m hlat.health.doctor cluster=trn1_x4
+  torchrun --nnodes 4 --nproc-per-node 32 ... -m hlat.cli.doctor cluster=trn1_x4
 """
 
 
@@ -144,7 +144,7 @@ def check(cfg: RunConfig, overrides: list[str]) -> HealthReport:
         raise ConfigError(
             f"cluster={c.name} spans {c.nodes} nodes, but `hlat doctor` starts the processes of this node only; run "
             f"`torchrun --nnodes {c.nodes} --nproc-per-node {c.nproc_per_node} --rdzv-backend c10d --rdzv-endpoint "
-            "HOST:29400 -m hlat.health.doctor <same overrides>` on every node"
+            "HOST:29400 -m hlat.cli.doctor <same overrides>` on every node"
         )
     return _launch(cfg, overrides)
 

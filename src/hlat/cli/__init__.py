@@ -4,6 +4,10 @@
 precision=bf16_sr``). ``hlat data prepare`` converts raw corpora into memory-mappable Arrow shards and
 ``hlat data tokenizer`` trains a sentencepiece model; both are plain argparse subcommands. ``hlat launch`` and
 ``hlat compile`` render the files that start a run on a cluster (``hlat.deploy``).
+
+The package holds the commands that sit on top of everything: this module (``main``, the subcommands' dispatch)
+and ``doctor`` (``hlat doctor``: the pre-flight burn-in on its own, started through ``hlat.train.launch``).
+May import: anything; nothing in hlat imports it.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def _hydra_train(argv: list[str]) -> None:
         entry(cfg)
 
     if not any(a.startswith("hydra.job.name=") for a in argv):
-        argv = [*argv, "hydra.job.name=train"]  # the task function's file (cli.py) would name the log cli.log
+        argv = [*argv, "hydra.job.name=train"]  # else the task function's file (__init__.py) would name the log
     sys.argv = ["hlat", *argv]  # Hydra reads its overrides from sys.argv
     run_hydra(task, argv)
 
@@ -288,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "eval":
         raise SystemExit(_eval(argv[1:]))
     if argv and argv[0] == "doctor":
-        from hlat.health.doctor import main as doctor_main
+        from hlat.cli.doctor import main as doctor_main
 
         raise SystemExit(doctor_main(argv[1:]))
     if argv and argv[0] == "plan":
