@@ -10,7 +10,7 @@ The packages are the layers, bottom to top (each may import only from the layers
 - ``data``, ``backends``, ``track``: batches, devices, and what a run reports.
 - ``checkpoint``: checkpoint files, their manifests and job files, reading weights, the Hugging Face layout.
 - ``health``: the checks and monitors a run carries.
-- ``train``: the trainer (``train.run.main`` is the build graph) and its launcher.
+- ``train``, ``sweep``: the trainer (``train.run.main`` is the build graph) and its launcher; the multirun.
 - ``eval``, ``deploy``, ``cli`` (and ``hlat doctor``, ``hlat plan``): the commands.
 
 tests/unit/test_import_boundaries.py holds the graph to this.

@@ -1,13 +1,13 @@
 """hlat's submitit launchers, where Hydra looks for plugins: a dead job does not crash the sweep.
 
 ``hydra/launcher=slurm`` (``conf/hydra/launcher/slurm.yaml``) names :class:`SlurmLauncher`; the plugin's own presets
-(``hydra/launcher=submitit_local``, ``submitit_slurm``) are swapped for these by ``hlat.train.sweep_callback`` at the
-start of a sweep. What they do is :class:`hlat.train.sweep_launcher.CollectingLauncher`.
+(``hydra/launcher=submitit_local``, ``submitit_slurm``) are swapped for these by ``hlat.sweep.callback`` at the
+start of a sweep. What they do is :class:`hlat.sweep.launcher.CollectingLauncher`.
 """
 
 from __future__ import annotations
 
-from hlat.train.sweep_launcher import CollectingLauncher, require_accounting
+from hlat.sweep.launcher import CollectingLauncher, require_accounting
 
 
 class LocalLauncher(CollectingLauncher):

@@ -3,7 +3,7 @@
 The sweep's two jobs run as a Slurm job array, one per node. Job 1 hangs after its checkpoint of step 4 (a stuck
 trainer, ``fault.hang_at``) and is ``scancel``-ed; the sweep must still compare job 0, name the cancelled job, exit 1
 and close its MLflow parent run; running the same sweep again skips job 0 and continues job 1 from its checkpoint into
-the same MLflow run. Before ``hlat.train.sweep_launcher``, submitit's ``UncompletedJobError`` ended the sweep with a
+the same MLflow run. Before ``hlat.sweep.launcher``, submitit's ``UncompletedJobError`` ended the sweep with a
 stack trace, no comparison, and the parent run left RUNNING.
 """
 

@@ -51,9 +51,9 @@ HYDRA_ALLOWED = {
     "config/compose.py",
     "config/resolvers.py",  # ConfigStore, compose, resolvers
     "train/launch.py",  # the composed config in, converted once (to_run_config): below it, only RunConfig
-    "train/sweep_job.py",
-    "train/sweep_callback.py",
-    "train/sweep_launcher.py",
+    "sweep/job.py",
+    "sweep/callback.py",
+    "sweep/launcher.py",
     "track/sweep.py",  # the multirun
 }
 """The modules that see Hydra / OmegaConf: the entry points, the config layer, and the multirun's side of them."""
@@ -106,12 +106,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.data", "hlat.backends", "hlat.track"),
     ("hlat.checkpoint",),
     ("hlat.health",),
-    ("hlat.train",),
+    ("hlat.train", "hlat.sweep"),
     ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.plan.command"),
 )
 """Bottom to top: the config layer; the core (model, layouts, precision, ...); the planner; data, backends and
 tracking; checkpoints (their files, manifests, weights and the Hugging Face layout: training and evaluation
-both read them); the health checks the trainer runs; training; the commands (evaluation, deployment, the command line
+both read them); the health checks the trainer runs; training and
+the multirun's jobs, callback and launcher; the commands (evaluation, deployment, the command line
 and ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed prefix (a module directly in
 ``hlat/`` is listed by its own name); imports go down or sideways, never up."""
 

@@ -13,8 +13,9 @@ import pytest
 
 from hlat import checkpoint
 from hlat.config import ConfigError, resolvers, to_run_config
+from hlat.sweep import job as sweep_job
 from hlat.track import runs, sweep
-from hlat.train import launch, sweep_job
+from hlat.train import launch
 from tests.conftest import compose_cfg, lock_held_elsewhere
 from tests.timeouts import hang_guard
 

@@ -13,8 +13,8 @@ import pytest
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
+from hlat.sweep import launcher as sweep_launcher
 from hlat.track import sweep
-from hlat.train import sweep_launcher
 from hydra_plugins.hlat_sweep_launcher import LocalLauncher, SlurmLauncher
 
 

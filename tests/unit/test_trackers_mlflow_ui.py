@@ -14,10 +14,9 @@ from typing import ClassVar
 import pytest
 
 from hlat.config import TrackerConfig
-from hlat.track import trackers
+from hlat.track import sweep_views, trackers
 from hlat.track.runs import RunData
 from hlat.track.trackers import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MLflowTracker, experiment_id, ui_page
-from hlat.train import sweep_callback
 from tests.timeouts import hang_guard
 
 
@@ -173,24 +172,24 @@ def arm(name: str, losses: list[float], run_id: str | None = None, **params: str
 def test_arm_labels_are_valid_distinct_metric_key_parts() -> None:
     from mlflow.utils.validation import _validate_metric_name
 
-    assert sweep_callback.metric_label("optimizer.beta2=0.95,train.steps=6") == "optimizer.beta2_0.95 train.steps_6"
-    assert sweep_callback.metric_label("data=fineweb/edu, x=1") == "data_fineweb.edu x_1"
+    assert sweep_views.metric_label("optimizer.beta2=0.95,train.steps=6") == "optimizer.beta2_0.95 train.steps_6"
+    assert sweep_views.metric_label("data=fineweb/edu, x=1") == "data_fineweb.edu x_1"
     runs = [arm("a=1", [1.0], run_id="1" * 32), arm("a=1", [1.0], run_id="2" * 32), arm("..", [1.0], run_id="3" * 32)]
-    assert sweep_callback.arm_labels(runs) == ["a_1 11111111", "a_1 22222222", "33333333"]
+    assert sweep_views.arm_labels(runs) == ["a_1 11111111", "a_1 22222222", "33333333"]
     for name in ("optimizer.lr=1e-3", "model=llama/7b,precision=bf16", "ü=ß é", "x" * 300, "a|b=[1,2]"):
-        _validate_metric_name(f"train_loss/{sweep_callback.metric_label(name)}")
+        _validate_metric_name(f"train_loss/{sweep_views.metric_label(name)}")
 
 
 def test_the_parent_run_metrics_summarize_every_arm() -> None:
     runs = [arm("lr=1", [5.0, 4.0, 3.0]), arm("lr=2", [5.0, 2.0, 2.5]), arm("lr=3", [])]
-    got = {(k, step): v for k, v, step in sweep_callback.summary_metrics(runs)}
+    got = {(k, step): v for k, v, step in sweep_views.summary_metrics(runs)}
     assert got[("final_loss/lr_1", 0)] == 3.0 and got[("min_loss/lr_1", 0)] == 3.0
     assert got[("final_loss/lr_2", 0)] == 2.5 and got[("min_loss/lr_2", 0)] == 2.0
     assert [got[("train_loss/lr_2", s)] for s in (1, 2, 3)] == [5.0, 2.0, 2.5]
     assert got[("sweep/best_final_loss", 0)] == 2.5
     assert not any("lr_3" in k for k, _ in got)  # an arm without a loss point has no summary
-    long = sweep_callback._thin([(s, float(s)) for s in range(10_001)])
-    assert len(long) == sweep_callback.HISTORY_POINTS and long[0] == (0, 0.0) and long[-1] == (10_000, 10_000.0)
+    long = sweep_views._thin([(s, float(s)) for s in range(10_001)])
+    assert len(long) == sweep_views.HISTORY_POINTS and long[0] == (0, 0.0) and long[-1] == (10_000, 10_000.0)
 
 
 def test_summarize_gives_the_parent_run_metrics_a_linked_description_and_a_saved_view(store: Path) -> None:
@@ -202,7 +201,7 @@ def test_summarize_gives_the_parent_run_metrics_a_linked_description_and_a_saved
     for lr, losses in (("1", [5.0, 4.0]), ("2", [5.0, 3.0])):
         run = c.create_run(eid, run_name=f"optimizer.lr={lr}", tags={"mlflow.parentRunId": pid})
         runs.append(arm(f"optimizer.lr={lr}", losses, run_id=run.info.run_id, **{"optimizer.lr": lr}))
-    page = sweep_callback.summarize(c, pid, runs, "12-00-00")
+    page = sweep_views.summarize(c, pid, runs, "12-00-00")
 
     assert (
         page

@@ -1,7 +1,7 @@
 """A sweep's records, identity and grouping: what its jobs wrote, which MLflow runs they are, how to tell them apart.
 
 - **Job identity.** Every run is tagged ``hlat.config_hash``, a hash of the resolved config without the keys that
-  only say where things go (:data:`UNHASHED`); :mod:`hlat.train.sweep_job` skips or continues a job by it.
+  only say where things go (:data:`UNHASHED`); :mod:`hlat.sweep.job` skips or continues a job by it.
 - **Records.** Each job directory holds ``sweep_job.json`` (the job's decision, MLflow run, status, objective), the
   sweep directory ``sweep.json`` (the MLflow parent run, the command line); :func:`record_dead_job` is the
   launcher's side of a job that never reported back.
@@ -102,7 +102,7 @@ def parent_tags(run_dir: Path, experiment: str) -> dict[str, str]:
 
 
 def record_dead_job(job_dir: Path, status: str, reason: str, *, logs: list[str], mlflow_run_id: str | None) -> str:
-    """Record a job that ended without reporting back (the launcher's side, ``hlat.train.sweep_launcher``).
+    """Record a job that ended without reporting back (the launcher's side, ``hlat.sweep.launcher``).
 
     A status the job recorded itself (``preempted`` or ``interrupted`` by a signal, or ``finished`` before its result
     was lost) is kept; otherwise the job is recorded ``status`` (``killed``: cancelled or killed from outside;

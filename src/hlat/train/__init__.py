@@ -7,10 +7,8 @@ monitors, fault injection, the signal stop), ``trainer`` (``fit`` with those hoo
 throughput model), ``resume`` (which start this is, what it resumes from, restore, roll-back on a non-finite step),
 ``launch`` (the command-line entry, torch elastic supervision, exit codes and "how to continue" hints), ``preempt``
 (signals -> a checkpoint of the step in flight), ``faults`` (fault injection), ``rendezvous`` (one-node stores on
-loopback), ``evals`` (evaluations along training, as child processes, and the check of their tasks before anything
-is built), and the multirun: ``sweep_job`` (one job: skip, continue or train), ``sweep_callback`` (Hydra's
-callback: the sweep's parent run and summary) and ``sweep_launcher`` (submitit launchers that collect every job's
-result).
+loopback) and ``evals`` (evaluations along training, as child processes, and the check of their tasks before
+anything is built). The multirun's jobs, callback and launcher are ``hlat.sweep``'s, beside this package.
 
 May import: everything below it (``hlat.config``, the core modules, ``hlat.plan``, ``hlat.data``,
 ``hlat.backends``, ``hlat.track``, ``hlat.checkpoint``, ``hlat.health``'s checks and monitors). Never

@@ -1,7 +1,7 @@
 """The launcher: ``python train.py``'s entry, torch elastic supervision, and what a failure prints and exits with.
 
 :func:`entry` (``train.py``, ``hlat train``) trains in this process (:func:`hlat.train.run.main`), under torch
-elastic, or as one job of a multirun (:mod:`hlat.train.sweep_job`), and turns every way a run can end into one
+elastic, or as one job of a multirun (:mod:`hlat.sweep.job`), and turns every way a run can end into one
 message, an exit code and the command that continues it; the build itself (``run.py``) only raises.
 
 Local processes and automatic fault recovery: with ``cluster.nproc_per_node > 1`` or ``cluster.max_restarts > 0`` the
@@ -39,7 +39,8 @@ from hlat.health.blame import last_verdict
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
 from hlat.state import HaltedError
-from hlat.train import evals, preempt, sweep_job
+from hlat.sweep import job as sweep_job
+from hlat.train import evals, preempt
 from hlat.train.evals import EvalFailedError
 from hlat.train.run import main
 
@@ -305,7 +306,7 @@ def entry(hydra_cfg: DictConfig) -> float | None:
     ``exit_code``); a failure a rerun can continue from (a halt, a full disk, restarts exhausted) prints what
     happened and how to continue, and exits 1. A run stopped by a signal with a checkpoint of the step in flight
     (``hlat.train.preempt``) prints the command that continues it and exits 85; one stopped without it (a second Ctrl-C)
-    exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.train.sweep_job.run_job` instead,
+    exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.sweep.job.run_job` instead,
     which returns the job's objective (and exits only when the job was stopped by a signal).
     """
     from hydra.core.hydra_config import HydraConfig

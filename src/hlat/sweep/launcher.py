@@ -6,7 +6,7 @@ top of :class:`CollectingLauncher` here.
 
 The plugin's launcher waits for its jobs with ``job.results()``, which raises for the first job that was cancelled
 (``scancel``), killed (SIGKILL, out of memory, a lost node), failed outside Python or returned a result that cannot be
-unpickled: the sweep then ends with a stack trace before :class:`hlat.train.sweep_callback.SweepCallback` can compare
+unpickled: the sweep then ends with a stack trace before :class:`hlat.sweep.callback.SweepCallback` can compare
 the jobs that finished, fail the sweep and close its MLflow parent run. These subclasses collect every job on its own:
 
 - **In the job**, the returned ``JobReturn`` is made picklable: an exception object that cannot cross the pickle

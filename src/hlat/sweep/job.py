@@ -10,7 +10,7 @@ A Hydra multirun (``python train.py -m ...``, any sweeper or launcher) gets from
   ranks (an external ``torchrun``, Slurm tasks) wait for that file instead of asking MLflow themselves, so they
   cannot disagree. A restarted job reads its own file back and so keeps its decision.
 - **A failed job does not end the sweep**; a job stopped by a signal does (and a rerun continues it).
-  :class:`hlat.train.sweep_callback.SweepCallback` fails the sweep at its end if any job failed.
+  :class:`hlat.sweep.callback.SweepCallback` fails the sweep at its end if any job failed.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def run_job(
     :class:`SweepCallback` fails the sweep at its end if any job failed. A job stopped by a signal
     (``hlat.train.preempt``: SIGTERM, Ctrl-C, Slurm's warning) is recorded ``preempted`` (or ``interrupted``) and ends
     the sweep: the process exits 85 (or 128 + the signal), and running the same sweep again continues it. (Under Hydra's
-    submitit launchers only that job's process ends; ``hlat.train.sweep_launcher`` collects the other jobs and the sweep
+    submitit launchers only that job's process ends; ``hlat.sweep.launcher`` collects the other jobs and the sweep
     fails at its end.) A run with no ``tracker.run_name`` is named after the job's swept overrides
     (:func:`default_run_name`).
 
