@@ -109,12 +109,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.train", "hlat.sweep"),
     ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.plan.command"),
 )
-"""Bottom to top: the config layer; the core (model, layouts, precision, ...); the planner; data, backends and
-tracking; checkpoints (their files, manifests, weights and the Hugging Face layout: training and evaluation
-both read them); the health checks the trainer runs; training and
-the multirun's jobs, callback and launcher; the commands (evaluation, deployment, the command line
-and ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed prefix (a module directly in
-``hlat/`` is listed by its own name); imports go down or sideways, never up."""
+"""Bottom to top: the config layer; the core (model, layouts, precision, ...); the planner; data, backends and tracking;
+checkpoints (their files, manifests, weights and the Hugging Face layout: training and evaluation both read them); the
+health checks the trainer runs; training and the multirun's jobs, callback and launcher; the commands (evaluation,
+deployment, the command line and ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed
+prefix (a module directly in ``hlat/`` is listed by its own name); imports go down or sideways, never up."""
 
 
 def module_name(path: Path) -> str:
@@ -202,6 +201,16 @@ def test_the_graph_sees_imports_inside_functions() -> None:
     assert "hlat.plan.paper" in graph["hlat.plan.command"]  # `hlat plan --paper`, imported when asked for
     assert "hlat.train.launch" in graph["hlat.cli"]  # `hlat train`, imported once the config composed
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_eval_reads_checkpoints_without_the_trainer() -> None:
+    # Evaluation sits above training in the layers, but reads checkpoints through hlat.checkpoint only: a
+    # checkpoint's reader must not need the trainer (nor import what it imports).
+    graph = import_graph()
+    bad = sorted(
+        f"{a} imports {b}" for a in graph if a.startswith("hlat.eval") for b in graph[a] if b.startswith("hlat.train")
+    )
+    assert not bad, bad
 
 
 def test_no_import_circle() -> None:

@@ -322,7 +322,3 @@ def main(argv: list[str] | None = None) -> None:
         _hydra_summary(argv[1:])
         return
     _hydra_train(argv[1:])
-
-
-if __name__ == "__main__":
-    main()
