@@ -1,19 +1,8 @@
 """hlat: Hydra-configured pretraining of LLaMA-style models the way the HLAT paper did, tracked in MLflow.
 
-The packages are the layers, bottom to top (each may import only from the layers below it or its own):
-
-- ``config``: the typed schemas, composing ``conf/``, the job's rank and stamp.
-- the core, directly in ``hlat/``: ``model``, ``attention``, ``parallel``, ``precision``, ``optim``, ``sizing``,
-  ``layouts``, ``recompute``, ``bf16_matmul``, ``host``, ``state``, ``attempt``, ``safe_load``,
-  ``logs``; and ``experiments``, what experiments change in the model (the information leak's attention).
-- ``plan``: memory, step time, MFU and cost, without a device.
-- ``data``, ``backends``, ``track``: batches, devices, and what a run reports.
-- ``checkpoint``: checkpoint files, their manifests and job files, reading weights, the Hugging Face layout.
-- ``health``: the checks and monitors a run carries.
-- ``train``, ``sweep``: the trainer (``train.run.main`` is the build graph) and its launcher; the multirun.
-- ``eval``, ``deploy``, ``cli`` (and ``hlat doctor``, ``hlat plan``): the commands.
-
-tests/unit/test_import_boundaries.py holds the graph to this.
+The packages are layers, bottom to top: config, the core modules in ``hlat/`` (and ``experiments``), plan, data /
+backends / track, checkpoint, health, train / sweep, then the commands (eval, deploy, cli). Each imports only from
+its own layer or below (ARCHITECTURE.md, "The layers"; tests/unit/test_import_boundaries.py holds the graph to it).
 """
 
 __version__ = "0.1.0"

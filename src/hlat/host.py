@@ -1,7 +1,7 @@
-"""This host, as the measurements cached on it know it: CPU model, usable cores, torch version and threads.
+"""This host's fingerprint (CPU model, usable cores, torch version and threads), the key of every per-host cache.
 
-The fingerprint keys every per-host cache (the matmul peak of :mod:`hlat.plan.peak`, the bf16 matmul probe of
-:mod:`hlat.bf16_matmul`), so a cache directory shared between machines never hands one host another's numbers.
+A cache directory shared between machines (:mod:`hlat.plan.peak`, :mod:`hlat.bf16_matmul`) thus never hands one
+host another's numbers.
 """
 
 from __future__ import annotations
@@ -38,11 +38,7 @@ def _usable_cores() -> int:
 
 
 def host_info() -> dict[str, str | int]:
-    """The inputs of :func:`host_fingerprint`: what decides this host's matmul peak.
-
-    Returns:
-        ``{"cpu": model name, "cores": usable cores, "torch": torch version, "threads": torch.get_num_threads()}``.
-    """
+    """The inputs of :func:`host_fingerprint` (what decides this host's matmul peak): cpu, cores, torch, threads."""
     return {
         "cpu": _cpu_model(),
         "cores": _usable_cores(),
@@ -52,10 +48,6 @@ def host_info() -> dict[str, str | int]:
 
 
 def host_fingerprint() -> str:
-    """A short stable id of this host's compute: 12 hex characters of a SHA-256 over :func:`host_info`.
-
-    Changing the CPU model, the usable cores (affinity, container limits), the torch version or
-    ``torch.set_num_threads`` changes the id, so a cached peak is only reused under the same conditions.
-    """
+    """A short stable id of this host's compute: 12 hex characters of a SHA-256 over :func:`host_info`."""
     blob = json.dumps(host_info(), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]

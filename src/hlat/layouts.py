@@ -1,11 +1,7 @@
-"""What each backend runs, decided without importing it: one check for the trainer, ``hlat launch`` and the advice.
+"""What each backend runs, decided without importing it: one check for the trainer, ``hlat launch`` and the planner.
 
-A layout (or a precision x parallelism combination) that a backend refuses is refused here, by the same functions
-the backend calls before it builds anything: the torch backend's ``build_model`` calls ``check_torch_layout``, the
-neuron backend's ``setup`` (through ``neuron_env`` and ``precision_plan``) ``check_neuron_supported`` and
-``check_neuron_precision``. ``check_layout`` picks the ones of ``cfg.cluster.backend``; ``hlat launch`` /
-``hlat compile`` call it before rendering, and the planner (``hlat.plan.memory``) offers no change it refuses. Pure: no
-torch, so ``hlat plan`` stays a config-only command.
+The backends call these same functions before they build anything, so a layout refused here is refused there.
+Torch-free, so ``hlat plan`` stays a config-only command.
 """
 
 from __future__ import annotations
@@ -15,14 +11,7 @@ from hlat.parallel import ParallelDims
 
 
 def check_layout(cfg: RunConfig, dims: ParallelDims | None = None) -> ParallelDims:
-    """Refuse a layout that ``cfg.cluster``'s backend cannot run, with the checks its trainer makes itself.
-
-    Args:
-        cfg: The validated run config.
-        dims: The layout; without it, the one ``cfg.cluster``'s world gets (``ParallelDims.build``).
-
-    Returns:
-        The layout checked.
+    """Refuse a layout (default: the one ``cfg.cluster``'s world gets) that its backend cannot run; return it.
 
     Raises:
         ConfigError: the layout does not fit the world, or the backend does not run it.
@@ -62,9 +51,7 @@ def check_torch_layout(dims: ParallelDims, model: ModelConfig, precision: Precis
 
 
 def check_neuron_supported(cfg: RunConfig) -> None:
-    """Refuse the settings the neuron backend cannot honour (before any compile or allocation).
-
-    ``hlat.backends.neuron_plan.check_supported``: ``neuron_env`` calls it, so the neuron trainer's ``setup`` does.
+    """Refuse the settings the neuron backend cannot honour (its ``setup`` calls this, before any compile).
 
     Raises:
         ConfigError: naming the key and the fix.

@@ -1,10 +1,6 @@
 """A quiet console: the libraries' INFO chatter goes to the run's log file, not between the progress lines.
 
-MLflow ("Creating initial MLflow database tables", "Skip logging GPU metrics", ...) narrates at INFO, and gives its
-loggers a stderr handler of their own, which no filter of ours sees. :func:`route_library_logs` makes those loggers
-propagate to the root logger instead (alembic, which mlflow's migrations drive, stays at WARNING as mlflow sets it),
-and :class:`LibraryFilter` on the console handler drops their records below WARNING: the file handler of
-``conf/hydra/job_logging/hlat.yaml`` keeps them in ``train.log``; warnings and errors still reach the console.
+Their warnings and errors still reach the console; ``train.log`` keeps everything.
 """
 
 from __future__ import annotations
@@ -21,9 +17,8 @@ QUIET = ("mlflow", "alembic", "huey", "sqlalchemy", "urllib3", "git", "filelock"
 def route_library_logs() -> None:
     """Send MLflow's (and the alembic migrations') records through the root logger's handlers.
 
-    ``MLFLOW_CONFIGURE_LOGGING=false`` (unless the user set it) stops ``import mlflow`` from installing its own
-    stderr handler; when mlflow is already imported, its handlers are removed here. Child processes (elastic
-    workers, evaluations) inherit the variable.
+    MLflow gives its loggers a stderr handler of its own, which no filter sees: ``MLFLOW_CONFIGURE_LOGGING=false``
+    (inherited by child processes) stops ``import mlflow`` installing it; if mlflow is already imported, it is removed.
     """
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     if logging.getLogger("alembic").level == logging.NOTSET:  # its INFO is dozens of migration lines: as mlflow does
@@ -40,8 +35,8 @@ def route_library_logs() -> None:
 class LibraryFilter(logging.Filter):
     """Passes a record unless it is below ``level`` and comes from a logger under one of ``quiet``.
 
-    The console handler of ``conf/hydra/job_logging/hlat.yaml`` builds one (``()``: this class); building it also
-    calls :func:`route_library_logs`, so that Hydra's logging setup, before the run imports mlflow, is enough.
+    Built by the console handler of ``conf/hydra/job_logging/hlat.yaml``; it calls :func:`route_library_logs` so
+    that Hydra's logging setup, before the run imports mlflow, is enough.
     """
 
     def __init__(self, quiet: Sequence[str] = QUIET, level: str | int = "WARNING") -> None:

@@ -10,11 +10,7 @@ from hlat.config import OptimizerConfig
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
-    """Split parameters into decayed and non-decayed groups.
-
-    The paper decays every parameter, norm weights included (``decay_norms_and_biases=True``, one group).
-    Otherwise 1-D tensors (norm scales, biases) go to a group with ``weight_decay=0``.
-    """
+    """Split parameters into decayed and non-decayed groups (1-D tensors), or one group as the paper decays all."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.decay_norms_and_biases:
         return [{"params": params, "weight_decay": cfg.weight_decay}]

@@ -69,12 +69,8 @@ class ParallelDims:
         return train.global_batch_size // (train.micro_batch_size * self.dp)
 
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel replica of global ``rank`` (which data stream it reads).
-
-        Ranks are laid out ``[pp, dp, tp]`` row-major, NxD's order (its ``parallel_state.py``): tensor parallelism
-        innermost, so it stays within a node; every tensor- and pipeline-parallel rank of a replica reads the same
-        stream.
-        """
+        """The data-parallel replica of global ``rank`` (which data stream it reads)."""
+        # Ranks are laid out [pp, dp, tp] row-major, NxD's order (parallel_state.py): tp innermost stays in a node.
         return (rank // self.tp) % self.dp
 
 
@@ -96,7 +92,5 @@ TP_PLAN: dict[str, str] = {
     "embed": "rowwise",
     "lm_head": "colwise",
 }
-"""How tensor parallelism splits each weight, as data for both backends: colwise splits the output features (the
-fused qkv keeps whole kv groups per rank; gate_up is reordered so each rank gets matching gate and up halves),
-rowwise the input features (for the embedding: the vocabulary) with a sum over the ranks. Norms are replicated,
-or split along the sequence with ``parallelism.sequence_parallel``."""
+"""How tensor parallelism splits each weight, as data for both backends: colwise the output features, rowwise the
+input features (the embedding's vocabulary) with a sum over ranks; norms are replicated or sequence-parallel."""

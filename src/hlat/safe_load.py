@@ -1,16 +1,9 @@
 """Reading torch.distributed.checkpoint (DCP) directories without running code from them.
 
-DCP's own reader unpickles ``.metadata`` with plain ``pickle.load``, and its default planner reads every non-tensor
-item (the optimizer's ``param_groups``, ...) with ``torch.load(weights_only=False)``: a crafted checkpoint directory
-runs arbitrary code on ``train.resume``, ``train.init_from``, ``hlat export`` or ``hlat eval``. Here instead:
-
-- ``.metadata`` goes through an unpickler that resolves only the globals DCP metadata holds
-  (:data:`ALLOWED_GLOBALS` plus torch dtypes), and its structure is checked (storage files inside the directory);
-- non-tensor items go through ``torch.load(weights_only=True)``, as tensors already do.
-
-Anything else is refused with a :class:`~hlat.config.ConfigError` that names the file. The allowed set is what
-``dcp.save`` writes for hlat's checkpoints (model and AdamW state, fp32 / bf16, plain, DTensor-sharded and async):
-the globals the pickles reference, listed by unpickling them with a recording ``find_class``.
+DCP's reader unpickles ``.metadata`` with plain ``pickle`` and non-tensor items with ``weights_only=False``, so a
+crafted directory runs code on resume, ``init_from``, export or eval. Here ``.metadata`` goes through an unpickler
+limited to :data:`ALLOWED_GLOBALS` and non-tensor items through ``weights_only=True``; anything else is a
+:class:`~hlat.config.ConfigError` naming the file.
 """
 
 from __future__ import annotations
@@ -52,7 +45,9 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     # StorageMeta.checkpoint_id is the path given to dcp.save (pathlib._local's classes on Python 3.13)
     + [(module, name) for module in ("pathlib", "pathlib._local") for name in _PATH_CLASSES]
 )
-"""(module, name) of every global a DCP ``.metadata`` may reference, besides ``torch.<dtype>``."""
+"""(module, name) of every global a DCP ``.metadata`` may reference, besides ``torch.<dtype>``: what ``dcp.save``
+writes for hlat's checkpoints (model and AdamW state; fp32, bf16; plain, DTensor-sharded, async), as recorded by a
+``find_class`` that logs them."""
 
 
 def allowed_global(module: str, name: str) -> bool:
@@ -164,10 +159,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file-system reader, with ``.metadata`` read by :func:`load_metadata` (the global and rank-local ones).
+    """DCP's file-system reader, with every ``.metadata`` read by :func:`load_metadata`.
 
-    Data is read by the parent: tensors with ``torch.load(weights_only=True)`` already; non-tensor items go through
-    the planner, which must therefore be a :class:`SafeLoadPlanner` when the plan has any.
+    Non-tensor items go through the planner, which must therefore be a :class:`SafeLoadPlanner`.
     """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -196,11 +190,10 @@ class SafeFileSystemReader(FileSystemReader):
 def load(state_dict: dict[str, Any], path: str | Path, *, process_group: Any = None, no_dist: bool = False) -> None:
     """``dcp.load`` of the checkpoint directory ``path`` into ``state_dict`` (in place), running no code from it.
 
-    The metadata is checked before DCP starts (every rank refuses before its collectives), and a refusal raised inside
-    DCP comes out as the ConfigError itself rather than wrapped in a ``CheckpointException``.
+    The metadata is checked before DCP starts, so every rank refuses before its collectives.
 
     Raises:
-        ConfigError: The checkpoint holds anything beyond tensors, DCP metadata and plain values (see the module).
+        ConfigError: The checkpoint holds anything beyond tensors, DCP metadata and plain values.
     """
     read_metadata(path)
     try:

@@ -1,7 +1,6 @@
 """Sizes that follow from the configuration alone, without torch: parameters, bytes per parameter, FLOPs per token.
 
-The config-only commands (``hlat summary``, ``hlat plan``) and the planner use these, so that they start without
-importing torch; the trainer uses the same functions (``hlat.precision`` and ``hlat.track.metrics`` re-export them).
+Torch-free so that ``hlat summary`` and ``hlat plan`` start fast; the trainer uses the same functions.
 """
 
 from __future__ import annotations
@@ -15,12 +14,7 @@ BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """The parameter count of ``hlat.model.Transformer(cfg)``, by arithmetic (``hlat.model.count_params`` builds it).
-
-    Embedding and untied LM head (V x d each), the final RMSNorm (d), and per block: two RMSNorms (2d), the fused qkv
-    projection (d x (H + 2K) x head_dim), the output projection (H x head_dim x d), the fused SwiGLU gate_up
-    (d x 2F) and down (F x d) projections; no biases. The rotary tables are buffers, not parameters.
-    """
+    """The parameter count of ``hlat.model.Transformer(cfg)``, by arithmetic (no biases; rotary tables are buffers)."""
     d, hd = cfg.dim, cfg.head_dim
     attn = d * (cfg.n_heads + 2 * cfg.kv_heads) * hd + cfg.n_heads * hd * d
     block = 2 * d + attn + 3 * d * cfg.ffn_dim
@@ -32,9 +26,7 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token, PaLM's formula (Chowdhery et al. 2022, App. B): 6N + 12·L·H·Q·T.
 
-    N counts the parameters that take part in matmuls: all of them minus the input embedding table (a lookup).
-    12·L·H·Q·T is the attention score and value matmuls, forward and backward, over the full T x T matrix.
-    ``causal=True`` halves that term (6·L·H·Q·T): the FLOPs a causal kernel actually needs.
+    N excludes the input embedding (a lookup); ``causal=True`` halves the attention term, as a causal kernel does.
     """
     attn = (6 if causal else 12) * n_layers * n_heads * head_dim * seq_len
     return 6 * (n_params - n_embedding) + attn

@@ -1,10 +1,6 @@
-"""What every layer shares about a training step: its progress, its output, its timers, how it ends training.
+"""What every layer shares about a training step: its progress, its output, its phase timers, how it ends training.
 
-``TrainState`` (progress a checkpoint carries), ``StepOutput`` (what a step hands the hooks), the phase timers of
-``train.step_breakdown``, and ``HaltedError`` / ``NonFiniteError``.
-
-The loop (:mod:`hlat.train.loop`) produces these; backends, metrics, checkpoints and fault injection consume them,
-so they live below all of those.
+The loop produces these; backends, metrics, checkpoints and fault injection consume them, so they live below all.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ class TrainState:
     skipped_updates: int = 0
     """Steps whose update was dropped because the gradient norm was not finite (``on_nonfinite=skip_step``)."""
     discarded_batches: list[int] = field(default_factory=list)
-    """Steps whose first global batch is thrown away before training (``on_nonfinite=rollback``: the batch that
-    went non-finite). Kept in checkpoints, so a resumed run replays the same data."""
+    """Steps whose global batch went non-finite and is skipped (``on_nonfinite=rollback``); a resume replays it so."""
     rollbacks: int = 0
     """Times the run went back to its last checkpoint after a non-finite step."""
 
@@ -70,9 +65,8 @@ PHASES = ("data_wait", "forward", "backward", "optimizer", "logging", "checkpoin
 class StepTimer:
     """Host seconds spent in each phase of the training step, summed until ``take`` (``train.step_breakdown``).
 
-    ``sync`` (``Backend.synchronize``: CUDA's synchronize, nothing on the CPU) runs at both ends of every phase, so
-    a phase's time includes the device work it queued. That stalls an accelerator's queue: hence off by default.
-    (The neuron backend refuses it: synchronizing would cut its traced step graph.)
+    ``sync`` (``Backend.synchronize``) runs at both ends of every phase, so a phase includes the device work it
+    queued; that stalls an accelerator's queue, hence off by default (the neuron backend refuses it outright).
     """
 
     enabled = True
