@@ -1,13 +1,8 @@
 """Typed configuration schemas: one dataclass per config group, one docstring per field.
 
-Hydra composes ``conf/`` against these schemas, so an unknown key or a wrong type fails at composition.
-``run.main`` converts the composed config once with ``OmegaConf.to_object``; that call runs every
-``__post_init__`` (the cross-field checks) and returns instances that are frozen from then on.
-Nothing below ``run.py`` ever sees a ``DictConfig``.
-
-Owns the schemas (here and in ``base``, ``train``, ``ops``, ``health``), ``compose`` (composing ``conf/`` outside
-``@hydra.main`` and wording Hydra's errors), ``resolvers`` (the job's rank and time stamp, for ``hydra.run.dir``)
-and ``suggest`` (the "did you mean" of a mistyped key). The bottom layer: may import nothing of hlat.
+Hydra composes ``conf/`` against them; :func:`to_run_config` runs every ``__post_init__`` once and freezes the
+result. Owns the schemas, ``compose``, ``resolvers`` (rank, job stamp) and ``suggest`` ("did you mean").
+The bottom layer: may import nothing of hlat.
 """
 
 from __future__ import annotations

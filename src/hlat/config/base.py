@@ -24,8 +24,7 @@ class UnknownKeyError(ConfigError):
 class _Frozen:
     """Mixin: instances become immutable once ``__post_init__`` has validated them.
 
-    ``dataclass(frozen=True)`` would make OmegaConf mark the schema read-only, which breaks Hydra's
-    command-line overrides, so immutability is switched on after construction instead.
+    Not ``dataclass(frozen=True)``: OmegaConf would mark the schema read-only and break Hydra's overrides.
     """
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -89,8 +88,8 @@ def _check_range(
 ) -> None:
     """Refuse the field ``key`` (``section.field``) of ``obj`` outside ``rule`` (see :func:`within`).
 
-    The message names the key, the value, the valid range and a value to set: ``example``, else the field's
-    default. ``null``: what null means, where the field may be null; ``note``: what a special value means.
+    ``null``: what null means where allowed; ``note``: what a special value means; ``example``: the value the
+    message suggests (default: the field's default).
     """
     name = key.rpartition(".")[2]
     value = getattr(obj, name)

@@ -1,10 +1,6 @@
 """Composing ``conf/`` outside ``@hydra.main``, and Hydra's composition errors in one line.
 
-``hlat plan``, ``hlat launch``, ``hlat doctor`` and ``hlat eval`` compose here; an error names the key, the closest
-existing one and the fix.
-
-The command line (:mod:`hlat.cli`) and every command that takes ``python train.py``'s overrides compose through
-here, so a mistyped key reads the same everywhere.
+Every command that takes ``python train.py``'s overrides composes here, so a mistyped key reads the same everywhere.
 """
 
 from __future__ import annotations
@@ -28,11 +24,10 @@ def config_dir() -> Path:
 
 
 def compose_run_config(overrides: Sequence[str]) -> RunConfig:
-    """Compose ``conf/`` with Hydra overrides as ``python train.py`` would, and validate it (every ``__post_init__``).
+    """Compose ``conf/`` with Hydra overrides as ``python train.py`` would, and validate it.
 
     Raises:
-        ConfigError: On a composition or validation error: one line naming the key, the closest existing key or
-            option to a misspelled one, and the fix (:func:`hydra_error_message`).
+        ConfigError: On a composition or validation error, in one line (:func:`hydra_error_message`).
     """
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException

@@ -11,32 +11,26 @@ PREFLIGHT_MODES = ("auto", "on", "off")
 
 @dataclass
 class HealthConfig(_Frozen):
-    """Cluster health (``conf/health/``, ``hlat.health``): catch a bad node before the job, a hung job in minutes.
-
-    ``hlat doctor`` runs the pre-flight checks on their own; ``python train.py`` runs them right after the process
-    group is up, before any data or model is built. The watchdog and the straggler monitor are loop hooks.
-    """
+    """Cluster health (``conf/health/``, docs/health.md): catch a bad node before the job, a hung job in minutes."""
 
     name: str = "default"
     """Preset name."""
     preflight: str = "auto"
-    """Pre-flight burn-in of ``python train.py``: auto (on for multi-process runs, off for one process), on or off.
-    Quote it in YAML (``preflight: 'off'``): bare on/off are booleans there."""
+    """Pre-flight burn-in of ``python train.py``: auto (on for multi-process runs), on or off (quote it in YAML:
+    ``'off'``)."""
     matmul_size: int | None = None
-    """Side n of the square matmuls timed per rank; null: 1024 on CPU, 8192 on an accelerator (small matrices do not
-    fill an accelerator and read as a slow device)."""
+    """Side n of the square matmuls timed per rank; null: 1024 on CPU, 8192 on an accelerator (which small ones do
+    not fill)."""
     matmul_seconds: float = 0.25
     """Length in seconds of each timed matmul window (``hlat.plan.peak.measure_matmul_flops``)."""
     matmul_repeats: int = 3
     """Timed matmul windows per rank; the best one counts (the peak a device can reach)."""
     min_matmul_fraction: float = 0.5
-    """A rank fails when its matmul FLOP/s is below this fraction of a reference per-device peak
-    (``cluster.peak_tflops`` or the device's published figure). A CPU host's own ``hlat bench peak`` is shown beside
-    the figures but never fails a rank (it was measured under whatever load the host had then)."""
+    """A rank fails below this fraction of a reference per-device peak (``cluster.peak_tflops`` or a published
+    figure; a CPU's own measured peak never fails a rank)."""
     min_relative_fraction: float = 0.6
-    """A node fails when its matmul FLOP/s (the median of its ranks) is below this fraction of the median node, or
-    its intra-node bus bandwidth below this fraction of the median over nodes: the check that needs no datasheet
-    (0 turns it off). Ranks that share a host are not compared with each other: a slow one is noted, not failed."""
+    """A node fails when its median matmul FLOP/s or its intra-node bus bandwidth is below this fraction of the
+    median node's (0: off)."""
     collective_mib: float = 32.0
     """MiB of the all-reduce and all-gather whose bus bandwidth is measured (nccom-test's default size)."""
     collective_iters: int = 5
@@ -49,33 +43,27 @@ class HealthConfig(_Frozen):
     min_bandwidth_fraction: float = 0.5
     """A node (intra-node figure) or the job (world figure) fails below this fraction of the expected bandwidth."""
     watchdog: bool = True
-    """Hang watchdog: when a step takes far longer than usual, a thread names the rank(s) the hang is about from every
-    rank's heartbeat (``<run dir>/hang/report.txt``), dumps every thread's stack into ``<run dir>/hang/rank<N>.txt``
-    and exits the trainer with code 75 (``hlat.health.watchdog.HANG_EXIT_CODE``), so that torch elastic restarts it
-    from the newest checkpoint (``cluster.max_restarts``)."""
+    """Hang watchdog: a step far slower than usual dumps stacks into ``<run dir>/hang/`` and exits 75, which torch
+    elastic restarts from the newest checkpoint."""
     watchdog_factor: float = 10.0
     """A step hangs when it runs longer than this many times the median of the recent steps (or the floor)."""
     watchdog_floor_s: float = 600.0
-    """Seconds a step may always take: must exceed the slowest legitimate step, a synchronous checkpoint save and a
-    rollback included (the time between two steps counts the hooks that run after a step)."""
+    """Seconds a step may always take: more than the slowest legitimate step, its hooks (a synchronous save, a
+    rollback) included."""
     watchdog_first_step_s: float = 3600.0
-    """Seconds the first two steps of a (re)started trainer may take: compilation (Neuron, torch.compile) and the
-    restore from a checkpoint happen there."""
+    """Seconds the first two steps of a (re)started trainer may take (compilation, the restore)."""
     watchdog_grace_s: float = 10.0
-    """After dumping its stacks a rank waits max(this, 2 x the median step) before it exits, so the other ranks,
-    blocked in the same collective, dump theirs before torch elastic stops them."""
+    """After dumping its stacks a rank waits max(this, 2 x the median step) before it exits, so the other ranks
+    dump theirs too."""
     collective_timeout_s: float = 900.0
-    """Timeout of torch.distributed collectives in seconds (torch's default is 30 minutes): a collective that waits
-    longer raises, and the trainer fails (and is restarted). Must exceed the longest wait of one rank for another in
-    a collective: a checkpoint write, the first step's compilation."""
+    """Timeout of torch.distributed collectives in seconds: more than one rank's longest wait for another (a
+    checkpoint write, the first compilation)."""
     straggler_every: int = 100
-    """Every this many steps, gather each rank's mean step time and local time (forward + data wait) over the
-    interval and log the slowest rank and its lag (``health/*``); 0: off. One tiny host all-gather per interval."""
+    """Every this many steps, log the slowest rank's step and local time and its lag (``health/*``); 0: off."""
     straggler_warn_ratio: float = 1.25
     """Log a warning naming the slowest rank when its local time exceeds this multiple of the median rank's."""
     inject_slow_rank: int | None = None
-    """TEST HOOK: this rank's pre-flight matmuls are slowed to ``inject_slow_factor`` of their speed (a sleep after
-    each one), as a failing device would be; null in real runs."""
+    """TEST HOOK: this rank's pre-flight matmuls run at ``inject_slow_factor`` of their speed; null in real runs."""
     inject_slow_factor: float = 0.1
     """TEST HOOK: the speed, as a fraction, of the matmuls of ``inject_slow_rank``."""
 

@@ -22,68 +22,57 @@ class ClusterConfig(_Frozen):
     memory_fraction: float = 0.9
     """Share of the device's free memory a run may plan to use; the pre-flight check refuses more."""
     peak_tflops: float | None = None
-    """Peak dense TFLOP/s of ONE device at the compute dtype, the MFU denominator. null: a published figure found
-    by the device's name (H100, A100, ...) on CUDA, or on CPU this host's measured matmul peak
-    (``hlat bench peak``, cached)."""
+    """Peak dense TFLOP/s of ONE device at the compute dtype (the MFU denominator); null: a published figure by the
+    CUDA device's name, or this CPU's measured, cached matmul peak."""
     devices_per_node: int = 1
     """Devices (GPUs, NeuronCores, CPU sockets counted as one) per node, for the cost per node-hour."""
     device_memory_gib: float | None = None
-    """Memory of ONE device in GiB (16 per trn1 NeuronCore), the budget a dry run plans against when it is not
-    run on that hardware; null: the memory this host reports."""
+    """Memory of ONE device in GiB (16 per trn1 NeuronCore), the budget a dry run plans against off that hardware;
+    null: the memory this host reports."""
     price_per_hour: float | None = None
     """Price of one node per hour (USD) for the cost per 4M tokens (CPT); null: no cost metric."""
     nproc_per_node: int = 1
-    """Trainer processes on this node (the ranks of data/tensor parallelism): ``python train.py`` starts them
-    itself through torch elastic, CPU processes talking over gloo or one per GPU over NCCL. Under an external
-    ``torchrun`` its ``--nproc-per-node`` decides instead."""
+    """Trainer processes on this node, started by ``python train.py`` through torch elastic (an external
+    ``torchrun``'s ``--nproc-per-node`` decides instead)."""
     nodes: int = 1
-    """Hosts in the job. The world size is ``nodes x nproc_per_node``; more than one node is started on every host by
-    the launcher ``hlat launch`` renders (torchrun, Slurm, or a Kubeflow PyTorchJob on EKS)."""
+    """Hosts in the job (world size ``nodes x nproc_per_node``); several nodes are started by what ``hlat launch``
+    renders."""
     cpus_per_task: int | None = None
-    """CPUs of one node that its torch elastic agent and trainers get under Slurm (``--cpus-per-task`` of the task
-    ``hlat launch --target slurm`` runs per node, and ``hydra.launcher.cpus_per_task``): 128 on trn1.32xlarge.
-    null: every CPU Slurm allocates on the node (the sbatch script's ``srun`` takes ``$SLURM_CPUS_ON_NODE``; the
-    job is ``--exclusive``)."""
+    """CPUs of one node under Slurm (``--cpus-per-task``): 128 on trn1.32xlarge; null: every CPU Slurm allocates on
+    the node."""
     instance_type: str | None = None
     """Cloud instance type of a node (``trn1.32xlarge``), for the Kubernetes node selector and the docs."""
     efa_devices: int = 0
-    """EFA network interfaces per node (8 on trn1.32xlarge, 16 on trn1n); > 0 turns on the EFA variables and the
-    ``vpc.amazonaws.com/efa`` resource for multi-node runs."""
+    """EFA network interfaces per node (8 on trn1.32xlarge, 16 on trn1n); > 0 turns on the EFA variables and
+    resource for multi-node runs."""
     compile_cache: str = "/var/tmp/neuron-compile-cache"
-    """Neuron persistent compile cache (``NEURON_COMPILE_CACHE_URL``): on each worker's local disk, not the shared
-    FSx, which caused communication timeouts in HLAT (arXiv 2404.10630 §4.3); the neuron backend only."""
+    """Neuron compile cache, on local disk: a shared FSx cache caused timeouts in HLAT (arXiv 2404.10630 §4.3)."""
     pjrt_device: str = "NEURON"
-    """torch-xla's runtime device on the neuron backend (``PJRT_DEVICE``): ``NEURON`` on trn1, ``CPU`` for the real
-    NxD on torch-xla's CPU device (``cluster=xla_cpu``: a Neuron config smoke-tested without Trainium)."""
+    """torch-xla's runtime device (``PJRT_DEVICE``): ``NEURON`` on trn1, ``CPU`` for the real NxD without Trainium
+    (``cluster=xla_cpu``)."""
     nxd_cpu_mode: bool = False
-    """NxD's own CPU mode (``NXD_CPU_MODE=1``; neuron backend with ``pjrt_device: CPU`` only): NxD's parallel layers,
-    pipeline engine and collectives run on CPU tensors over gloo (``cluster=nxd_cpu``). The only way to run the real
-    NxD's tensor and pipeline parallelism across processes without Trainium: torch-xla's CPU device does not
-    communicate between processes (its all-reduce silently returns the local value)."""
+    """NxD's own CPU mode (``NXD_CPU_MODE=1``, ``cluster=nxd_cpu``): NxD's TP and PP across processes over gloo,
+    which torch-xla's CPU device cannot do. Needs the neuron backend and ``pjrt_device: CPU``."""
     max_restarts: int = 0
-    """Automatic fault recovery: ``python train.py`` runs the trainer under torch elastic, which restarts it up to
-    this many times after a failure (a killed process, a hardware or communication error); each restart resumes
-    from the newest valid checkpoint. 0: no supervision, the trainer runs in the launching process."""
+    """Restarts after a failure under torch elastic, each resuming from the newest valid checkpoint; 0: no
+    supervision, the trainer runs in the launching process."""
     intra_node_gb_s: float | None = None
-    """Bandwidth of ONE device to the other devices of its node, GB/s per direction (NeuronLink-v2 on trn1, NVLink on
-    GPUs): the tensor-parallel and in-node collectives of the step-time model (``hlat plan``). null: no model."""
+    """Bandwidth of ONE device to the rest of its node, GB/s per direction, for ``hlat plan``; null: no model."""
     inter_node_gbit_s: float | None = None
-    """Network bandwidth of ONE node to the others, Gbit/s per direction (EFA: 800 on trn1.32xlarge, 400 on
-    p4d.24xlarge), shared by the node's devices: the cross-node collectives of ``hlat plan``. null: no model."""
+    """Network bandwidth of ONE node to the others, Gbit/s per direction (EFA: 800 on trn1.32xlarge), for
+    ``hlat plan``; null: no model."""
     memory_gb_s: float | None = None
     """HBM bandwidth of ONE device, GB/s: the (memory-bound) optimizer step of ``hlat plan``. null: no model."""
     compute_efficiency: float | None = None
-    """Calibrated, in (0, 1]: the fraction of ``peak_tflops`` that the forward, backward and recomputed FLOPs of a
-    step achieve on this hardware and software stack, communication aside (docs/planner.md gives each preset's value
-    and how it was fitted). null: no step-time model."""
+    """In (0, 1]: the calibrated fraction of ``peak_tflops`` a step's FLOPs achieve, communication aside
+    (docs/planner.md); null: no step-time model."""
     intra_node_efficiency: float = 1.0
-    """In (0, 1]: achieved fraction of ``intra_node_gb_s`` in large ring collectives (the "bus bandwidth" of the NCCL
-    tests and ``nccom-test`` over the link's)."""
+    """In (0, 1]: achieved fraction of ``intra_node_gb_s`` in large ring collectives (bus bandwidth)."""
     inter_node_efficiency: float = 1.0
     """In (0, 1]: achieved fraction of ``inter_node_gbit_s`` in collectives across nodes, at the job's scale."""
     grad_reduce_overlap: float = 0.0
-    """In [0, 1]: fraction of the data-parallel gradient reduction hidden behind the backward pass (0: the gradients
-    are reduced after the last micro-batch, as NxD does)."""
+    """In [0, 1]: fraction of the gradient reduction hidden behind the backward pass (0: after the last micro-batch,
+    as NxD does)."""
 
     @property
     def world_size(self) -> int:
@@ -142,19 +131,16 @@ class TrackerConfig(_Frozen):
     spike_threshold: float = 0.1
     """A spike starts when the gradient norm exceeds r + spike_threshold and lasts while it stays above."""
     spike_summary_every: int = 1000
-    """Log the spike summary (count, single-step fraction, longest, mean duration) every this many steps
-    (0: only at the end)."""
+    """Log the spike summary every this many steps (0: only at the end)."""
     plots: bool = True
-    """At the end of a run, plot loss, grad norm with spikes, param norm, LR and the spike-duration histogram
-    into ``<run dir>/plots/`` and log them as artifacts."""
+    """At the end of a run, plot the curves and spikes into ``<run dir>/plots/`` and log them as artifacts."""
     layer_grad_norms_every: int = 0
     """Every this many steps, log the gradient norm of each layer (``grad_norm/layers.<i>``, ...); 0: off, no cost."""
     system_metrics: bool = True
-    """MLflow's own system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s, in MLflow's thread,
-    from the run's first logged loss on (so the UI's compare view defaults to the loss, not a system metric)."""
+    """MLflow's own system metrics every 10 s, from the first logged loss on (so the UI's compare view defaults to
+    the loss)."""
     skip_finished: bool = True
-    """In a multirun (``-m``), a job whose config (``hlat.track.sweep.config_hash``) already FINISHED in this experiment
-    is skipped, and one whose earlier run died continues from its checkpoints; false runs every job again."""
+    """In a multirun, skip a job whose config already FINISHED here and continue one that died; false reruns all."""
 
     def __post_init__(self) -> None:
         _check_choice("tracker.kind", self.kind, ("mlflow", "console"))
@@ -168,11 +154,7 @@ class TrackerConfig(_Frozen):
 
 @dataclass
 class FaultConfig(_Frozen):
-    """Fault injection for tests and demos (``conf/fault/``); ``none`` injects nothing.
-
-    Each fault fires once per job: a marker under ``<checkpoint dir>/faults/`` records it, so the restarted process
-    runs past the step that killed its predecessor.
-    """
+    """Fault injection for tests and demos (``conf/fault/``); each fault fires once per job (a marker records it)."""
 
     name: str = "none"
     """Preset name."""
@@ -191,16 +173,15 @@ class FaultConfig(_Frozen):
     nonfinite_at: list[int] = field(default_factory=list)
     """Poison the gradients of these steps with NaN (exercises ``train.on_nonfinite``)."""
     hang_at: int | None = None
-    """After this step, rank ``hang_rank`` enters an all-reduce that no other rank joins: every rank blocks in a
-    collective (exercises the hang watchdog, ``health.watchdog*``). A one-process run blocks on a wait instead."""
+    """After this step, rank ``hang_rank`` enters an all-reduce no other rank joins (exercises the hang watchdog)."""
     sigstop_at: int | None = None
-    """After this step, rank ``hang_rank`` stops itself with SIGSTOP, as a frozen host or a paused container would: the
-    other ranks block in the next collective, and their watchdogs must name the stopped rank from its heartbeat."""
+    """After this step, rank ``hang_rank`` SIGSTOPs itself, as a frozen host would; the others' watchdogs must name
+    it."""
     hang_rank: int = 1
     """The rank that hangs at ``hang_at`` or stops at ``sigstop_at`` (a rank of the job: 0 in a one-process run)."""
     min_step_s: float = 0.0
-    """Every step lasts at least this many seconds (a sleep after it): a stand-in for a real model's step time, so
-    that a test signalling a running job from outside cannot lose the race to a fast machine (0: off)."""
+    """Every step lasts at least this many seconds, so a test signalling a running job cannot lose the race to a
+    fast machine (0: off)."""
 
     def __post_init__(self) -> None:
         for key in ("kill_at", "nonfinite_at"):
@@ -249,23 +230,20 @@ class EvalConfig(_Frozen):
     tasks: list[EvalTask] = field(default_factory=list)
     """Tasks and shots."""
     checkpoint: str | None = None
-    """``hlat eval``: a checkpoint directory, or a run's checkpoint root (its newest valid checkpoint, or all of them
-    with ``all_checkpoints``)."""
+    """``hlat eval``: a checkpoint directory, or a run's checkpoint root (its newest valid checkpoint)."""
     all_checkpoints: bool = False
-    """``hlat eval`` on a checkpoint root: evaluate every valid checkpoint and plot each metric against tokens seen
-    (the paper's Fig. 3)."""
+    """``hlat eval`` on a checkpoint root: evaluate every valid checkpoint, each metric against tokens seen (the
+    paper's Fig. 3)."""
     every_tokens: int = 0
     """During training: evaluate at the first checkpoint after every this many training tokens (0: never)."""
     limit: int | None = None
-    """Documents per task (lm-eval's ``limit``); null: all. For smoke tests only: scores on a subset are not the
-    task's scores."""
+    """Documents per task (lm-eval's ``limit``), for smoke tests only; null: all."""
     batch_size: int = 8
     """Sequences per forward pass."""
     device: str | None = None
     """cpu or cuda; null: the training cluster's device (cuda when the run trained on cuda and one is present)."""
     on_error: str = "fail"
-    """An evaluation along training that fails: ``fail`` the run once training is done (exit 1, MLflow FAILED; the
-    checkpoints are kept), or ``warn`` and finish it."""
+    """An evaluation along training that fails: ``fail`` the run once training is done (exit 1), or ``warn``."""
 
     def __post_init__(self) -> None:
         _check_choice("eval.on_error", self.on_error, ("fail", "warn"))

@@ -1,10 +1,7 @@
 """Who this process is within its job, as Hydra's resolvers ask: its rank, and the one time stamp of the launch.
 
-``hydra.run.dir``, ``hydra.sweep.dir`` and the log file names of ``conf/`` resolve through here, so every rank of a
-job (under torchrun, Slurm tasks or hlat's own torch elastic agent) writes into one directory. The launcher
-(:mod:`hlat.train.launch`) and the sweep records (:mod:`hlat.track.sweep`) read the rank here too. Only the
-standard library at import (``hlat summary`` composes without torch); torch's TCPStore is imported when a
-torchrun job asks for its stamp.
+``hydra.run.dir`` and the log names resolve here, so every rank of a job writes into one directory. Only the
+standard library at import (``hlat summary`` composes without torch).
 """
 
 from __future__ import annotations
@@ -27,10 +24,8 @@ def global_rank() -> int:
 def job_stamp() -> str:
     """``DATE/TIME`` naming this launch's run or sweep directory: one value for every rank of the job.
 
-    Hydra's own ``${now:...}`` is read by each process, so under ``torchrun`` ranks that start a second apart would
-    write to different directories. Under torchrun the first rank to ask stores its time in the agent's rendezvous
-    store and every other rank (on every node, and after an in-place restart) reads that value back; elsewhere it is
-    simply now.
+    Hydra's ``${now:...}`` differs between ranks that start a second apart, so under torchrun the first rank stores
+    its time in the agent's store and every other rank (and restart) reads it back.
     """
     now = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
     env = os.environ
@@ -56,11 +51,7 @@ def rank_suffix() -> str:
 
 
 def console_level(level: str = "INFO") -> str:
-    """``level`` on global rank 0, ``WARNING`` on the others (resolver of ``conf/hydra/job_logging/hlat.yaml``).
-
-    Under any launcher (torchrun, srun, Slurm tasks, hlat's own) one rank narrates on the console; the others speak up
-    on problems only, and keep their INFO lines in their own ``train_rank<N>.log``.
-    """
+    """``level`` on global rank 0, ``WARNING`` on the others: one rank narrates, each keeps INFO in its own log."""
     return level if global_rank() == 0 else "WARNING"
 
 

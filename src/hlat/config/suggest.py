@@ -1,8 +1,7 @@
 """The "did you mean" of configuration errors: the closest config key, group or option to a mistyped one.
 
-Candidates are the schema's field names (the dataclasses of :mod:`hlat.config`, walked from ``RunConfig``) and the
-config groups and their options under ``conf/``; closeness is :func:`difflib.get_close_matches`. Nothing here
-imports Hydra: the command line (:mod:`hlat.cli`) and the schema (``_Frozen``) call it with what they know.
+Candidates are the schema's field names and ``conf/``'s groups and options, by :func:`difflib.get_close_matches`.
+Nothing here imports Hydra.
 """
 
 from __future__ import annotations
@@ -64,9 +63,7 @@ def key_path(cls: type, root: type) -> str | None:
 
 
 def correct_key(key: str, root: type, conf_dir: Path | None = None) -> str | None:
-    """The existing dotted key closest to ``key`` (``train.max_steps`` -> ``train.steps``, ``modle`` -> ``model``).
-
-    ``root`` is the schema the keys start from (``hlat.config.RunConfig``: this module imports no schema).
+    """The existing dotted key closest to ``key`` (``modle`` -> ``model``) under the schema ``root``.
 
     Returns:
         The corrected key, or None when ``key`` exists or no key is close enough.
@@ -108,10 +105,7 @@ def did_you_mean(key: str, root: type, value: str | None = None, conf_dir: Path 
 
 
 def unknown_key(root: type, cls: type, name: str, value: object = None) -> str:
-    """The message for a key ``name`` that the schema ``cls`` (a section of ``root``) does not have.
-
-    Such a key comes from appending one, e.g. ``+modle=tiny``.
-    """
+    """The message for a key ``name`` (appended with ``+``) that the schema ``cls``, a section of ``root``, lacks."""
     prefix = key_path(cls, root)
     key = f"{prefix}.{name}" if prefix else name
     shown = value if isinstance(value, (str, int, float, bool)) else None

@@ -36,9 +36,8 @@ class ModelConfig(_Frozen):
     scaled_init: bool = True
     """Scale the init std of attention and MLP output projections by 1/sqrt(2*l), l the 1-based layer index."""
     mask_leak: int = 0
-    """Future positions each query may attend to in training. 0 (always, for real training) is causal attention.
-    A positive value deliberately breaks causality to reproduce the paper's leaky-mask bug (train loss falls toward
-    0, slides p.28); only ``experiments/information_leak`` and the tests that prove causality set it."""
+    """Future positions each query may attend to: 0 is causal (real training); > 0 reproduces the paper's leaky-mask
+    bug (``experiments/information_leak``)."""
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -125,13 +124,7 @@ class OptimizerConfig(_Frozen):
 
 @dataclass
 class PrecisionConfig(_Frozen):
-    """Backend-neutral numeric policy (``conf/precision/``); each backend translates it (arXiv 2404.10630 §3.5, §6).
-
-    The presets: ``fp32``; ``bf16`` (pure: bf16 parameters, gradients and AdamW moments, round-to-nearest-even);
-    ``bf16_sr`` (the same, with every bf16 write of the optimizer stochastically rounded, as Trainium does);
-    ``master_weights`` (bf16 parameters and compute, fp32 master copy and moments in the optimizer);
-    ``autocast`` (fp32 parameters, bf16 matmuls).
-    """
+    """Backend-neutral numeric policy (``conf/precision/``, docs/precision.md; arXiv 2404.10630 §3.5, §6)."""
 
     name: str = "fp32"
     """Preset name."""
@@ -140,24 +133,20 @@ class PrecisionConfig(_Frozen):
     compute_dtype: str = "float32"
     """Dtype of the matmuls in forward and backward; bfloat16 with float32 parameters means autocast."""
     master_weights: bool = False
-    """Keep an fp32 master copy of the bf16 parameters, and fp32 AdamW moments, in the optimizer; the update is
-    made on the master and copied into the bf16 parameters. Needs param_dtype=bfloat16."""
+    """Keep fp32 master weights and AdamW moments in the optimizer, copied into the bf16 parameters after each
+    update. Needs param_dtype=bfloat16."""
     stochastic_rounding: bool = False
-    """Write every bf16 tensor the optimizer updates (parameters, and the moments unless master_weights) with
-    stochastic rounding instead of round-to-nearest-even; seeded by train.seed. Needs param_dtype=bfloat16."""
+    """Round every bf16 write of the optimizer stochastically (seeded by train.seed). Needs param_dtype=bfloat16."""
     fp32_grad_accum: bool = True
     """Accumulate gradients over micro-batches in fp32 buffers. Always true with float32 parameters."""
     fp32_reduce: bool = True
     """All-reduce gradients (and tensor-parallel partial sums) in fp32. Always true with float32 parameters."""
     fp32_softmax_ce: bool = True
-    """Softmax and cross-entropy over the vocabulary in fp32. Attention's softmax runs inside the fused attention
-    kernel (SDPA on torch), which keeps its running max and sum in fp32 for bf16 inputs in either case. Always true
-    with float32 compute."""
+    """Softmax and cross-entropy over the vocabulary in fp32 (attention's fused kernel keeps fp32 statistics
+    anyway). Always true with float32 compute."""
     bf16_matmul: str = "auto"
-    """How the torch backend runs bf16 matmuls (linear layers, attention, the LM head): ``native`` bf16 kernels,
-    ``emulated`` (bf16 operands upcast, multiplied in fp32, the result rounded to bf16: bf16 semantics at fp32
-    speed on CPUs without bf16 instructions), or ``auto``, the faster of the two on this host by a cached probe
-    (``hlat.bf16_matmul``). The neuron backend's bf16 is the hardware's; there only ``auto`` or ``native``."""
+    """How the torch backend runs bf16 matmuls: ``native``, ``emulated`` (fp32 multiply, bf16 result), or ``auto``,
+    the faster on this host by a cached probe. The neuron backend takes only ``auto`` or ``native``."""
 
     def __post_init__(self) -> None:
         _check_choice("precision.param_dtype", self.param_dtype, DTYPES)
@@ -213,8 +202,8 @@ class DataConfig(_Frozen):
     shuffle: bool = True
     """Shuffle documents (by train.seed) before packing."""
     loader: str = "online"
-    """online: tokenize and pack on the fly (the paper's loader); offline_packed: pre-tokenize once and
-    sample fixed windows by index (the NeMo/Megatron baseline of the paper's dataloader ablation)."""
+    """online: tokenize and pack on the fly (the paper's loader); offline_packed: pre-tokenize once and sample
+    fixed windows by index (the NeMo/Megatron baseline of the paper's dataloader ablation)."""
     worker: str = "thread"
     """Where the online loader tokenizes ahead of the trainer: thread, process, or none (inline)."""
     prefetch: int = 4
@@ -235,11 +224,7 @@ class DataConfig(_Frozen):
 
 @dataclass
 class ParallelismConfig(_Frozen):
-    """Parallel degrees and memory savers (``conf/parallelism/``).
-
-    Data parallelism fills what tp*pp leaves of the world: ``hlat.parallel.ParallelDims`` derives it and checks
-    every rule against the model and batch.
-    """
+    """Parallel degrees and memory savers (``conf/parallelism/``); data parallelism fills what tp*pp leaves."""
 
     name: str = "single"
     """Preset name."""
@@ -248,16 +233,14 @@ class ParallelismConfig(_Frozen):
     pp: int = 1
     """Pipeline-parallel degree: layers split into pp stages."""
     sequence_parallel: bool = False
-    """Sequence parallelism (Korthikanti et al.): norms and residual activations split along the sequence over the
-    tensor-parallel ranks. Needs tp > 1 and train.seq_len divisible by tp."""
+    """Split norms and residual activations along the sequence over the tp ranks (Korthikanti et al.). Needs tp > 1
+    and train.seq_len divisible by tp."""
     zero1: bool = False
-    """ZeRO-1: shard the optimizer states (and fp32 master weights) over the data-parallel ranks. Required on the
-    neuron backend by precision.master_weights and precision.fp32_grad_accum with bf16 parameters (NxD keeps both
-    inside its ZeRO-1 optimizer)."""
+    """ZeRO-1: shard optimizer states (and fp32 master weights) over the data-parallel ranks; the neuron backend
+    needs it for master_weights and bf16 fp32_grad_accum."""
     activation_checkpointing: str = "none"
-    """none: keep every activation for the backward pass; full: keep only each block's input and recompute the
-    block; selective: recompute only the attention core (softmax(QK^T)V), the paper's choice: a little more memory
-    than full, less recomputation."""
+    """none; full (recompute each block from its input); selective (recompute only the attention core, the paper's
+    choice)."""
 
     def __post_init__(self) -> None:
         _check_range(self, "parallelism.tp", ">= 1", note="(1: no tensor parallelism)")
@@ -288,9 +271,8 @@ class TrainConfig(_Frozen):
     log_every: int = 10
     """Fetch metrics from the device and log them every N steps."""
     progress_every: int | None = None
-    """When the progress goes to a file (stderr is not a terminal): print one plain line every N steps
-    (``step 40/200 loss 6.120 2,480 tok/s eta 4m10s``) instead of tqdm's bar; null: every ``train.log_every``
-    steps (when the loss is fetched). On a terminal the bar is drawn as usual."""
+    """When stderr is not a terminal: one plain progress line every N steps instead of tqdm's bar; null: every
+    ``train.log_every`` steps."""
     seed: int = 1234
     """Seed for initialization, data order and everything else random."""
     checkpoint_every: int = 100
@@ -302,41 +284,27 @@ class TrainConfig(_Frozen):
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this permanently (0: none)."""
     async_checkpoint: bool = True
-    """Write checkpoints in a background thread (torch.distributed.checkpoint ``async_save``): the step waits only
-    for the copy of the state to host memory, not for the disk. false: every save blocks until it is on disk."""
+    """Save in a background thread (DCP ``async_save``): the step waits only for the copy to host memory."""
     resume: str = "auto"
-    """auto: continue from the newest valid checkpoint in the checkpoint directory (skipping incomplete or corrupt
-    ones), or start fresh if there is none; never: start fresh, and refuse a checkpoint directory that already
-    holds checkpoints; otherwise a checkpoint directory, or a checkpoints root whose newest valid one is used."""
+    """auto: the newest valid checkpoint, else start fresh; never: start fresh (refusing existing checkpoints);
+    otherwise a checkpoint directory, or a checkpoints root whose newest valid one is used."""
     init_from: str | None = None
-    """Start a new run (step 0, fresh optimizer and data) from these weights: an hlat checkpoint (``hlat import``
-    writes one from a Hugging Face LLaMA directory) or a Hugging Face LLaMA directory itself. Resuming wins: once the
-    run has checkpoints of its own, ``train.resume`` continues them. The model config must match the weights."""
+    """Start a new run from these weights: an hlat checkpoint or a Hugging Face LLaMA directory. Once the run has
+    checkpoints of its own, ``train.resume`` wins."""
     on_nonfinite: str = "halt"
-    """What a non-finite loss or gradient norm does. halt: stop with an error before anything non-finite is
-    checkpointed (checked at every log interval and before every save); rollback: reload the last checkpoint and
-    skip the batch of the offending step; skip_step: drop that step's update (reads one flag per step on the
-    host). Skipped steps are counted in ``train/skipped_steps``, rollbacks in ``fault/rollbacks``."""
+    """On a non-finite loss or gradient norm: halt (before it is checkpointed), rollback (reload the last checkpoint,
+    skip the batch) or skip_step (drop the update; one host read per step)."""
     dry_run: bool = False
     """Validate, build on the meta device, print the summary and the memory estimate, then exit."""
     compile: bool = False
-    """torch backend: compile each transformer block with ``torch.compile`` (inductor), after activation
-    checkpointing and tensor parallelism and before data-parallel wrapping, as torchtitan does; parameter names,
-    checkpoints and metrics are unchanged. The first step pays the compilation (tens of seconds on a CPU, cached
-    afterwards). The neuron backend refuses it: XLA compiles the whole step graph anyway."""
+    """torch backend: ``torch.compile`` each transformer block (the first step pays the compilation); the neuron
+    backend refuses it."""
     step_breakdown: bool = False
-    """Log where each step's time goes, averaged per log interval: ``time/data_wait_s``, ``time/forward_s``,
-    ``time/backward_s``, ``time/optimizer_s`` (clip + step + zero_grad), ``time/logging_s`` (the metrics hook),
-    ``time/checkpoint_s`` (how long the checkpoint hook blocks the loop) and ``time/other_s`` (the rest of
-    ``perf/step_time_s``). Off by default: on CUDA it synchronizes the device at every phase boundary. The neuron
-    backend refuses it (a step is one traced XLA graph)."""
+    """Log where each step's time goes (``time/<phase>_s``); synchronizes the device at each phase, hence off by
+    default. The neuron backend refuses it."""
     preempt_grace_s: float = 20.0
-    """Seconds a trainer stopped by SIGTERM, SIGINT (Ctrl-C) or Slurm's warning signal (SIGUSR1, SIGUSR2 under
-    submitit) has from the signal to its exit: it finishes the step in flight, writes that step's checkpoint
-    synchronously, marks the MLflow run KILLED and resumable, and exits with code 85 (``hlat.train.preempt``); a slower
-    stop is logged. ``hlat launch`` gives the trainer this plus 10 s (Kubernetes' terminationGracePeriodSeconds,
-    torch elastic's shutdown timeout, the lead of Slurm's warning signal). Kubernetes and Slurm wait 30 s by
-    default."""
+    """Seconds from a stop signal to exit: finish the step, checkpoint it, exit 85; ``hlat launch`` grants this plus
+    10 s (docs/fault-recovery.md)."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
