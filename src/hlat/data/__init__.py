@@ -1,9 +1,7 @@
 """Training data: corpus sources, the builtin corpus, tokenizer, packing and the resumable loaders.
 
-Owns ``sources`` (Arrow / JSONL / Parquet corpora), ``builtin`` (the offline default corpus), ``tokenizer``
-(sentencepiece), ``order`` and ``packing`` (the shuffled, packed stream), ``loader`` (one rank's resumable stream),
-``worker`` (the stream in a background process), ``offline`` (the pre-packed baseline), ``build`` (``build_loader``)
-and ``prepare`` (``hlat data``). May import: ``hlat.config`` and the core modules only.
+Also the pre-packed baseline (``offline``) and ``hlat data`` (``prepare``).
+May import: ``hlat.config`` and the core modules only.
 """
 
 from hlat.data.build import Loader, build_loader

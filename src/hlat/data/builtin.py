@@ -1,13 +1,7 @@
-"""The builtin corpus: real English text that ships with every CPython install.
+"""The builtin corpus: real English text that ships with every CPython install, so a run needs no download.
 
-A pretraining platform needs *some* text to run end to end without a download (smoke tests, CI, the
-tiny presets). The standard library carries about 1.7 MB of hand-written English prose: the pydoc
-topic pages (the language reference behind ``help("if")``) and the docstrings of its modules,
-classes and functions. Docstrings are read with :mod:`ast`, never by importing the modules, so
-building the corpus has no side effects and works for platform-specific modules too.
-
-The corpus is built once (a few seconds), written atomically to an Arrow IPC file with a single
-``text`` column, and reused from then on.
+About 1.7 MB of prose: the pydoc topic pages and the stdlib's docstrings, read with :mod:`ast` (never by importing,
+so no side effects). Built once, in a few seconds, into a cached Arrow IPC file with one ``text`` column.
 """
 
 from __future__ import annotations
@@ -70,12 +64,9 @@ def _docstrings(path: Path) -> list[str]:
 
 
 def collect_documents() -> list[str]:
-    """Extract the builtin corpus from this interpreter's standard library.
+    """The builtin corpus's documents, in a deterministic order: pydoc topics by name, then stdlib docstrings by path.
 
-    Returns:
-        Documents in a deterministic order: the pydoc topics sorted by name, then the docstrings of
-        the stdlib sources in sorted path order. Docstrings shorter than ``MIN_DOCSTRING_CHARS`` and
-        exact duplicates (inherited or copied docstrings) are dropped.
+    Docstrings shorter than ``MIN_DOCSTRING_CHARS`` and exact duplicates are dropped.
     """
     try:
         from pydoc_data.topics import topics
@@ -104,12 +95,7 @@ def _cache_name() -> str:
 
 
 def write_text_arrow(docs: list[str], path: Path) -> None:
-    """Write ``docs`` as an Arrow IPC file with one ``text`` column, atomically.
-
-    The table is written to a temporary file in the same directory and moved into place with
-    :func:`os.replace`, so a crash or a concurrent writer (several ranks on one node) never leaves a
-    truncated file behind at ``path``.
-    """
+    """Write ``docs`` as an Arrow IPC file with one ``text`` column, atomically (several ranks may race)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.table({"text": pa.array(docs, type=pa.string())})
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -123,15 +109,7 @@ def write_text_arrow(docs: list[str], path: Path) -> None:
 
 
 def builtin_corpus_path(cache_dir: Path | str) -> Path:
-    """Path of the builtin corpus (Arrow IPC, ``text`` column), building it on first use.
-
-    Args:
-        cache_dir: Cache root (``data.cache_dir``); ``~`` is expanded. The corpus lives in
-            ``<cache_dir>/builtin/``.
-
-    Returns:
-        The path of the cached corpus file.
-    """
+    """Path of the builtin corpus under ``<cache_dir>/builtin/`` (``data.cache_dir``), building it on first use."""
     path = Path(cache_dir).expanduser() / "builtin" / _cache_name()
     if path.is_file():
         return path

@@ -1,13 +1,8 @@
 """The paper's online loader: shuffled per-rank document streams, tokenized on the fly, packed.
 
-Each epoch visits every row once in a fresh order drawn from ``(seed, epoch)`` by a Feistel
-permutation (``order.py``: O(1) memory, any position computable); data-parallel rank ``r`` of ``n``
-reads positions ``r, r + n, r + 2n, ...`` of that order, so the ranks' streams are disjoint and
-together cover the epoch. Rows are read (memory-mapped), tokenized a chunk at a time and packed.
-
-The stream's position is three integers: the epoch, the document the next sequence starts in, and
-the token offset inside it (``Packer.position``). A resumed stream re-reads that document, drops the
-offset, and continues with exactly the tokens an uninterrupted one would have produced.
+Each epoch's order is a permutation of ``(seed, epoch)``; rank ``r`` of ``n`` reads positions ``r, r + n, ...``.
+The position is (epoch, document, token offset), so a resumed stream yields exactly the tokens an uninterrupted
+one would.
 """
 
 from __future__ import annotations
@@ -73,11 +68,7 @@ IDENTITY_KEYS = ("loader", "seed", "shuffle", "dp_rank", "dp_size", "data", "tok
 def check_identity(
     saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...] = IDENTITY_KEYS, version: int = STATE_VERSION
 ) -> None:
-    """Refuse to resume a stream whose loader, data, tokenizer, seed or rank layout changed.
-
-    One line: each change in words (the data's files and rows, not its fingerprint), then the two ways on: resume
-    with what the checkpoint was saved with, or start a new run.
-    """
+    """Refuse, in one line naming each change and the ways on, to resume a stream whose inputs changed."""
     saved, current = {"loader": "online", **saved}, {"loader": "online", **current}  # older states have no loader
     changes, restore = [], []
     for key in keys:
@@ -114,11 +105,7 @@ def check_identity(
 
 
 def describe_change(saved: str | None, current: str) -> str:
-    """How the data of fingerprint ``saved`` (:attr:`TextSource.fingerprint`) differs from ``current``, in words.
-
-    ``the data (data.path) changed since the checkpoint was saved: corpus.jsonl has 481,794 bytes now, 963,588
-    then, 1,500 rows now, 3,000 then``. Files are named by their name, as the fingerprint records them.
-    """
+    """How the data of fingerprint ``saved`` (:attr:`TextSource.fingerprint`) differs from ``current``, in words."""
     try:
         (old_rows, old_files), (new_rows, new_files) = _parse_fingerprint(saved or ""), _parse_fingerprint(current)
     except ValueError:  # not a fingerprint of this format: show both as they are
@@ -152,12 +139,7 @@ def rows_per_rank(num_rows: int, dp_rank: int, dp_size: int) -> int:
 class PackedStream:
     """Synchronous producer of packed windows for one rank (the worker runs one of these).
 
-    Args:
-        spec: The stream's parameters.
-        source: The documents.
-        tokenizer: The tokenizer; its EOS separates documents.
-        cursor: Where to start: ``{"epoch", "position", "offset", "documents", "skipped", "batches"}``
-            as found in a state dict; None starts at the beginning.
+    ``cursor``: where to start, as :meth:`cursor` returned it (keys of ``START``); None starts at the beginning.
     """
 
     def __init__(self, spec: StreamSpec, source: TextSource, tokenizer: Tokenizer, cursor: dict | None = None) -> None:

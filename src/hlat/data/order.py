@@ -1,11 +1,8 @@
 """Seeded permutations of [0, n) computed element by element: a global shuffle in O(1) memory.
 
-The paper shuffles all samples, then splits them into one stream per data-parallel rank. Materializing
-a permutation of a billion documents costs 8 GB per rank and must be redone every epoch; a Feistel
-network is a bijection on [0, 2^(2h)) that needs only its round keys, and "cycle walking" (re-applying
-it until the value falls below n) restricts it to [0, n). Any position of any epoch is computed on
-demand, so resuming needs nothing but the position. Pure integer arithmetic: identical on every
-platform and numpy version.
+A permutation array of a billion documents would cost 8 GB per rank; a Feistel network restricted to [0, n) by
+cycle walking needs only its round keys, and resuming needs only the position. Pure integer arithmetic, so
+identical on every platform.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Pack tokenized documents into fixed-length training sequences, without padding or loss.
+"""Pack tokenized documents, each followed by EOS, into ``seq_len + 1``-token windows: no padding, nothing dropped.
 
-Documents are joined into one token stream with EOS after each document, and the stream is cut into
-windows of ``seq_len + 1`` tokens (inputs = window[:-1], targets = window[1:]). Consecutive windows
-start ``seq_len`` tokens apart, i.e. they share one token: the last target of a window is the first
-input of the next (Megatron-LM's GPT dataset does the same). With that stride every token of the
-stream is predicted exactly once; disjoint windows would never train the pair that straddles two.
-
-Tokens that do not fill a window stay in the buffer for the next one: nothing is dropped or padded,
-and a window may span several documents (attention is not masked at EOS, as in LLaMA pretraining).
-
-The packer also remembers which document each buffered token came from, so the start of the next
-window can be named as ``(tag, offset)``: the tag its stream gave that document (e.g. epoch and
-position) and the token offset inside it. That is the whole resume state: re-reading the document
-and dropping ``offset`` tokens rebuilds the buffer exactly, however many tokens were left over.
+Windows start ``seq_len`` apart and so share one token (as Megatron-LM's GPT dataset): every token is predicted
+exactly once. A window may span documents (no masking at EOS, as in LLaMA). The resume state is the ``(tag,
+offset)`` where the next window starts: re-reading that document and dropping ``offset`` tokens rebuilds the buffer.
 """
 
 from __future__ import annotations
@@ -56,8 +46,7 @@ class Packer:
     def add(self, docs: Iterable[Sequence[int]], tags: Iterable[Hashable], skip: int = 0) -> None:
         """Append tokenized documents, each followed by EOS; ``tags`` name them for :meth:`position`.
 
-        ``skip`` drops that many tokens from the front of the first document (used on resume); it may
-        reach the document's EOS (``skip == len(ids)``) but not beyond.
+        ``skip`` (on resume) drops that many tokens of the first document, at most all of them.
         """
         for i, (ids, tag) in enumerate(zip(docs, tags, strict=True)):
             drop = skip if i == 0 else 0

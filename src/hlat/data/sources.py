@@ -1,12 +1,7 @@
 """Read training documents from Arrow IPC, Parquet or JSONL files (or a directory of them).
 
-Everything a user can get wrong about the data (a typo in the path, the wrong column, a numeric
-column) is checked here, before any tokenizer training or model building, and reported as a
-:class:`~hlat.config.ConfigError` that names the ``data.*`` key and the fix.
-
-The reader works file by file (:func:`read_text_column`), so a later streaming reader can iterate
-files and record batches without changing the validation; :func:`load_documents` simply collects
-everything into memory, which is what the current loader needs.
+What a user can get wrong about the data (the path, the column, its type) is refused here, before any tokenizer
+or model is built, with a :class:`~hlat.config.ConfigError` naming the ``data.*`` key and the fix.
 """
 
 from __future__ import annotations
@@ -53,16 +48,13 @@ class Documents:
 
 
 def resolve_files(path: Path | str) -> list[Path]:
-    """The data files behind ``data.path``: the file itself, or a directory's supported files.
+    """The data files behind ``data.path``: the file itself, or a directory's supported files, sorted by path.
 
-    Directories are searched recursively; files are returned sorted by their path relative to the
-    directory so the document order does not depend on the filesystem. Hidden files and dataset
-    metadata are ignored; other unsupported files in a directory are ignored too (a README next to
-    the shards is normal), but a single file with an unsupported extension is an error.
+    In a directory, hidden, metadata and unsupported files (a README) are ignored.
 
     Raises:
-        ConfigError: The path does not exist, has an unsupported extension, or is a directory
-            without any supported file.
+        ConfigError: The path does not exist, is a file of an unsupported extension, or is a directory without
+            any supported file.
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -90,11 +82,7 @@ def resolve_files(path: Path | str) -> list[Path]:
 
 
 def open_ipc(path: Path, key: str = "data.path") -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
-    """Open a memory-mapped Arrow IPC file or stream; a ConfigError names ``key`` if it is neither.
-
-    Both IPC flavours are common: the random-access "file" format (pyarrow.feather, polars, ``hlat data
-    prepare``) and the "stream" format (HF datasets).
-    """
+    """Open a memory-mapped Arrow IPC file (pyarrow, polars) or stream (HF datasets); else a ConfigError on ``key``."""
     try:
         source = pa.memory_map(str(path))
         try:
@@ -191,14 +179,7 @@ def check_column(path: Path, schema: pa.Schema, text_column: str, key: str = "da
 
 
 def read_text_column(path: Path, text_column: str) -> pa.ChunkedArray:
-    """Read and validate the text column of one data file.
-
-    Args:
-        path: An Arrow IPC, Parquet or JSONL file.
-        text_column: Name of the string column (``data.text_column``).
-
-    Returns:
-        The column, possibly containing nulls and empty strings.
+    """The text column (``data.text_column``) of one data file, nulls and empty strings included.
 
     Raises:
         ConfigError: The file cannot be parsed, lacks the column, or the column is not a string.
@@ -230,15 +211,10 @@ def _decode(values: list) -> list[str | None]:
 
 
 class TextSource:
-    """Random access to the documents of one or more files, by global row index.
+    """Random access to the documents of one or more files, by global row index (files in path order).
 
-    Arrow IPC files are memory-mapped (nothing is read until a row is); Parquet and JSONL are decoded
-    into memory. Rows that are null, blank or not valid UTF-8 read as None: the loader counts and skips
-    them. Row order is file order (files sorted by path), then row order within each file.
-
-    Args:
-        path: A supported file or a directory of them (``data.path``).
-        text_column: Name of the string column / JSONL key (``data.text_column``).
+    Arrow IPC is memory-mapped; Parquet and JSONL are decoded into memory. Rows that are null, blank or not valid
+    UTF-8 read as None (the loader counts and skips them).
 
     Raises:
         ConfigError: See :func:`resolve_files` and :func:`read_text_column`; or every row is null.
@@ -267,10 +243,7 @@ class TextSource:
 
     @property
     def fingerprint(self) -> str:
-        """Identity of the data for resume checks: files, sizes and row count (not a content hash).
-
-        ``<rows>|<file name>:<bytes>|...``; ``hlat.data.loader.describe_change`` words how two of them differ.
-        """
+        """Identity of the data for resume checks, ``<rows>|<file name>:<bytes>|...`` (not a content hash)."""
         parts = [f"{f.name}:{f.stat().st_size}" for f in self.files]
         return f"{len(self)}|" + "|".join(parts)
 
@@ -298,8 +271,7 @@ class TextSource:
     def no_documents(self, what: str) -> ConfigError:
         """The error for data that yields no document: ``what`` (``every value``...) is null, blank or not UTF-8.
 
-        Where values are not UTF-8 it names the first one (file, line and byte offset for JSONL) and how to
-        re-encode the file; otherwise it points at ``data.path`` and ``data.text_column``.
+        It names the first value that is not UTF-8, if any, and how to re-encode its file.
         """
         where = f"data.path={self.path} holds no documents: {what} of data.text_column={self.text_column!r}"
         return ConfigError(f"{where} is null, blank or not UTF-8; {self.encoding_problem() or _FIX_TEXT}")
@@ -359,14 +331,7 @@ def _first_bad_line(path: Path) -> tuple[int, int] | None:
 
 
 def load_documents(path: Path | str, text_column: str = "text") -> Documents:
-    """Read every non-skipped document under ``path`` into memory (small corpora, tests, tools).
-
-    Args:
-        path: A supported file or a directory of them (``data.path``).
-        text_column: Name of the string column / JSONL key (``data.text_column``).
-
-    Returns:
-        The non-empty documents in file order, plus how many null/empty ones were skipped.
+    """Read every non-empty document under ``path`` into memory (small corpora, tests, tools).
 
     Raises:
         ConfigError: See :func:`resolve_files` and :func:`read_text_column`.

@@ -1,10 +1,7 @@
 """SentencePiece tokenizer: load a user's ``.model`` or train a LLaMA-style one on the data and cache it.
 
-Training follows LLaMA's recipe (BPE, byte fallback so no text is ever ``<unk>``, digits split into
-single tokens, no normalization so decoding reproduces the input byte for byte) with unk=0, bos=1,
-eos=2 and no pad piece. It is deterministic: the whole input is used (no sampling) and the thread
-count is fixed, because the unigram trainer's result depends on it. The trained model is cached
-under a hash of the training text and settings, so every later run (and every rank) reuses it.
+Training follows LLaMA's recipe (BPE, byte fallback, split digits, no normalization; unk=0, bos=1, eos=2),
+deterministically, and is cached under a hash of the text and settings so every later run and rank reuses it.
 """
 
 from __future__ import annotations
@@ -193,8 +190,7 @@ def load_tokenizer(path: Path | str, vocab_size: int) -> Tokenizer:
     """Load the user's tokenizer (``data.tokenizer``) and check it against ``model.vocab_size``.
 
     Raises:
-        ConfigError: The file is missing or unreadable, its vocabulary size differs from
-            ``vocab_size``, or it has no EOS piece (packing separates documents with EOS).
+        ConfigError: The file is missing or unreadable, its vocabulary size differs, or it has no EOS piece.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -228,16 +224,7 @@ def load_or_train_tokenizer(
     vocab_size: int,
     cache_dir: Path | str,
 ) -> Tokenizer:
-    """The tokenizer for a run: ``data.tokenizer`` if set, else one trained on the data (cached).
-
-    Args:
-        cfg: Data config; ``tokenizer``, ``tokenizer_type`` and ``text_column`` are used.
-        texts_or_corpus_path: The training documents, or a file/directory to read them from.
-        vocab_size: Required vocabulary size (``model.vocab_size``).
-        cache_dir: Cache root; trained models go to ``<cache_dir>/tokenizers/``.
-
-    Returns:
-        The loaded tokenizer.
+    """The tokenizer for a run: ``data.tokenizer`` if set, else one trained on the data, cached in ``cache_dir``.
 
     Raises:
         ConfigError: See :func:`load_tokenizer`; or training cannot produce ``vocab_size`` pieces.

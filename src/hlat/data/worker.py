@@ -1,9 +1,7 @@
-"""Run a ``PackedStream`` ahead of the trainer in a background thread or process.
+"""Run a ``PackedStream`` ahead of the trainer in a background thread or process, ``prefetch`` batches deep.
 
-The worker puts ``(windows, cursor, busy_seconds)`` into a bounded queue, ``prefetch`` batches deep.
-Each item carries the stream's cursor *after* that batch, so ``state_dict()`` describes exactly what
-the trainer consumed, never what was merely prefetched. A worker error (bad data found mid-epoch)
-is re-raised in the trainer at the batch where it happened.
+Each batch carries the cursor after it, so ``state_dict()`` is what the trainer consumed, not what was
+prefetched; a worker's error is re-raised in the trainer at the batch where it happened.
 """
 
 from __future__ import annotations
@@ -76,12 +74,7 @@ def _process_main(spec: StreamSpec, cursor: dict | None, q: Any, stop: Any) -> N
 class OnlineLoader:
     """Infinite iterator of packed ``(inputs, targets)`` micro-batches for one data-parallel rank.
 
-    Args:
-        spec: The stream's parameters.
-        source: The documents (used directly by ``none`` and ``thread`` workers).
-        tokenizer: The tokenizer.
-        worker: ``thread``, ``process`` or ``none`` (tokenize inline, in the trainer's thread).
-        prefetch: Batches the worker keeps ready.
+    ``worker``: ``thread``, ``process`` or ``none`` (inline); ``prefetch``: batches it keeps ready.
     """
 
     def __init__(
