@@ -1,20 +1,8 @@
 """Checkpoints: atomic, verified step directories, the job files beside them, and reading their weights.
 
-Owns this module (the policy: where and when to save, atomic step directories, finding the newest valid one, the
-:class:`Checkpointer`), ``manifest`` (what a complete, intact checkpoint is; whether a config can load one),
-``job_dir`` (the job record, the trainer lock, writability and free space), ``weights`` (reading an hlat
-checkpoint's or a Hugging Face directory's weights and tokenizer: ``train.init_from`` and evaluation) and
-``hf_layout`` (the Hugging Face LLaMA layout and ``config.json``). Training and evaluation both import it.
-
-*How* weights and optimizer state are written is the backend's business (``Backend.save``/``load``:
-torch.distributed.checkpoint on the torch backend, sharded NxD files on Trainium). This module makes each save
-atomic: the backend writes into ``step_XXXXXXXX.tmp/`` (in a background thread when the save is asynchronous), then
-``manifest.json`` (step, every file's size and sha256, the config and its hash) goes in last and the directory is
-renamed. A directory without a manifest is never loaded, and one whose files do not match their checksums is
-skipped with a warning naming it. Retention deletes old checkpoints only after a new one is complete.
-
-May import: ``hlat.config``, the core modules, ``hlat.plan``, ``hlat.data``, ``hlat.backends`` and ``hlat.track``.
-Never ``hlat.health``, ``hlat.train`` or the commands (tests/unit/test_import_boundaries.py draws the graph).
+The backend writes into ``step_XXXXXXXX.tmp/``; ``manifest.json`` (sizes, sha256s, config) goes in last and the
+directory is renamed, so one without a manifest is never loaded and one that fails its checksums is skipped.
+May import: ``hlat.config``, the core, ``hlat.plan``, ``hlat.data``, ``hlat.backends``, ``hlat.track``.
 """
 
 from __future__ import annotations
@@ -85,8 +73,7 @@ def latest(root: Path) -> Path | None:
 def newest_complete(root: Path) -> Path | None:
     """The newest checkpoint under ``root`` with a well-formed manifest and every file at its size (None: none).
 
-    Cheap, without checksums: what a message may name as the checkpoint a rerun continues from (a resume itself
-    goes through :func:`latest`, which also verifies the checksums).
+    Without checksums (unlike :func:`latest`): cheap enough for a message naming what a rerun continues from.
     """
     for p in sorted(root.glob("step_*"), reverse=True):
         if not p.name.endswith(".tmp") and not problems(p):
@@ -95,11 +82,7 @@ def newest_complete(root: Path) -> Path | None:
 
 
 def resolve(path: str, key: str = "train.resume") -> Path:
-    """A checkpoint directory, or the latest valid one under a checkpoints root; ConfigError if none.
-
-    ``key``: the setting that named ``path`` (``train.resume``, or ``eval.checkpoint`` for ``hlat eval``), for the
-    messages.
-    """
+    """A checkpoint directory, or the latest valid one under a checkpoints root; ConfigError on ``key`` if none."""
     p = Path(path).expanduser()
     if (manifest(p) or {}).get("weights_only"):
         raise ConfigError(
@@ -127,8 +110,7 @@ def resolve(path: str, key: str = "train.resume") -> Path:
 def find_resume(resume: str, root: Path) -> Path | None:
     """The checkpoint a run starts from under ``train.resume`` (auto | never | a path), given its checkpoint root.
 
-    auto: the newest valid checkpoint in ``root``, None if there is none. never: None, but a ``root`` that already
-    holds a valid checkpoint is refused (the new run's checkpoints would mix with the old ones).
+    ``never`` refuses a ``root`` that already holds a valid checkpoint: the new run's would mix with the old ones.
     """
     if resume == "never":
         found = latest(root)
@@ -154,15 +136,12 @@ def checkpoint_root(cfg: RunConfig, run_dir: Path) -> Path:
 
 
 def restart_resume(resume: str, root: Path) -> str:
-    """``train.resume`` for this attempt: a torch elastic restart continues the job's own progress.
+    """``train.resume`` for this attempt: once the job has checkpoints, a restart continues them (``auto``).
 
-    A restarted worker (under hlat's supervision or an external torchrun, Slurm or a PyTorchJob) reruns the same
-    command line: with ``never`` it would refuse its own checkpoints, and with a path it would go back to the
-    checkpoint the job started from. Once the job has written checkpoints, ``auto``. Whether this is a restart is
-    decided by the attempt every rank agrees on (:func:`hlat.attempt.current`), never by one agent's
-    ``TORCHELASTIC_RESTART_COUNT``: a node restarted only because another node's worker died counts 0 there, and
-    would have started over while the other nodes resumed.
+    A restart reruns the same command line, whose ``never`` or path would refuse or rewind the job's own progress.
     """
+    # A restart is the attempt every rank agrees on (hlat.attempt.current), not TORCHELASTIC_RESTART_COUNT: a node
+    # restarted only because another node's worker died counts 0 there, and would start over.
     from hlat import attempt
 
     restarted = attempt.current() > 0
@@ -172,11 +151,7 @@ def restart_resume(resume: str, root: Path) -> str:
 
 
 def _disk_full(e: BaseException) -> bool:
-    """Whether ``e`` is a disk-full error, or wraps or follows one.
-
-    torch.distributed.checkpoint wraps a writer's error per rank, as ``(exception, traceback)`` pairs in
-    ``CheckpointException.failures``.
-    """
+    """Whether ``e`` is a disk-full error, or wraps (``CheckpointException.failures``) or follows one."""
     seen: list[BaseException] = []
     todo: list[Any] = [e]
     while todo:
@@ -201,13 +176,9 @@ or ``complete`` (renamed into place)."""
 class Checkpointer:
     """Loop hook: saves every ``every`` steps (0: never mid-run) and after the last step, at most one save in flight.
 
-    Every rank calls it (the backend's save is collective); rank 0 alone writes the manifest, renames and prunes.
-    ``extra_fn`` supplies the framework-neutral state (train state, data-loader position, RNG, job record). With
-    ``async_save`` the backend copies the state to host memory and the disk writes, checksums, manifest, rename
-    and retention run in a background thread; an error there (e.g. a full disk) is raised by the next ``save`` or
-    by ``wait``. Checkpoints at multiples of ``keep_every`` (0: none) survive retention of the newest ``keep_last``
-    (0 keeps all). ``meta`` (the config) goes into every manifest. ``on_saved(directory, step)`` runs on rank 0
-    after each checkpoint is complete.
+    Every rank calls it (the save is collective); rank 0 alone writes the manifest, renames and prunes. With
+    ``async_save`` all but the copy to host memory runs in a background thread, whose error the next ``save`` or
+    ``wait`` raises. ``extra_fn``: the framework-neutral state; ``on_saved(directory, step)``: runs on rank 0.
     """
 
     def __init__(

@@ -1,22 +1,8 @@
 """The Hugging Face LLaMA layout: pure conversions between hlat's model and ``LlamaForCausalLM``.
 
-Owns the tensor mapping both ways (``to_hf``, ``from_hf``), ``config.json`` both ways (``hf_config``,
-``model_config_from_hf``), reading safetensors files (``read_safetensors``), the shape checks of a state dict against a
-model config (``expected_shapes``, ``check_tensors``), the file names of the layout, and reading a whole HF directory
-into hlat's layout (``import_hf``). Nothing here reads an hlat checkpoint or a tokenizer: ``hlat.checkpoint.weights``
-(``train.init_from``, and every reader of checkpoints) and ``hlat.eval.hf`` (``hlat export`` / ``hlat import``) build on
-it.
-
-The weight mapping is a relabelling plus two splits, with no rotary permutation: hlat's RoPE already is HF's
-rotate-half convention (``model.rope_tables``/``apply_rope``), so HF's ``q_proj``/``k_proj`` rows are hlat's
-per-head rows as they are (the permutation in HF's ``convert_llama_weights_to_hf.py`` converts *Meta's*
-interleaved-pair layout, which hlat never used). The fused qkv weight holds per kv group g the rows
-``[q_{g*r} .. q_{g*r+r-1}, k_g, v_g]`` (r = n_heads / n_kv_heads, head_dim rows each): query head h uses kv
-head h // r in both models. The fused gate_up weight is ``[gate; up]``; a torch-backend checkpoint saved with
-``parallelism.tp`` = t > 1 holds it reordered for the split, ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]``, which
-``hlat.checkpoint.weights.load_checkpoint_weights`` puts back in order. The LM head is never tied in hlat.
-
-May import: ``hlat.config`` and ``hlat.model`` only (and torch, safetensors).
+Tensors and ``config.json`` both ways, safetensors, shape checks, and reading a whole HF directory; nothing here
+reads an hlat checkpoint or a tokenizer (``weights`` and ``hlat.eval.hf`` build on it).
+May import: ``hlat.config`` and ``hlat.model`` only.
 """
 
 from __future__ import annotations
@@ -56,6 +42,7 @@ REQUIRED = (
 
 def to_hf(cfg: ModelConfig, sd: Tensors) -> Tensors:
     """Map hlat's state dict (fused qkv and gate_up, in the tp=1 layout) -> HF ``LlamaForCausalLM`` tensor names."""
+    # No rotary permutation: hlat's RoPE is HF's rotate-half already (HF's convert script permutes Meta's layout).
     G, r, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
     out = {
         "model.embed_tokens.weight": sd["embed.weight"],
@@ -253,16 +240,9 @@ def check_tensors(have: dict[str, torch.Size], want: dict[str, torch.Size], wher
 
 
 def import_hf(hf_dir: Path, *, untie_embeddings: bool = False) -> tuple[ModelConfig, Tensors, Path | None]:
-    """Read a HF LLaMA-layout directory (``config.json``, safetensors, optional ``tokenizer.model``).
+    """Read a HF LLaMA-layout directory: hlat's model config, its state dict (HF's dtype), its ``tokenizer.model``.
 
-    Args:
-        hf_dir: The directory (``save_pretrained`` output or a downloaded model snapshot).
-        untie_embeddings: Accept ``tie_word_embeddings=true``: the LM head starts as a copy of the embedding and
-            is trained separately from then on.
-
-    Returns:
-        hlat's model config, its state dict (HF's dtype), and the sentencepiece model (None if the directory has
-        none: hlat then needs ``data.tokenizer`` with ``vocab_size`` pieces).
+    ``untie_embeddings`` accepts tied embeddings: the LM head starts as a copy and is trained apart.
 
     Raises:
         ConfigError: Missing files, an architecture hlat does not implement, or tensors that do not match.

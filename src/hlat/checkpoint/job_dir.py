@@ -1,7 +1,6 @@
 """The checkpoint directory as the job's home: writable and large enough, its job record, its one-trainer lock.
 
-``hlat.checkpoint`` owns the step directories inside it (and re-exports these names); this module owns the files
-beside them: ``job.json`` (the MLflow run id and uptime accounting, written at every start) and ``.lock``.
+The files beside the step directories: ``job.json`` (MLflow run id, uptime accounting) and ``.lock``.
 """
 
 from __future__ import annotations
@@ -94,8 +93,7 @@ _HELD: dict[Path, Any] = {}
 def hold_lock(root: Path) -> Any:
     """Lock ``root`` for this trainer (rank 0) until the returned file is closed or the process dies.
 
-    Two trainers writing checkpoints into one directory would corrupt each other's resume; a sweep also asks
-    :func:`is_locked` before it continues a run that looks dead. Returns None where the filesystem has no locks.
+    Two trainers writing one directory would corrupt each other's resume. Returns None where there are no locks.
 
     Raises:
         ConfigError: Another live process holds the lock.

@@ -1,8 +1,6 @@
 """Checkpoint manifests: what a complete, intact checkpoint is, and whether a config can load one.
 
-A checkpoint is a ``step_XXXXXXXX/`` directory whose ``manifest.json``, written last, records the step, every
-file's size and sha256, and the config that wrote it. This module reads and verifies manifests and compares a
-saved config with the run's (``check_compatible``); the package (:mod:`hlat.checkpoint`) writes them.
+``manifest.json``, written last, records the step, every file's size and sha256, and the config that wrote it.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ def config_hash(config: dict[str, Any]) -> str:
 def _shape_problem(meta: Any) -> str | None:
     """Why parsed ``manifest.json`` content is not a manifest hlat wrote (None: it has the right shape).
 
-    A manifest is an object with ``files`` (name -> size, or ``{"size": int, "sha256": str}``) and optionally an
-    integer ``step`` and ``config`` / ``model`` objects; anything else is damage (or another tool's file).
+    A manifest: ``files`` (name -> size or ``{"size", "sha256"}``), optionally an int ``step`` and ``config`` /
+    ``model`` objects.
     """
     if not isinstance(meta, dict):
         return f"holds a JSON {type(meta).__name__}, not an object"
@@ -117,11 +115,9 @@ LAYOUT_KEYS = {
 
 
 def check_compatible(path: Path, config: dict[str, Any]) -> None:
-    """Refuse, before anything is built, to resume a checkpoint whose saved state this config cannot load.
+    """Refuse, before anything is built, to resume a checkpoint whose saved state ``config`` cannot load.
 
-    ``config`` is the run's resolved config as nested plain values. A change of model shape, parallel layout or
-    parameter/optimizer storage is a ConfigError naming every such key; any other change (more steps, another
-    learning rate, ...) is allowed and logged.
+    A change of model shape, layout or storage dtype is a ConfigError naming each key; other changes are logged.
     """
     meta = manifest(path) or {}
     if "config" in meta:

@@ -1,20 +1,8 @@
 """Reading an hlat checkpoint's weights and tokenizer, or a Hugging Face LLaMA directory's, outside training.
 
-Owns finding a checkpoint (``find_checkpoint``: a ``step_N`` directory, a run's ``checkpoints/`` directory or a run
-directory holding one, then the newest checkpoint whose files match their checksums), its recorded config
-(``run_config``, ``model_config``), its model weights (``read_weights``, ``load_checkpoint_weights``: from the torch
-backend's torch.distributed.checkpoint files, with no process group; tensor- or FSDP-sharded saves are resharded into
-one plain model, and the fused gate_up rows a tensor-parallel run interleaved are put back in order), and the tokenizer
-the run trained with (``find_tokenizer``): ``data.tokenizer`` if the run named one, else the run's trained tokenizer
-from ``data.cache_dir`` (retrained from the same data, deterministically, if the cache is gone), checked against the
-fingerprint the data loader saved in the checkpoint. A weights-only checkpoint (``hlat import``) brings its own
-tokenizer file. It also picks the weights a new run starts from (``load_init_weights``: ``train.init_from``).
-
-Training (``train.init_from``) and evaluation, export and import (``hlat.eval``) all read checkpoints through
-this module.
-
-May import: ``hlat.config``, the core modules (``hlat.model``, ``hlat.safe_load``), ``hlat.data``,
-``hlat.backends.torch_dist`` and the rest of ``hlat.checkpoint``. Never ``hlat.train``, ``hlat.eval`` or ``hlat.cli``.
+Finding a checkpoint, its recorded config, its weights (one process, resharded to the tp=1 layout), the tokenizer
+it trained with, and the weights of ``train.init_from``; evaluation, export and import read checkpoints here too.
+May import: ``hlat.config``, the core, ``hlat.data``, ``hlat.backends.torch_dist``, the rest of ``hlat.checkpoint``.
 """
 
 from __future__ import annotations
@@ -63,11 +51,7 @@ SHAPE = {
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or the newest intact one under it.
-
-    Args:
-        path: A ``step_N`` checkpoint (or a weights-only one from ``hlat import``), a checkpoints root holding
-            ``step_*`` directories, or a run directory holding ``checkpoints/``.
+    """The checkpoint ``path`` names: a ``step_N`` directory, or the newest intact one in a checkpoints or run dir.
 
     Raises:
         ConfigError: Nothing is there, the named checkpoint is damaged, or no complete checkpoint is found.
@@ -146,10 +130,7 @@ def _value(tp: Any, v: Any) -> Any:
 
 
 def check_torch_backend(path: Path) -> None:
-    """ConfigError unless the checkpoint holds torch.distributed.checkpoint files (torch backend or ``hlat import``).
-
-    They are the only checkpoints read outside training: evaluation, ``hlat export`` and ``train.init_from``.
-    """
+    """ConfigError unless the checkpoint holds DCP files (torch backend), the only kind read outside training."""
     backend = ((ckpt.manifest(path) or {}).get("config") or {}).get("cluster", {}).get("backend", "torch")
     if backend != "torch":
         what = f"was written by the {backend} backend (NxD xser shards, not torch.distributed.checkpoint)"
@@ -166,19 +147,11 @@ def check_torch_backend(path: Path) -> None:
 def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> Tensors:
     """The model weights of the DCP checkpoint at ``path`` (no optimizer state), in the tp=1 layout.
 
-    One process reads the whole model without a process group: tensor- or FSDP-sharded saves are resharded into
-    whole tensors, and the fused gate_up rows that a run with ``parallelism.tp`` = t > 1 stored as
-    ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]`` (``backends/torch_dist.py``) are put back as ``[gate; up]``.
-
-    Args:
-        path: A checkpoint directory (see :func:`check_torch_backend`).
-        cfg: Its model config; the stored tensors must have its shapes.
-        into: Tensors to load into, cast to their dtype and device (a model's ``state_dict()``); default: new CPU
-            tensors in the stored dtype.
+    One process, no process group: sharded saves are resharded, and a tp > 1 run's interleaved gate_up rows are
+    put back as ``[gate; up]``. ``into``: tensors to load into (default: new CPU tensors in the stored dtype).
 
     Raises:
-        ConfigError: The stored tensors do not match ``cfg``, or the checkpoint holds more than data (it is not
-            trusted: see :mod:`hlat.safe_load`).
+        ConfigError: The stored tensors do not match ``cfg``, or the checkpoint is not trusted (:mod:`hlat.safe_load`).
     """
     md = safe_load.read_metadata(path).state_dict_metadata  # never unpickles code from the checkpoint
     stored = {
@@ -201,14 +174,7 @@ def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> T
 
 
 def load_checkpoint_weights(path: str | Path) -> tuple[ModelConfig, Tensors, Path]:
-    """The model of an hlat checkpoint (torch backend, or weights-only) in its stored dtype, in the tp=1 layout.
-
-    Args:
-        path: A checkpoint directory, a checkpoints root or a run directory (see :func:`find_checkpoint`).
-
-    Returns:
-        The model config from the manifest, the state dict (hlat names, CPU), and the checkpoint directory used.
-    """
+    """The model config, state dict (CPU, stored dtype, tp=1 layout) and directory of the checkpoint ``path`` names."""
     path = find_checkpoint(path)
     check_torch_backend(path)
     cfg = model_config(path)
@@ -229,16 +195,9 @@ def find_tokenizer(
 ) -> Tokenizer:
     """The sentencepiece tokenizer a checkpoint's model was trained with.
 
-    The first of: ``explicit``; the file a weights-only checkpoint carries; the run's ``data.tokenizer``; the
-    tokenizer the run trained and cached under ``data.cache_dir``, found by the fingerprint that the data loader
-    saved in the checkpoint; with ``retrain``, the one ``hlat.data.build_loader`` trains on the run's data
-    (deterministically: the same one, unless the data changed). All but ``explicit`` must have that fingerprint.
-
-    Args:
-        path: The checkpoint directory.
-        explicit: A sentencepiece ``.model`` to use instead (another fingerprint is only a warning).
-        vocab: The model's vocabulary size, to check the tokenizer against (None: unchecked).
-        retrain: Train the tokenizer again when it is not in the cache (needs ``vocab``).
+    The first of: ``explicit``; a weights-only checkpoint's own file; the run's ``data.tokenizer``; the one it cached
+    under ``data.cache_dir``; with ``retrain`` (needs ``vocab``), trained again on the run's data. All but
+    ``explicit`` must match the fingerprint the checkpoint's data state saved.
 
     Raises:
         ConfigError: No tokenizer is found, or the one found is not the one the run trained with.
@@ -299,22 +258,12 @@ def _open_tokenizer(path: str | Path, vocab: int | None) -> Tokenizer:
 
 
 def load_init_weights(path: Path, cfg: ModelConfig) -> tuple[Tensors, Path | None]:
-    """The weights a new run starts from (step 0, fresh optimizer): an hlat checkpoint or a HF LLaMA directory.
+    """The weights a new run starts from (an hlat checkpoint or a HF LLaMA directory) and their tokenizer, if known.
 
-    Load them into the model built from ``cfg`` after ``init_weights`` and *before* any dtype cast or
-    tensor-parallel split (the torch backend reorders gate_up for TP after that point).
-
-    Args:
-        path: An hlat checkpoint (full or weights-only, e.g. from ``hlat import``), a checkpoints root (its newest
-            valid checkpoint), or a HF LLaMA-layout directory.
-        cfg: The run's model config; the weights must have its shape.
-
-    Returns:
-        The state dict (hlat names, tp=1 layout, stored dtype) and the tokenizer that goes with it (None: unknown).
+    Load them after ``init_weights`` and before any dtype cast or tensor-parallel split (tp=1 layout).
 
     Raises:
-        ConfigError: The weights' shape differs from ``cfg`` (naming each key), or see ``hf_layout.import_hf`` and
-            :func:`load_checkpoint_weights`.
+        ConfigError: The weights' shape differs from ``cfg`` (naming each key), or see ``hf_layout.import_hf``.
     """
     path = Path(path).expanduser()
     if (path / "config.json").is_file() and ckpt.manifest(path) is None:
