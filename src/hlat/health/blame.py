@@ -1,18 +1,8 @@
 """Which rank a hang is about: the verdict a firing watchdog draws from every rank's heartbeat, and its report.
 
-The watchdog of every rank that waits fires, the healthy ones included: a rank blocked in a collective cannot tell
-whether it waits for a stopped peer. Their heartbeats (:mod:`hlat.health.heartbeat`) can:
-
-- a rank whose beat is older than :func:`stale_after` stopped (SIGSTOP, a frozen host, a dead heartbeat thread), and
-  a rank with no beat in this attempt never got going; those are the suspects;
-- otherwise every rank is alive, and the ones behind the furthest (an earlier step, or phase of it) are the
-  suspects: stuck outside the collective that the others wait in (a data worker, a deadlock). The firing rank may be
-  one;
-- otherwise every rank is alive at the same point: a collective that all entered does not complete, or they wait in
-  different ones; nobody is blamed and the stack dumps tell.
-
-The report goes to ``<run dir>/hang/report.txt`` (a table of every rank per firing) and ``report.jsonl`` (one JSON
-object per firing, which ``python train.py`` reads to name the suspects when the restarts run out).
+Every waiting rank's watchdog fires, so the heartbeats decide: ranks whose beat went stale (or never came) are the
+suspects; else the live ranks furthest behind; else nobody (the stack dumps tell). The report goes to
+``<run dir>/hang/report.txt`` and ``report.jsonl`` (which ``python train.py`` reads when restarts run out).
 """
 
 from __future__ import annotations
@@ -42,8 +32,7 @@ class Suspect:
 def stale_after(limit_s: float, every_s: float) -> float:
     """Seconds after which a rank's beat counts as stopped, for a watchdog that fired after ``limit_s``.
 
-    Half the watchdog's threshold: the rank that stopped did so about when the firing rank's step began, so its beat
-    is about ``limit_s`` old, while a live one is at most a beat period old; never under :data:`STALE_BEATS` periods.
+    Half the threshold: a stopped rank's beat is about ``limit_s`` old, a live one's a beat period at most.
     """
     return max(STALE_BEATS * every_s, limit_s / 2)
 

@@ -1,12 +1,7 @@
 """What the pre-flight check measures on one rank: the device's answer, matmul FLOP/s, collective speed.
 
-Every figure is timed on the host around device work that is waited for: on CPU the work is synchronous, on CUDA
-``torch.cuda.synchronize`` closes each timed region, and another device (XLA) needs the backend's own
-synchronization passed in as ``sync`` (``xm.mark_step()`` then ``xm.wait_device_ops()`` on trn1).
-
-Bus bandwidth follows nccl-tests (and nccom-test, which reports the same): for an all-reduce of S bytes per rank
-over n ranks, ``busbw = S / t x 2(n-1)/n``; for an all-gather whose output is S bytes, ``busbw = S / t x (n-1)/n``.
-Both are in GB/s (10^9 bytes per second).
+Every figure is timed on the host around device work that is waited for (``sync``). Bus bandwidth follows
+nccl-tests: all-reduce ``S / t x 2(n-1)/n``, all-gather ``S / t x (n-1)/n``, in GB/s.
 """
 
 from __future__ import annotations
@@ -54,10 +49,7 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> 
 
 
 class Throttle(TorchFunctionMode):
-    """Slows every ``torch.matmul`` inside it to ``factor`` of its speed (the test hook ``health.inject_slow_rank``).
-
-    After each matmul it sleeps ``1/factor - 1`` times the matmul's duration: a failing device, on demand.
-    """
+    """Slows every ``torch.matmul`` inside it to ``factor`` of its speed (the test hook ``health.inject_slow_rank``)."""
 
     def __init__(self, factor: float, sync: Sync) -> None:
         super().__init__()
@@ -73,11 +65,9 @@ class Throttle(TorchFunctionMode):
 
 
 def check_device(device: torch.device, sync: Sync, n: int = 256) -> tuple[bool, str]:
-    """Does the device compute a known fp32 matmul correctly? Compared with float64 on the CPU.
+    """Does the device compute a known fp32 matmul correctly (against float64 on the CPU)? (ok, what was found).
 
-    Returns:
-        (ok, what was found): a relative error above 1e-2 (TF32 and bf16 accumulate far more precisely than that)
-        or a non-finite value means broken hardware or a broken driver.
+    A relative error above 1e-2 (far beyond TF32's or bf16's) or a non-finite value means broken hardware or driver.
     """
     g = torch.Generator().manual_seed(1234)
     a = torch.randn(n, n, generator=g, dtype=torch.float64)
@@ -118,12 +108,9 @@ def matmul_flops(
     sync: Sync | None = None,
     emulated: bool = False,
 ) -> float:
-    """Best-window FLOP/s of ``n x n`` matmuls on ``device``.
+    """Best-window FLOP/s of ``n x n`` matmuls on ``device`` (CPU, CUDA: :func:`hlat.plan.peak.measure_matmul_flops`).
 
-    CPU and CUDA: :func:`hlat.plan.peak.measure_matmul_flops` (the MFU denominator's own measurement, which waits for
-    the device itself; ``emulated``: the bf16 matmul as ``precision.bf16_matmul=emulated`` runs it). Otherwise (a
-    lazy device) a chain ``x = (x @ b) * s`` per window, so a graph compiler can neither drop nor merge the
-    matmuls, then ``sync``.
+    On a lazy device, a chain ``x = (x @ b) * s`` per window, which a graph compiler can neither drop nor merge.
     """
     if device.type in ("cpu", "cuda"):
         from hlat.plan.peak import measure_matmul_flops
@@ -167,13 +154,7 @@ def collective_figures(
 ) -> dict[str, float]:
     """All-reduce and all-gather bus bandwidth (GB/s) and 1-element all-reduce latency (µs) over ``group``.
 
-    Args:
-        device: Where the buffers live (the device backend's collectives: gloo on CPU, NCCL on CUDA, XLA).
-        sync: Waits for the device (:func:`device_sync`).
-        nbytes: Bytes of the all-reduce buffer per rank and of the all-gather's output (fp32 elements).
-        iters: Timed calls per collective.
-        group: A process group; None: the whole job.
-        size: Ranks in ``group`` (default: the world).
+    ``nbytes``: the all-reduce buffer per rank and the all-gather's output; ``group`` None: the whole job.
     """
     n = size or dist.get_world_size()
     numel = max(n, nbytes // 4 // n * n)  # fp32; the all-gather splits it evenly

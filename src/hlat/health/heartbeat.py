@@ -1,26 +1,8 @@
 """Heartbeats: each rank's step, phase and time where the other ranks can read them, so a hang names who stopped.
 
-A rank that stops (SIGSTOP, a frozen node, a paused container) cannot say so, and the ranks that wait for it in a
-collective look hung too: their watchdogs fire, not its own. So every rank keeps a :class:`Beat` (rank, host, pid,
-the last completed step, the phase it last entered and since when) and publishes it about once a second where the
-others read it (a *board*); when a watchdog fires it reads every rank's beat, and :mod:`hlat.health.blame` names
-the ranks whose beat stopped aging.
-
-- The training thread only records: the watchdog's loop hook sets the step, and :class:`PhaseMarks` (wrapping the
-  step's phase timer) the phase on entering forward, backward, optimizer, logging and checkpoint. One tuple
-  assignment and one clock read each: no lock, no device access, no I/O.
-- A daemon thread (``hlat-heartbeat``) publishes the record. A stopped process publishes nothing, so its beat ages:
-  that is the signal. Its period grows with the job (:func:`beat_period`) so that the board takes at most about
-  :data:`MAX_BEATS_PER_S` writes a second.
-- The board is torch elastic's store when the workers share the agent's (``TORCHELASTIC_USE_AGENT_STORE``): the
-  agent process hosts it, so a stopped worker does not take it down. Otherwise (plain ``env://``, where rank 0's
-  process hosts the store) beats are files under the run directory. A store operation on a server that does not
-  answer can block for good (torch 2.13 does not honour the client time-out there): the board is only used from
-  the heartbeat thread and from reader threads that the watchdog waits for with a time-out, never from the watchdog's
-  own thread.
-
-Beat times are wall-clock seconds (``time.time``): beats come from several hosts. Clock skew between NTP-synced hosts
-(milliseconds) is far below the staleness bound (:func:`hlat.health.blame.stale_after`, seconds to minutes).
+A stopped rank cannot say so, and the ranks waiting for it look hung too. So the training thread records its step
+and phase (no lock, no I/O), a daemon thread publishes them on a *board* (torch elastic's agent store, else files),
+and a stopped process's beat ages. Beat times are wall-clock: NTP skew (ms) is far below the staleness bound.
 """
 
 from __future__ import annotations
@@ -114,12 +96,7 @@ def beat_period(world_size: int) -> float:
 class Heartbeat:
     """This rank's beat: recorded by the training thread, published by a daemon thread, read when a hang fires.
 
-    Args:
-        rank: This process's global rank.
-        board: Where the job's beats are (None: one process, or nowhere to publish; the report then has this rank).
-        attempt: The job's attempt (a beat of another attempt reads as missing).
-        every_s: Seconds between two beats (:func:`beat_period`).
-        wall: Wall-clock seconds (tests pass a fake one).
+    ``board`` None: nowhere to publish (one process); a beat of another ``attempt`` reads as missing.
     """
 
     def __init__(
@@ -186,11 +163,9 @@ class Heartbeat:
             self._failed = True
 
     def read(self, timeout_s: float = READ_TIMEOUT_S) -> tuple[dict[int, Beat | None], str | None]:
-        """Every rank's beat of this attempt (None: none found; this rank's as of now), and why the board failed.
-
-        Waits at most ``timeout_s`` for the board (a store whose server stopped never answers); the reason is None when
-        it answered.
-        """
+        """Every rank's beat of this attempt (None: none found; this rank's as of now), and why the board failed."""
+        # In a thread waited for at most timeout_s: a store op on a server that stopped blocks for good (torch 2.13
+        # does not honour the client time-out there), so the watchdog's own thread never touches the board.
         own = self.beat()
         if self.board is None:
             return {self.rank: own}, None
@@ -217,11 +192,7 @@ class Heartbeat:
 
 
 class PhaseMarks:
-    """The step's phase timer (``train.step_breakdown``'s, or the null one), marking each phase on the heartbeat.
-
-    ``fit``, the backend and ``timed_hook`` already name the phases of a step for the timer; wrapping it gives the
-    heartbeat the same names at no cost where timing is off (the null timer's ``phase`` does nothing).
-    """
+    """The step's phase timer (``train.step_breakdown``'s, or the null one), marking each phase on the heartbeat."""
 
     def __init__(self, timer: Any, heartbeat: Heartbeat) -> None:
         self.timer, self.heartbeat = timer, heartbeat
@@ -302,10 +273,8 @@ def _read_beat(path: Path) -> Beat | None:
 
 
 def board_for(world_size: int, directory: Path) -> Board | None:
-    """The job's board: torch elastic's store when the workers share the agent's, else files in ``directory``.
-
-    None for one process: nobody else reads its beat.
-    """
+    """The job's board: torch elastic's store when the workers share the agent's, else files; None for one process."""
+    # The agent's store outlives a stopped worker; under plain env:// rank 0's process hosts the store, hence files.
     from hlat import attempt
 
     if world_size == 1:

@@ -20,15 +20,8 @@ class Monitors:
     """Loop hooks of ``health``: the watchdog and its heartbeat (``watchdog``), the stragglers (``straggler_every``).
 
     Build it on every rank at the same point (the straggler monitor creates a process group), ``start`` it right
-    before the first step and ``close`` it however training ends.
-
-    Args:
-        cfg: The run config (``health``, ``train.steps``).
-        env: This rank's place in the job.
-        model: The trained module (its forward is timed for the straggler report).
-        run_dir: The run directory; hang reports and stack dumps go to ``<run_dir>/hang``, heartbeat files (jobs
-            without torch elastic's store) to ``<run_dir>/heartbeat``.
-        log_metrics: The run's ``tracker.log_metrics`` (a no-op off rank 0).
+    before the first step and ``close`` it however training ends. Files go under ``<run_dir>/hang`` and
+    ``<run_dir>/heartbeat``.
     """
 
     def __init__(

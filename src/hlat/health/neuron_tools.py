@@ -1,17 +1,8 @@
 """The Neuron system tools, where installed: ``neuron-ls`` (devices visible) and ``nccom-test`` (collective speed).
 
-Both are command-line programs of the Neuron SDK (``aws-neuronx-tools``); hlat runs them through ``subprocess`` and
-parses their output, so nothing here imports the Neuron Python packages. On a host without them (CPU, CUDA) they are
-simply skipped. Formats, from the Neuron documentation (``tools/neuron-sys-tools/``):
-
-- ``neuron-ls --json-output``: a JSON list, one object per Neuron device, with ``neuron_device``, ``nc_count``
-  (NeuronCores), ``memory_size`` (bytes), ``neuroncore_ids``, ``connected_to``... A host whose driver is not loaded
-  prints nothing on stdout and exits 1.
-- ``nccom-test -r N -b S -e S -d fp32 allr|allg``: a table ``size(B) count(elems) type time(us) algbw(GB/s)
-  busbw(GB/s)``, one line per size, then ``Avg bus bandwidth: 40.6901GB/s``; the bandwidths are in GiB/s. A failure
-  prints ``Failure running neuron-bench - log file ...`` in the table and/or ``1 errors found - test failed``.
-
-Neither tool has been run by hlat on a trn1 host: the parsers are tested on the documented sample output.
+Run through ``subprocess`` and parsed (nothing imports the Neuron packages); skipped where absent. The formats are
+the Neuron documentation's (``tools/neuron-sys-tools/``): neither tool has been run by hlat on a trn1 host, the
+parsers are tested on the documented sample output.
 """
 
 from __future__ import annotations
@@ -102,12 +93,7 @@ def neuron_ls(node: str, nproc: int) -> ToolResult | None:
 def nccom_test(node: str, op: str, nproc: int, nbytes: int, min_gbps: float | None = None) -> ToolResult | None:
     """Run ``nccom-test`` for ``op`` (``allr`` or ``allg``) over ``nproc`` ranks of this node. None: not installed.
 
-    Args:
-        node: This host, for the report.
-        op: nccom-test's operation name.
-        nproc: Workers (NeuronCores) to use.
-        nbytes: Size of the operation in bytes.
-        min_gbps: The node fails below this bus bandwidth (GB/s); None: only a failed run fails it.
+    ``min_gbps``: the node fails below this bus bandwidth (GB/s); None: only a failed run fails it.
     """
     exe = shutil.which("nccom-test")
     if exe is None:

@@ -1,8 +1,6 @@
 """The pre-flight check across the job: every rank measures, every rank gets every result, one verdict.
 
-:func:`run_checks` is shared by ``hlat doctor`` and by the trainer's :func:`preflight`, which runs right after the
-process group is up, before any data or model is built, and raises :class:`~hlat.health.report.PreflightError`
-(naming the bad nodes) on every rank alike, so torch elastic reports it instead of restarting onto the same nodes.
+Shared by ``hlat doctor`` and the trainer; a failure raises the same error on every rank, which is not retried.
 """
 
 from __future__ import annotations
@@ -38,19 +36,10 @@ log = logging.getLogger(__name__)
 def preflight(
     cfg: RunConfig, env: Env, *, out_dir: Path | None = None, sync: Sync | None = None
 ) -> HealthReport | None:
-    """The trainer's pre-flight check (``health.preflight``: auto = on for more than one process).
+    """The trainer's pre-flight check: on every rank after ``backend.setup``, before data and model are built.
 
-    Call it on every rank right after ``backend.setup`` (the process group is up) and before data and model are built.
-
-    Args:
-        cfg: The run config (``health``, ``cluster``, ``precision``).
-        env: What ``backend.setup`` returned.
-        out_dir: Rank 0 writes the table to ``<out_dir>/preflight.md`` here, passed or not (None: nowhere).
-        sync: The backend's device synchronization (``backend.synchronize``); required where the device is neither
-            CPU nor CUDA (without it, ``auto`` skips the check there with a warning and ``on`` is an error).
-
-    Returns:
-        The report (every rank holds all of it; rank 0 logs it with :func:`log_preflight`), or None when off.
+    Rank 0 writes ``<out_dir>/preflight.md``. ``sync`` (``backend.synchronize``) is needed on devices other than CPU
+    and CUDA: without it ``auto`` skips the check with a warning, ``on`` is an error. Returns None when off.
 
     Raises:
         PreflightError: A node failed; the message names it, the reasons and the fix.
@@ -83,8 +72,7 @@ def preflight(
 def log_preflight(report: HealthReport, tracker: Any, path: Path) -> None:
     """Record ``report`` as the run's pre-flight record: ``preflight/*`` metrics at step 0 and the table artifact.
 
-    Metrics rather than params: a restarted job checks again, and MLflow params cannot change. The table is written
-    to ``path`` unless :func:`preflight` already wrote it there.
+    Metrics rather than params: a restarted job checks again, and MLflow params cannot change.
     """
     if not path.exists():
         write_table(report, path)
@@ -147,11 +135,7 @@ def run_checks(cfg: RunConfig, env: Env, *, tools: Sequence[ToolResult] = (), sy
 
 
 def reference_peak(cluster: ClusterConfig) -> bool:
-    """Whether the peak :func:`~hlat.track.metrics.resolve_peak_flops` finds for ``cluster`` is one to fail a rank on.
-
-    A reference: ``cluster.peak_tflops`` or a device's published figure (its first two sources); not the figure this
-    CPU host measured earlier with ``hlat bench peak`` (under whatever load it had then).
-    """
+    """Whether ``cluster``'s peak is one to fail a rank on: configured or published, not a CPU's measured one."""
     return cluster.peak_tflops is not None or cluster.backend == "neuron" or cluster.device == "cuda"
 
 
@@ -166,10 +150,8 @@ def node_ranks(where: Sequence[tuple[str, int]]) -> dict[str, list[int]]:
 def _matmul_in_turn(
     cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None, group: Any, local_world: int
 ) -> tuple[float, float | None, str]:
-    """:func:`_matmul` on every rank: all at once on accelerators (a burn-in under load), one after the other on CPU.
-
-    The ranks of a CPU host share its cores: measured together they would compare the OS scheduler's shares.
-    """
+    """:func:`_matmul` on every rank: all at once on accelerators (a burn-in under load), one after the other on CPU."""
+    # The ranks of a CPU host share its cores: measured together they would compare the OS scheduler's shares.
     ranks = Ranks.from_env()
     if env.device.type != "cpu" or group is None or local_world == 1:
         return _matmul(cfg, env, wait, sync)
@@ -215,11 +197,7 @@ def _matmul(cfg: RunConfig, env: Env, wait: Sync, sync: Sync | None) -> tuple[fl
 def _collectives(
     cfg: RunConfig, env: Env, wait: Sync, where: Sequence[tuple[str, int]]
 ) -> tuple[dict[str, float], dict[str, float], int]:
-    """Collective figures within this rank's node and over the job, and the number of nodes.
-
-    One node: measured once, reported as both. Several: every rank creates every node's group (new_group is
-    collective), then each node measures within itself, then the job over the world.
-    """
+    """Collective figures within this rank's node and over the job (one node: measured once), and the node count."""
     h = cfg.health
     nbytes = int(h.collective_mib * 2**20)
     nodes = node_ranks(where)

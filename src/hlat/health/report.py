@@ -1,9 +1,7 @@
 """The pre-flight report: per-rank figures, the verdict (which node fails and why), the table and the metrics.
 
-Ranks are judged alone only against a reference peak (``cluster.peak_tflops`` or the device's published figure).
-The relative check compares NODES, each by the median of its ranks: the ranks of one host share its cores, memory
-bandwidth and neighbours, so one rank slower than another is not evidence of a bad node. With one node and no
-reference peak the figures are reported, not judged.
+The relative check compares nodes by their median rank: ranks of one host share it, so one slower than another is
+no evidence of a bad node.
 """
 
 from __future__ import annotations
@@ -22,11 +20,7 @@ PREFLIGHT_EXIT_CODE = 3
 
 
 class PreflightError(ConfigError):
-    """The pre-flight check found a bad node. A restart on the same nodes would fail again: not retried.
-
-    A ``ConfigError`` so that everything that stops at one (torch elastic's restarts, a sweep) stops at it too, but
-    reported as a health failure: ``hlat: health check failed: ...``, exit status :data:`exit_code`.
-    """
+    """The pre-flight check found a bad node; a ``ConfigError`` so that restarts stop at it, but exiting 3."""
 
     exit_code = PREFLIGHT_EXIT_CODE
 
@@ -232,11 +226,7 @@ def node_medians(ranks: list[RankResult]) -> dict[str, float]:
 
 
 def observations(ranks: list[RankResult], cfg: HealthConfig) -> list[str]:
-    """What the check saw but does not fail, as sentences.
-
-    A rank below ``min_relative_fraction`` of its own node's median; a rank below ``min_matmul_fraction`` of the peak
-    its host measured earlier (not a reference).
-    """
+    """What the check saw but does not fail: a rank slow within its node, or against its CPU's own peak."""
     out = []
     per_node = node_medians(ranks)
     for r in ranks:

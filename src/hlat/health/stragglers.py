@@ -1,21 +1,8 @@
 """Straggler detection: which rank slows the job down, and by how much.
 
-In synchronous data parallelism every rank's step takes as long as the slowest one's, because the gradient
-all-reduce waits for it: step times alone cannot name the straggler. Each rank therefore also measures its *local*
-time, the part of a step that does not wait for other ranks: the model's forward passes (a forward pre-hook and
-hook on the root module; on CUDA timed with CUDA events, read only at the report) plus the time spent waiting for
-batches (``StepOutput.data_wait_s``). Every ``health.straggler_every`` steps the ranks all-gather three floats (mean
-step time, mean local time, mean data wait over the interval) over a gloo group, and rank 0 logs
-
-- ``health/slowest_rank``: the rank with the longest local time,
-- ``health/straggler_lag_s``: its local time minus the median rank's, per step,
-- ``health/straggler_ratio``: its local time over the median rank's,
-- ``health/step_time_s`` and ``health/local_time_median_s``: the job's mean step and the median local time,
-
-and warns when the ratio passes ``health.straggler_warn_ratio``. Between reports nothing syncs: two host clock reads
-per forward and one per step. Under tensor parallelism or FSDP the forward holds collectives, so the local time
-includes waits inside the tensor-parallel group; on the neuron backend (lazy XLA tensors) forward time is tracing
-time, and the figure reduces to the data wait (not run on trn1).
+In synchronous data parallelism every step is as long as the slowest rank's, so each rank also measures its *local*
+time (forward passes plus data wait), gathered every ``health.straggler_every`` steps. Under TP or FSDP the forward
+holds collectives, so it includes their waits; on the neuron backend forward time is tracing time.
 """
 
 from __future__ import annotations
@@ -84,14 +71,8 @@ class _ForwardTimer:
 class StragglerMonitor:
     """Loop hook: every ``every`` steps, gather per-rank times and log the slowest rank (on rank 0).
 
-    Construct it on every rank at the same point (it creates a gloo process group, a collective call).
-
-    Args:
-        every: Steps per report (``health.straggler_every``).
-        log_metrics: The run's ``tracker.log_metrics`` (a no-op off rank 0).
-        model: The trained module; its forward passes are timed. None: local time is the data wait only.
-        warn_ratio: ``health.straggler_warn_ratio``.
-        hosts: Host name of each rank, for the warning (default: gathered once here).
+    Construct it on every rank at the same point (it creates a gloo process group). ``model`` None: the local time
+    is the data wait only.
     """
 
     def __init__(
@@ -153,11 +134,7 @@ class StragglerMonitor:
 
 
 def straggler_metrics(rows: list[tuple[float, float, float]]) -> dict[str, float]:
-    """``health/*`` metrics from each rank's mean (step_s, local_s, data_wait_s) over an interval.
-
-    The slowest rank is the one with the longest local time (ties: the lowest rank); lag and ratio compare it with
-    the median over ranks (for two ranks, their mean).
-    """
+    """``health/*`` metrics from each rank's mean (step_s, local_s, data_wait_s): the slowest vs the median."""
     local = [r[1] for r in rows]
     slow = max(range(len(rows)), key=lambda i: (local[i], -i))
     median = statistics.median(local)

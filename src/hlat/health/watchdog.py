@@ -1,26 +1,8 @@
 """The hang watchdog: a step far slower than usual is reported, naming the rank it is about, and ends the trainer.
 
-A hung collective (a rank that never arrives), a stuck data worker or a deadlock do not raise: the job just stops
-making progress until torch.distributed's timeout, 30 minutes by default. :class:`HangWatchdog` is a loop hook that
-records when each step ends, and a daemon thread that wakes a few times per threshold. When the current step has run
-longer than ``max(health.watchdog_factor x median recent step, health.watchdog_floor_s)`` (the first two steps of a
-process get ``health.watchdog_first_step_s``: compilation, the restore), it
-
-1. reads every rank's heartbeat (:mod:`hlat.health.heartbeat`) and names the rank(s) the hang is about
-   (:mod:`hlat.health.blame`): the ones that stopped, else the ones behind; the healthy ranks that wait for them in a
-   collective fire too, and are not blamed. What every rank was doing goes to ``<run dir>/hang/report.txt``;
-2. appends the stacks of all threads (``faulthandler``), and ``py-spy dump`` of the process when py-spy is on the
-   PATH, to ``<run dir>/hang/rank<N>.txt``;
-3. logs one line: the verdict, this rank's step and time, the files;
-4. waits ``max(health.watchdog_grace_s, 2 x median step)``, so that the other ranks, blocked in the same collective,
-   report and dump their stacks too before torch elastic stops them;
-5. exits with :data:`HANG_EXIT_CODE` (``os._exit``: the main thread is stuck and cannot unwind). Torch elastic treats
-   a non-zero exit as a failure and restarts the workers (``cluster.max_restarts``), which resume from the newest
-   checkpoint.
-
-The thread needs the GIL: a hang inside C code that holds it (rare; collectives and sleeps release it) is not seen
-here, and the collective timeout (``health.collective_timeout_s``) is the backstop. Such a rank's heartbeat stops
-too, so the other ranks' watchdogs name it.
+A hung collective or deadlock does not raise. A daemon thread sees the step outrun its threshold, names the rank from
+the heartbeats, dumps every thread's stack, waits for the others to dump theirs, and ``os._exit``s for torch elastic
+to restart. It needs the GIL: a hang in C code holding it is left to ``health.collective_timeout_s``.
 """
 
 from __future__ import annotations
@@ -57,16 +39,8 @@ PY_SPY_TIMEOUT_S = 60.0
 class HangWatchdog:
     """Loop hook plus daemon thread: detects a step that runs far longer than the recent median.
 
-    Args:
-        cfg: ``health.watchdog_*``.
-        dump_dir: Where ``rank<N>.txt`` goes (``<run dir>/hang``); created on the first hang only.
-        rank: This process's global rank.
-        last_step: ``train.steps``: after that step the watchdog stands down (the final save, plots and evaluations
-            that follow are not steps).
-        heartbeat: This rank's heartbeat, published for the others (default: one that publishes nothing; the report
-            then knows this rank only).
-        exit_fn: What ends the process (``os._exit``; tests pass a recorder).
-        clock: Monotonic seconds (tests pass a fake one).
+    After ``last_step`` it stands down (the final save and evaluations are not steps); ``dump_dir`` is created on
+    the first hang only.
     """
 
     def __init__(
@@ -93,10 +67,7 @@ class HangWatchdog:
         self._thread: threading.Thread | None = None
 
     def start(self, step: int = 0) -> HangWatchdog:
-        """Start the watching thread and the heartbeat; training resumes after ``step``, whose clock starts now.
-
-        Returns self.
-        """
+        """Start the watching thread and the heartbeat; training resumes after ``step``, whose clock starts now."""
         with self._lock:
             self.step, self.last_beat = step, self.clock()
         self.heartbeat.start(step)
