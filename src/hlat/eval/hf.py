@@ -1,24 +1,8 @@
 """Hugging Face LLaMA layout: export hlat checkpoints for other tools, import LLaMA-layout models to train on.
 
-An exported directory is what ``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` read:
-``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer: hlat's sentencepiece model
-(``tokenizer.model``) and ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, with which
-transformers gives sentencepiece's ids for every text (``hlat.eval.hf_tokenizer``).
-
-Start of sequence: hlat trains on documents packed as ``ids + [EOS]``, so the token before a document is EOS (id 2),
-never sentencepiece's ``<s>`` (id 1). The export says so: ``bos_token_id`` is EOS's id in ``config.json`` and
-``generation_config.json``, ``bos_token`` is ``"</s>"`` with ``add_bos_token`` false (a plain encode has no
-special token, as hlat's packing). lm-eval's ``hf`` model therefore starts rolling log-likelihood (perplexity)
-windows with EOS, as hlat's ``hlat`` model does, and gives its numbers; for tasks with a context (multiple choice,
-generation), where hlat's model puts EOS before the context, pass ``add_bos_token=True`` in ``--model_args``.
-
-The weight and ``config.json`` mapping itself (and why it needs no rotary permutation) is
-``hlat.checkpoint.hf_layout``'s; reading checkpoints and HF directories (``train.init_from``) is
-``hlat.checkpoint.weights``'s.
-
-An import writes a *weights-only* hlat checkpoint (``manifest.json`` with ``"weights_only": true``): model
-weights through torch.distributed.checkpoint and the tokenizer, but no optimizer state, data position or step.
-Training starts from such weights at step 0 (fresh AdamW and data order); it is not a ``train.resume`` target.
+An export is what ``from_pretrained`` reads, with EOS as the start-of-sequence token (hlat packs documents as
+``ids + [EOS]``; docs/evaluation.md). An import is a *weights-only* checkpoint: a ``train.init_from`` target, not a
+``train.resume`` one. The mapping itself is ``hlat.checkpoint.hf_layout``'s.
 """
 
 from __future__ import annotations
@@ -65,11 +49,7 @@ def _spm_prefix(spm_path: Path) -> bool:
 
 
 def _write_tokenizer(spm_path: Path, out: Path, max_len: int) -> int:
-    """Copy the sentencepiece model and write HF's tokenizer files (``hlat.eval.hf_tokenizer``); returns the EOS id.
-
-    EOS is also the export's start-of-sequence token (``bos_token``/``bos_token_id``): hlat packs documents as
-    ``ids + [EOS]``, so EOS is what precedes every document in training (see ``hlat.eval.hf_tokenizer``).
-    """
+    """Copy the sentencepiece model and write HF's tokenizer files (``hlat.eval.hf_tokenizer``); returns the EOS id."""
     from hlat.data.tokenizer import Tokenizer
 
     sp = Tokenizer(spm_path, num_threads=1).processor
@@ -89,19 +69,9 @@ def export_hf(
     dtype: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write an hlat checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
+    """Write an hlat checkpoint as a Hugging Face ``LlamaForCausalLM`` directory; returns ``out_dir``.
 
-    Args:
-        checkpoint_path: A checkpoint directory, or a checkpoints root (its newest valid checkpoint).
-        out_dir: Directory to create.
-        tokenizer: The sentencepiece ``.model``; default: the one recorded with the checkpoint, ``data.tokenizer``
-            of its config, or the trained one in ``data.cache_dir`` whose fingerprint the checkpoint's data state
-            records.
-        dtype: ``float32``, ``bfloat16`` or ``float16``; default: the dtype the weights were saved in.
-        overwrite: Replace the files of an existing non-empty ``out_dir``.
-
-    Returns:
-        ``out_dir``.
+    ``tokenizer`` default: the run's (``find_tokenizer``); ``dtype`` default: the stored one.
 
     Raises:
         ConfigError: No valid checkpoint, an unsupported checkpoint, no tokenizer found, or ``out_dir`` not empty.
@@ -121,7 +91,7 @@ def export_hf(
     eos = _write_tokenizer(spm_path, out_dir, cfg.max_seq_len)
     tensors = {k: v.to(target) for k, v in to_hf(cfg, sd).items()}
     save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
-    _dump(out_dir / "config.json", hf_config(cfg, target, eos, eos))  # EOS starts a sequence too (module docstring)
+    _dump(out_dir / "config.json", hf_config(cfg, target, eos, eos))  # EOS starts a sequence too (hlat's packing)
     _dump(out_dir / "generation_config.json", {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos})
     log.info("exported %s to %s (%s, tokenizer %s)", ckpt, out_dir, target, spm_path)
     return out_dir
@@ -135,16 +105,9 @@ def _dump(path: Path, obj: dict[str, Any]) -> None:
 
 
 def import_hf_checkpoint(hf_dir: Path, out_dir: Path, *, untie_embeddings: bool = False) -> Path:
-    """Write a HF LLaMA-layout model as a weights-only hlat checkpoint directory ``out_dir``.
+    """Write a HF LLaMA-layout model as a weights-only hlat checkpoint directory ``out_dir`` (atomically).
 
-    The directory holds the weights (torch.distributed.checkpoint, ``{"model": state_dict}``, HF's dtype), the
-    tokenizer (``tokenizer.model`` when the HF directory has one), and ``manifest.json`` with checksums, the model
-    config under ``config.model``, ``"step": 0`` and ``"weights_only": true``. It is written atomically (a
-    ``.tmp`` sibling, then renamed), and ``hlat.checkpoint.weights.load_checkpoint_weights`` and :func:`export_hf` read
-    it.
-
-    Returns:
-        ``out_dir``.
+    DCP weights in HF's dtype, the tokenizer if any, and a manifest with ``"step": 0`` and ``"weights_only": true``.
 
     Raises:
         ConfigError: See ``hlat.checkpoint.hf_layout.import_hf``; or ``out_dir`` already exists.

@@ -1,34 +1,8 @@
 """The Hugging Face tokenizer files of an export: ``tokenizer.json`` that tokenizes exactly as hlat's sentencepiece.
 
-hlat trains its sentencepiece BPE model with the identity normalization, ``add_dummy_prefix`` and
-``remove_extra_whitespaces=False`` (``hlat.data.tokenizer``): the only change sentencepiece makes to a text before
-merging is a "▁" put in front of it (the dummy prefix, also in front of a text that starts with spaces: ``"  a"``
-is ``"▁▁▁a"``) and every ASCII space written as "▁". transformers' ``LlamaTokenizer`` does not say that: its
-``Metaspace`` pre-tokenizer adds the prefix only where the text does not already start with a space, so a text led
-by spaces lost one (and in transformers 5 that class rebuilds its pipeline whatever ``tokenizer.json`` says). So an
-export writes its own ``tokenizer.json`` and names the generic ``PreTrainedTokenizerFast`` (transformers 5:
-``TokenizersBackend``), which runs that file as written:
-
-* normalizer: ``Prepend("▁")`` (non-empty texts only, as sentencepiece) then ``Replace(" ", "▁")``; no
-  pre-tokenizer, so the whole text is one word, as in sentencepiece;
-* model: BPE over sentencepiece's pieces and ids, byte fallback; the merges are every split of a normal piece into
-  two normal pieces, in the order of the merged piece's score (sentencepiece merges the highest-scoring pair);
-* decoder: "▁" back to spaces, byte pieces back to bytes, and one leading space dropped (the dummy prefix);
-* no added tokens, and ``split_special_tokens`` in ``tokenizer_config.json``: text is never read as a control
-  token. hlat's sentencepiece encodes ``"</s>"`` in a document as the characters it is, so the model never saw
-  id 2 where a text said "</s>". transformers adds the special tokens ``tokenizer_config.json`` declares (EOS,
-  ``<unk>``) for decoding (``skip_special_tokens``); the ``tokenizers`` library alone, reading ``tokenizer.json``,
-  treats them as ordinary pieces.
-
-A sentencepiece model with another normalization (``nmt_nfkc``, ``remove_extra_whitespaces``) is exported with a
-warning: the file reproduces the identity recipe only.
-
-Start of sequence: hlat packs documents as ``ids + [EOS]`` one after another (``hlat.data.packing``), so the token
-in front of every document's first token is EOS (id 2), never sentencepiece's ``<s>`` (id 1, unseen in training).
-The export declares that: ``bos_token`` is ``"</s>"`` (``bos_token_id`` 2 in ``config.json`` and
-``generation_config.json``) and ``add_bos_token`` is false, so a plain encode gives sentencepiece's ids. lm-eval's
-``hf`` model conditions the first token of a rolling log-likelihood (perplexity) window, and a continuation
-without a context, on ``tokenizer.bos_token_id``: 2, what hlat's own ``hlat`` model uses.
+hlat's identity-normalized BPE only prepends "▁" and writes spaces as "▁"; the file does the same, as one word, with
+BPE over sentencepiece's pieces. EOS is also the start-of-sequence token: hlat packs documents as ``ids + [EOS]``, so
+EOS (id 2), never ``<s>``, precedes every document.
 """
 
 from __future__ import annotations
@@ -54,15 +28,10 @@ def _proto(spm_path: Path) -> Any:
 
 
 def merges(pieces: list[tuple[str, float, bool]]) -> list[tuple[str, str]]:
-    """BPE merges reproducing sentencepiece's BPE encoding.
+    """BPE merges reproducing sentencepiece's: every split of a normal piece into two normal pieces, by score.
 
-    Args:
-        pieces: ``(piece, score, normal)`` per id; only normal pieces (not control, unknown, byte or unused) are
-            ever symbols of sentencepiece's merging.
-
-    Returns:
-        Every split ``(left, right)`` of a normal piece into two normal pieces, highest merged-piece score first
-        (ties: lower id first, then shorter left part), the order in which sentencepiece merges pairs.
+    ``pieces``: ``(piece, score, normal)`` per id. Highest merged-piece score first (ties: lower id, then shorter
+    left part), the order in which sentencepiece merges pairs.
     """
     normal = {p: i for i, (p, _, ok) in enumerate(pieces) if ok}
     out = []
@@ -130,24 +99,21 @@ def tokenizer_json(spm_path: Path) -> dict[str, Any]:
 def write_tokenizer(spm_path: Path, out: Path, max_len: int, piece: dict[str, str]) -> None:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into ``out``.
 
-    Args:
-        spm_path: The sentencepiece model (copied next to them by the caller).
-        out: The export directory.
-        max_len: ``model_max_length``.
-        piece: The special pieces: ``eos_token`` (required), ``unk_token``; ``bos_token`` is set to EOS (see the
-            module docstring).
+    ``piece``: ``eos_token`` (required) and ``unk_token``; ``bos_token`` is set to EOS.
     """
     special = {**piece, "bos_token": piece["eos_token"]}
     _dump(out / TOKENIZER_JSON, tokenizer_json(spm_path))
     _dump(
         out / "tokenizer_config.json",
         {
+            # Not LlamaTokenizer: its Metaspace drops the dummy prefix of a text led by spaces ("  a" -> "▁▁▁a" in
+            # sentencepiece), and in transformers 5 it rebuilds its pipeline whatever tokenizer.json says.
             "tokenizer_class": "PreTrainedTokenizerFast",
             **special,
             "pad_token": None,
             "add_bos_token": False,
             "add_eos_token": False,
-            "split_special_tokens": True,
+            "split_special_tokens": True,  # "</s>" in a text is text, as hlat's sentencepiece encoded it
             "clean_up_tokenization_spaces": False,
             "model_max_length": max_len,
             "spaces_between_special_tokens": False,

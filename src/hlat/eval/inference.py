@@ -1,20 +1,9 @@
 """Load an hlat checkpoint for use outside training, and greedy decoding with the KV cache.
 
-``load(checkpoint)`` takes a checkpoint directory (``step_N``), a run's ``checkpoints/`` directory or a run
-directory holding one (then the newest checkpoint whose files match their checksums), rebuilds the model from the
-config in the checkpoint's manifest, reads only the model weights from the torch backend's
-torch.distributed.checkpoint files (no process group; tensor- or FSDP-sharded saves are resharded into one plain
-model, and the fused gate_up rows a tensor-parallel run interleaved are put back in order), and finds the tokenizer
-the run trained with: ``data.tokenizer`` if the run named one, else the run's trained tokenizer from
-``data.cache_dir`` (retrained from the same data, deterministically, if the cache is gone), checked against the
-fingerprint the data loader saved in the checkpoint. A weights-only checkpoint (``hlat import``) brings its own
-tokenizer file. Finding and reading the checkpoint and its tokenizer is ``hlat.checkpoint.weights``'s (through which
-``hlat.eval.hf`` and ``train.init_from`` read checkpoints too). Example::
+Example::
 
     loaded = load("outputs/2025-01-01/12-00-00/checkpoints", device="cuda")
     ids = greedy(loaded.model, loaded.tokenizer.encode(["def f():"])[0], max_new_tokens=20)
-
-``greedy_batch`` decodes several prompts of different lengths together (left-padded, the pads masked out).
 """
 
 from __future__ import annotations
@@ -87,13 +76,9 @@ def load_weights(
 
 
 def load(checkpoint: str | Path, device: str = "cpu", dtype: str = "float32", tokenizer: str | None = None) -> Loaded:
-    """Load a torch-backend checkpoint's model and the run's tokenizer (see the module docstring).
+    """Load a torch-backend checkpoint's model in ``dtype`` and the run's tokenizer (or ``tokenizer``).
 
-    Args:
-        checkpoint: A ``step_N`` checkpoint, a checkpoints root or a run directory.
-        device: ``cpu``, ``cuda`` or ``cuda:N``.
-        dtype: Weight dtype for inference (``float32`` or ``bfloat16``), whatever the checkpoint stores.
-        tokenizer: A sentencepiece ``.model`` to use instead of the run's.
+    ``checkpoint``: a ``step_N`` checkpoint, a checkpoints root or a run directory (``find_checkpoint``).
 
     Raises:
         ConfigError: See ``find_checkpoint``, ``check_torch_backend``, ``find_tokenizer``; or CUDA is missing.
@@ -127,16 +112,10 @@ def greedy(
     cache: KVCache | None = None,
     use_cache: bool = True,
 ) -> list[int]:
-    """Greedy continuation of one prompt: the new token ids (stopping after ``eos_id`` or when ``stop`` says so).
+    """Greedy continuation of one prompt: the new token ids, up to and including ``eos_id``, or until ``stop``.
 
-    Args:
-        model: The decoder.
-        prompt: Token ids, at least one; prompt + new tokens must fit ``model.max_seq_len``.
-        max_new_tokens: Most tokens to generate.
-        eos_id: Stop after generating this id (it is included in the result).
-        stop: Called with the tokens generated so far after each one; True stops.
-        cache: A cache to reuse (it is reset first); by default one sized for this generation.
-        use_cache: False recomputes the whole sequence for every token (quadratic; a reference for tests).
+    ``cache`` is reset first (default: one sized for this generation); ``use_cache=False`` recomputes the whole
+    sequence for every token (a reference for tests).
     """
     if not prompt:
         raise ValueError("greedy needs a non-empty prompt (start with the EOS id for an unconditioned sample)")
@@ -173,21 +152,8 @@ def greedy_batch(
 ) -> list[list[int]]:
     """Greedy continuations of several prompts decoded together: each row's new token ids, as ``greedy`` gives.
 
-    The prompts are left-padded to the longest and the pads masked out of attention (``kv_cache.decode``'s
-    ``mask``), so each row attends only to its own tokens; with rotary embeddings the shared column positions give
-    every row what it would get alone (up to float rounding). A row is done after ``eos_id`` (kept in its result)
-    or when ``stop`` says so; done rows are fed ``pad_id`` and their outputs dropped, and decoding ends when every
-    row is done or after ``max_new_tokens``.
-
-    Args:
-        model: The decoder.
-        prompts: Token ids per row, each at least one; the longest + ``max_new_tokens`` must fit
-            ``model.max_seq_len``.
-        max_new_tokens: Most tokens to generate per row.
-        eos_id: A row stops after generating this id.
-        stop: Called with a row's index and its tokens generated so far after each new one; True stops that row.
-        cache: A cache to reuse (it is reset first); by default one sized for this generation.
-        pad_id: The id fed at padding and to finished rows (default ``eos_id``, else 0); masked or ignored.
+    Prompts are left-padded and the pads masked out, so each row gets what it would alone (up to rounding: rotary
+    embeddings see only relative positions). ``stop(row, tokens)`` ends a row; finished rows are fed ``pad_id``.
     """
     if not prompts:
         return []

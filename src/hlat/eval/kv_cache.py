@@ -1,15 +1,8 @@
 """Incremental decoding with a KV cache, outside the model: ``decode(model, tokens, cache, mask)``.
 
-The model's forward is the training forward and knows no cache. ``decode`` runs the model's own embedding, blocks
-and head at the cache's next positions, with each block's attention core (``Attention.core``, the seam of
-``hlat.attention``) replaced for the duration of the call by a ``CachedAttention`` that appends the new keys and
-values to its layer's cache and attends over every cached position; so decoding one token costs one position's
-work, and the model is back as it was when ``decode`` returns.
-
-Prompts of different lengths decode together left-padded: ``decode(model, tokens, cache, mask)`` with ``mask``
-(B, T) False at the pads records them in ``cache.key_mask`` (B, max_len), and attention then skips those keys.
-Every row shares one position per column; rotary embeddings make attention depend only on relative positions, so
-a row's real tokens see what they would see unpadded.
+The model's forward knows no cache: ``decode`` swaps each block's attention core (``Attention.core``) for a
+``CachedAttention`` for the duration of the call, so a token costs one position's work. Left-padded prompts decode
+together, their pads masked out of the keys.
 """
 
 from __future__ import annotations
@@ -25,11 +18,7 @@ from hlat.model import Transformer
 
 
 class LayerKV:
-    """One layer's cached keys and values, (B, G, max_len, D) each, allocated at the first ``update``.
-
-    The buffers take the dtype, device, batch size and (tensor-parallel local) kv head count of the first keys
-    written, so the cache needs to know only its length.
-    """
+    """One layer's cached keys and values, (B, G, max_len, D) each, shaped by the first keys ``update`` writes."""
 
     def __init__(self, max_len: int) -> None:
         self.max_len = max_len
@@ -56,14 +45,9 @@ class LayerKV:
 
 
 class KVCache:
-    """Per-layer keys and values of the positions decoded so far (``new_cache``).
+    """Per-layer keys and values of the positions decoded so far (``new_cache``); ``reset`` keeps the buffers.
 
-    ``decode(model, tokens, cache)`` places ``tokens`` at positions ``pos .. pos+T-1`` and advances ``pos`` by T.
-    ``reset`` empties the cache and keeps its buffers for the next sequence of the same batch size.
-
-    ``key_mask`` (B, max_len) bool is None until a ``decode`` passes a padding ``mask``; from then on it holds, for
-    every cached position, whether it is a real token (True) or padding, and later calls without a mask mark
-    their positions real.
+    ``key_mask`` (B, max_len) is None until a ``decode`` passes a padding ``mask``, then True at real tokens.
     """
 
     def __init__(self, n_layers: int, max_len: int) -> None:
@@ -85,10 +69,9 @@ class KVCache:
         self.key_mask = None
 
     def mark(self, mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
-        """Record which of the next ``length`` positions are real, and return the key mask to attend with.
+        """Record which of the next ``length`` positions are real (``mask`` False at padding; None: all real).
 
-        ``mask`` (B, T) is False at padding; None marks every position real. Returns ``key_mask`` over every
-        position cached once these are, (B, pos + length), or None while nothing is padded.
+        Returns the key mask to attend with, (B, pos + length), or None while nothing is padded.
         """
         start = self.pos
         if mask is None and self.key_mask is None:
@@ -114,12 +97,7 @@ def new_cache(model: Transformer, max_len: int | None = None) -> KVCache:
 
 
 class CachedAttention(nn.Module):
-    """A layer's attention core during ``decode``: the new keys and values join the cache, queries see all of it.
-
-    The T queries are the last T of the S cached key positions. ``key_mask`` (B, S), only when decoding a
-    left-padded batch, is False at padded keys: no query attends to them, except a padded query to itself (so that
-    no row of the mask is empty, which would give NaN); the outputs at padded queries mean nothing.
-    """
+    """A layer's attention core during ``decode``: the new keys and values join the cache, queries see all of it."""
 
     def __init__(self, core: AttentionCore, kv: LayerKV, key_mask: torch.Tensor | None) -> None:
         super().__init__()
@@ -134,7 +112,7 @@ class CachedAttention(nn.Module):
             causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
             allowed = causal & self.key_mask[:, None, :]  # (B, T, S)
             own = torch.arange(T, device=q.device)
-            allowed[:, own, own + (S - T)] = True
+            allowed[:, own, own + (S - T)] = True  # a padded query sees itself: an empty mask row would give NaN
             return sdpa(q, k, v, attn_mask=allowed[:, None], enable_gqa=gqa)
         if S == T:  # from position 0: the model's own attention, exactly as in its forward
             return self.core(q, k, v)
@@ -162,9 +140,8 @@ def _cached_cores(model: Transformer, cache: KVCache, key_mask: torch.Tensor | N
 def decode(model: Transformer, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids (B, T) at positions ``cache.pos`` onwards -> logits (B, T, vocab); appends them to ``cache``.
 
-    ``tokens`` attend to every cached position and to each other causally. ``mask`` (B, T) bool is False at padding
-    (left padding of a batch of prompts): no later position attends to it, and the logits at padded positions mean
-    nothing. From position 0 without padding the logits are exactly the model's forward's.
+    ``mask`` (B, T) is False at left padding, which no later position attends to. From position 0 without padding
+    the logits are exactly the model's forward's.
     """
     start, T = cache.pos, tokens.shape[1]
     if start + T > model.rope_cos.shape[0]:

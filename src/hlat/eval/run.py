@@ -1,15 +1,8 @@
 """``hlat eval``: run lm-evaluation-harness over checkpoints and put the scores where the training run is.
 
-One checkpoint, or every valid checkpoint of a run (``eval.all_checkpoints``), is evaluated on the tasks of an
-``eval`` preset, each with its number of shots (``hlat.eval.harness.evaluate``). Each task's metrics and their standard
-errors go into MLflow as ``eval/<task>/<metric>`` (and ``..._stderr``) at the checkpoint's training step, in the
-training run itself when the store holds it (the run id is in the checkpoint root's job record), else in a new run
-tagged with the checkpoint. A markdown table per checkpoint lands next to the checkpoints (``eval/``), and a plot of
-every metric against tokens seen, the paper's Fig. 3, is drawn from the run's whole metric history, so evaluations
-made along training and afterwards end up in one curve.
-
-The training side, evaluations along training, is :mod:`hlat.train.evals`: it starts ``hlat eval`` in a child
-process, so training imports nothing of this module.
+Scores go to MLflow as ``eval/<task>/<metric>`` at the checkpoint's step, in the training run when the store holds
+it, with a table per checkpoint and a plot against tokens seen (the paper's Fig. 3) from the run's whole history.
+Training starts this as a child process (:mod:`hlat.train.evals`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Small lm-evaluation-harness tasks written for hlat: offline, no downloads, seconds to run.
 
-- ``hlat_local_mc``: 30 multiple-choice completions, mostly of Python-docstring phrases (acc, acc_norm);
-- ``hlat_local_ppl``: rolling log-likelihood of 20 short passages (word/byte perplexity, bits per byte);
-- ``hlat_local_gen``: 12 greedy generations continuing a repeated list (exact match);
-- ``hlat_local``: the group of all three.
-
-Each task is a YAML next to its JSONL; ``load_jsonl`` (the tasks' ``custom_dataset``) reads the JSONL from this
-directory wherever the package is installed, so no path depends on the working directory. ``task_manager`` indexes
-only this directory unless the built-in tasks are asked for (indexing those ~15k YAMLs takes ~10 s).
-
-``check_tasks`` (also ``python -m hlat.eval.tasks NAME...``, which training runs before it builds anything) says
-whether lm-eval can be imported and knows every task name: an evaluation fails at its start, not hours into a run.
+``hlat_local`` groups ``hlat_local_mc`` (multiple choice), ``hlat_local_ppl`` (perplexity) and ``hlat_local_gen``
+(greedy generation), each a YAML beside its JSONL. ``check_tasks`` (``python -m hlat.eval.tasks NAME...``, run by
+training before it builds anything) makes an unknown task fail at the start, not hours into a run.
 """
 
 from __future__ import annotations
@@ -39,12 +31,7 @@ TASKS = ("hlat_local_mc", "hlat_local_ppl", "hlat_local_gen")
 
 
 def load_jsonl(data_file: str, **_: Any) -> DatasetDict:
-    """A task's documents as a one-split (``test``) dataset, read from ``data_file`` in this directory.
-
-    Args:
-        data_file: The JSONL file name (the YAML's ``dataset_kwargs.data_file``).
-        **_: The task metadata lm-eval passes to every ``custom_dataset`` (unused).
-    """
+    """A task's documents as a one-split (``test``) dataset, read from ``data_file`` in this directory."""
     from datasets import Dataset, DatasetDict
 
     with open(TASKS_DIR / data_file, encoding="utf-8") as f:
@@ -60,13 +47,7 @@ class _QuietCustomDataset(logging.Filter):
 
 
 def task_manager(include_defaults: bool = False, extra_paths: list[str | Path] | None = None) -> TaskManager:
-    """An lm-eval ``TaskManager`` that knows the local tasks (and the built-in ones if ``include_defaults``).
-
-    Args:
-        include_defaults: Also index lm-eval's built-in tasks (MMLU, HellaSwag, ...; ~10 s, and their datasets are
-            downloaded from the Hugging Face Hub when a task runs).
-        extra_paths: More directories of task YAMLs to index.
-    """
+    """An lm-eval ``TaskManager`` that knows the local tasks (and the built-in ones, ~10 s, if ``include_defaults``)."""
     from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval.api.task").addFilter(_QUIET)
@@ -83,17 +64,10 @@ INSTALL = 'pip install -c constraints.txt -e ".[eval]" (in a checkout: make inst
 def check_tasks(names: Sequence[str], preset: str, cache_dir: str | Path | None = None) -> None:
     """Refuse, before anything is loaded, what lm-eval could not evaluate: no lm-eval, or a name it does not know.
 
-    The names are looked up the way an evaluation loads them: in lm-eval's ``TaskManager`` with this directory on its
-    include path; lm-eval's built-in names only when a name is not one of hlat's (:func:`builtin_tasks`).
-
-    Args:
-        names: Task, group or tag names (``eval.tasks``).
-        preset: The eval preset, for the message.
-        cache_dir: Where the index of the built-in names is cached (None: not cached).
+    lm-eval's built-in names are indexed (and cached in ``cache_dir``) only for a name that is not hlat's.
 
     Raises:
-        ConfigError: lm-eval cannot be imported (names the extra to install), or a name is unknown (names the closest
-            known ones and how to list them all).
+        ConfigError: lm-eval cannot be imported (names the extra to install), or a name is unknown (names the closest).
     """
     try:
         known = set(task_manager().all_tasks)
@@ -116,10 +90,9 @@ def check_tasks(names: Sequence[str], preset: str, cache_dir: str | Path | None 
 
 
 def builtin_tasks(cache_dir: str | Path | None = None) -> set[str]:
-    """The names of lm-eval's built-in tasks, groups and tags, cached in ``cache_dir``.
+    """The names of lm-eval's built-in tasks, groups and tags (~10 s to index), cached in ``cache_dir``.
 
-    Indexing them takes ~10 s; the cache holds the names with a fingerprint of lm-eval's task files (path, size and
-    time of each YAML, ~0.2 s to take), so an lm-eval upgrade or an edited task is indexed again, never missed.
+    The cache is keyed by the path, size and time of each task YAML (~0.2 s), so an upgrade or edit is never missed.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
