@@ -1,10 +1,7 @@
 """``hlat launch`` and ``hlat compile``: compose and validate the run's config, then render (or run) its launch files.
 
-Both take Hydra overrides exactly like ``python train.py``. Nothing is rendered unless the config composes and
-validates, the parallel layout fits the cluster (``ParallelDims.build``) and the backend runs it (the trainer's own
-``hlat.layouts.check_layout``: no pipeline parallelism or kv-head replication on the torch backend), so a bad
-layout fails here and not on 2,048 NeuronCores. Bad input prints one ``hlat: error: ...`` (or ``hlat: configuration
-error: ...``) line and exits 2.
+Nothing is rendered unless the layout passes the trainer's own checks, so a bad one fails here and not on 2,048
+NeuronCores.
 """
 
 from __future__ import annotations
@@ -129,11 +126,7 @@ def run_env(cfg: RunConfig) -> dict[str, str]:
 
 
 def install() -> Install:
-    """This interpreter and the directory holding ``train.py``: what the rendered scripts run, by absolute path.
-
-    The checkout hlat is installed from (``pip install -e``), else the working directory (an image's ``/opt/hlat``,
-    where hlat is installed as a wheel beside ``train.py``).
-    """
+    """This interpreter and the directory holding ``train.py`` (the editable checkout, else the working directory)."""
     checkout = Path(__file__).resolve().parents[3]
     for root in (checkout, Path.cwd().resolve()):
         if (root / TRAIN_SCRIPT).is_file():
@@ -148,9 +141,8 @@ def install() -> Install:
 def pinned_overrides(cfg: RunConfig, overrides: Sequence[str], target: str) -> list[str]:
     """``overrides`` plus ``tracker.uri=<the default store, absolute>`` for MLflow without a ``tracker.uri``.
 
-    MLflow's default store is ``mlflow.db`` in the working directory of each process; pinned here (where
-    ``hlat launch`` runs), every node and every requeue writes the one store. Not on EKS: a pod's paths are its
-    image's.
+    The default ``mlflow.db`` is per working directory; pinned here, every node and requeue writes one store (not on
+    EKS, whose pods have their image's paths).
     """
     if target == "eks" or cfg.tracker.kind != "mlflow" or cfg.tracker.uri is not None:
         return list(overrides)

@@ -1,28 +1,8 @@
 """The trainer's command line on one node, and the per-node script around it (``hlat.deploy.slurm``: the sbatch).
 
-Each node runs one torch elastic agent, ``torchrun``, with ``cluster.nproc_per_node`` trainer processes. Nodes meet
-in a c10d rendezvous hosted on the first node (``$MASTER_ADDR``), and ``--max-restarts`` is
-``cluster.max_restarts``. This is the mechanism that ``hlat.train.launch`` uses for ``python train.py``, stretched over
-``cluster.nodes`` hosts. Under an external torchrun, ``train.py`` trains in place
-(``hlat.config.resolvers.under_elastic``).
-
-Every rank on every node, and every restart, has to write to one run directory: that is where ``train.resume=auto``
-looks for the newest checkpoint. Hydra's default ``outputs/<date>/<time>`` differs from process to process, so the
-launch pins ``hydra.run.dir`` (:func:`train_overrides`).
-
-Nothing of the submitting shell is assumed (no venv on ``PATH``, no working directory): the scripts run the
-interpreter ``hlat launch`` ran in (``<python> -m torch.distributed.run``) on the absolute path of ``train.py``, from
-the checkout's root (:class:`Install`). Nodes meet at the first node's *hostname*: torch decides which agent hosts
-the c10d store by comparing the endpoint with its own host name, so an IP address works only where it is the
-address that host's name resolves to.
-
-Preemption (``hlat.train.preempt``): torchrun forwards SIGTERM and Slurm's warning signal (``PET_SIGNALS_TO_HANDLE``) to
-the trainers, which checkpoint the step in flight within ``train.preempt_grace_s``, and waits that plus 10 s for
-them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; torch versions without it wait 30 s). The sbatch script asks Slurm for
-SIGUSR1 that long before the time limit and requeues the job when the trainers leave the preemption marker.
-
-The pieces both scripts share are public here: :func:`command_text`, :func:`export_lines`, :func:`purpose_lines`,
-:func:`fresh_compile_dir` and :data:`ULIMIT`.
+One ``torchrun`` per node, meeting in a c10d rendezvous on the first node; every rank and restart writes one pinned
+``hydra.run.dir``, where ``train.resume=auto`` looks. The scripts assume nothing of the submitting shell: they run
+hlat's interpreter on the absolute path of ``train.py`` (:class:`Install`).
 """
 
 from __future__ import annotations
@@ -71,10 +51,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class Install:
     """Where hlat is installed on the nodes, as absolute paths (the same on every node: a shared file system).
 
-    Attributes:
-        python: The interpreter of hlat's environment (``sys.executable`` of ``hlat launch``, not resolved: a venv's
-            ``bin/python`` symlink is what makes it the venv).
-        root: The checkout holding ``train.py`` and ``conf/``.
+    ``python`` is ``sys.executable`` unresolved: a venv's ``bin/python`` symlink is what makes it the venv.
     """
 
     python: str
@@ -107,9 +84,7 @@ def override_key(override: str) -> str:
 def job_name(cfg: RunConfig, overrides: Sequence[str]) -> str:
     """The default job name: ``hlat-<model>-<cluster>-<6 hex digits of the overrides>``.
 
-    The digest makes different configurations of one model on one cluster get different names, so they get
-    different run directories and never resume from each other's checkpoints. The same command gives the same
-    name, so rerunning it continues the job.
+    Other configurations get other run directories (never each other's checkpoints); the same command continues.
     """
     digest = hashlib.sha1("\0".join(sorted(overrides)).encode()).hexdigest()[:6]
     raw = f"hlat-{cfg.model.name}-{cfg.cluster.name}-{digest}".lower()
@@ -145,22 +120,8 @@ def train_overrides(overrides: Sequence[str], run_dir: str) -> list[str]:
 def compile_overrides(cfg: RunConfig, overrides: Sequence[str], steps: int) -> list[str]:
     """The run's overrides for an ahead-of-time compile of ``steps`` steps.
 
-    The Neuron cache is keyed by the traced graphs and the compiler flags, so every setting that shapes a graph
-    stays exactly as in the run (Neuron SDK docs, neuron_parallel_compile: otherwise the cache misses). Only keys in
-    :data:`HOST_ONLY_KEYS` change, and they are appended last:
-
-    - ``train.steps=<steps>``;
-    - ``optimizer.warmup_steps=<steps - 1>``, only when the warmup would not end inside the short run (the config
-      refuses that);
-    - ``train.resume=never``, ``train.checkpoint_dir=null`` (if set) and ``hydra.run.dir=<run dir>/compile``, so the
-      compile run neither resumes a real checkpoint nor writes one the real run would resume. Graph extraction
-      produces no real numbers;
-    - ``tracker.kind=console``, so that no MLflow run fills up with those numbers.
-
-    Args:
-        cfg: The run's validated config.
-        overrides: The run's overrides, ``hydra.run.dir`` included (:func:`train_overrides`).
-        steps: Optimizer steps to trace (>= 1).
+    The Neuron cache is keyed by the traced graphs and compiler flags, so only :data:`HOST_ONLY_KEYS` change
+    (appended last): the steps and warmup, no resume or checkpoints of the real run's, a console tracker.
     """
     run_dir = run_dir_of(overrides)
     if run_dir is None:
@@ -184,11 +145,10 @@ def torchrun_argv(
 ) -> list[str]:
     """``torchrun ... train.py <overrides>`` for one node of ``cfg.cluster``, as a list of words.
 
-    One node uses ``--standalone`` (a private rendezvous). More nodes meet at ``endpoint`` (``host:port`` of the
-    first node, by hostname) under ``rdzv_id``. With ``install`` the command is ``<python> -m torch.distributed.run
-    <root>/train.py``; without, bare ``torchrun train.py`` (a container image, whose ``PATH`` and working directory
-    provide both).
+    Several nodes meet at ``endpoint``, the first node's ``host:port``. Without ``install``, bare ``torchrun
+    train.py`` (a container image's ``PATH`` and working directory provide both).
     """
+    # The endpoint names a hostname: torch picks the agent that hosts the c10d store by comparing it with its own.
     c = cfg.cluster
     if c.nodes == 1:
         words = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(c.nproc_per_node)]
@@ -227,16 +187,10 @@ def torchrun_line(
 
 
 def launch_env(cfg: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` plus what every launch exports on its backend.
+    """``env`` plus what every launch exports: the Neuron compile cache, and torchrun's signals and grace period.
 
-    On neuron this adds ``NEURON_COMPILE_CACHE_URL=cluster.compile_cache`` unless ``env`` sets it, so the run reads
-    the cache that ``hlat compile`` filled. Everywhere it tells torchrun to forward Slurm's warning signals too
-    (``PET_SIGNALS_TO_HANDLE``, torchrun's ``--signals-to-handle``) and to give the signalled trainers
-    ``train.preempt_grace_s`` + 10 s before it kills them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``); environment
-    variables, because a torchrun that predates these settings ignores them where it would refuse the flags.
-
-    A launch file is written down and shared, so it never holds a credential (``hlat.track.provenance.is_secret_name``):
-    hlat exports none, and a job that needs one takes it from the environment it is started in.
+    Variables rather than torchrun's flags: an older torchrun ignores them where it would refuse the flags. A launch
+    file is shared, so it never holds a credential.
 
     Raises:
         ValueError: a name that is not a shell variable name, or one that looks like a credential's.
@@ -285,7 +239,7 @@ def command_text(
 
 
 def fresh_compile_dir(cfg: RunConfig, overrides: Sequence[str], steps: int) -> str:
-    """``rm -rf`` of the compile run's directory: its ``train.resume=never`` refuses one that holds checkpoints.
+    """``rm -rf`` of the compile run's directory (its ``train.resume=never`` refuses one holding checkpoints).
 
     Only where one process runs it before any rank starts (the batch script, or a single node's script).
     """
@@ -321,14 +275,7 @@ def node_script(
 ) -> str:
     """A bash script to run on every node of the job (``hlat launch --target torchrun``).
 
-    Args:
-        cfg: The validated run config.
-        overrides: The Hydra overrides ``train.py`` gets, ``hydra.run.dir`` included (:func:`train_overrides`).
-        env: Variables to export (e.g. ``hlat.backends.neuron.neuron_env``).
-        name: Job name, used as the rendezvous id.
-        install: hlat's interpreter and checkout on the nodes.
-        port: Rendezvous port on the first node.
-        compile_steps: Render the ahead-of-time compile of this many steps instead of the run.
+    ``name`` is the rendezvous id; ``compile_steps`` renders the ahead-of-time compile instead of the run.
     """
     head = ["#!/usr/bin/env bash", f"# {name}{' (compile)' if compile_steps is not None else ''}: rendered by hlat."]
     if cfg.cluster.nodes > 1:
