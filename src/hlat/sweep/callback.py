@@ -1,15 +1,8 @@
 """The Hydra callback of every multirun (``hydra.callbacks.sweep`` in ``conf/config.yaml``).
 
-At the start of a sweep it opens an MLflow parent run, under which every job's run nests (``hlat.track.sweep``), and
-puts hlat's subclass of Hydra's submitit launcher in place of the plugin's (``hlat.sweep.launcher``: a job that is
-killed or cancelled does not crash the sweep; on Slurm, a cluster without accounting is refused first). At the end it
-compares the sweep's runs as ``hlat compare --sweep <dir>`` does (``comparison.md``, ``comparison.png`` in the sweep
-directory and on the parent run), gives the parent run the summary of its arms (``hlat.track.sweep_views.summarize``:
-their losses as metrics, a linked table as its description, a saved view of the MLflow UI) and fails the sweep (exit 1)
-if a job failed, was killed or was stopped, naming the jobs and their logs, closing their MLflow runs and marking the
-parent run FAILED (a job failed) or KILLED.
-A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.train.preempt``) marks its parent
-run KILLED on the way out, never leaving it RUNNING. Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
+At the start: the MLflow parent run and hlat's launcher. At the end: the comparison and summary on the parent run,
+and exit 1 naming any job that failed, was killed or stopped. However it ends, the parent run is never left
+RUNNING. Only rank 0 acts.
 """
 
 from __future__ import annotations
@@ -57,10 +50,7 @@ def _logs(job_dir: Path, record: dict[str, Any]) -> list[str]:
 
 
 def _close_job_runs(uri: str, undone: dict[Path, dict[str, Any]]) -> None:
-    """Mark the MLflow runs of jobs that died without closing them (SIGKILL, scancel) KILLED or FAILED.
-
-    Never RUNNING forever; running the sweep again continues them (``hlat.sweep.job.decide``), in the same run.
-    """
+    """Mark the MLflow runs of jobs that died without closing them KILLED or FAILED; a rerun continues them."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)

@@ -1,24 +1,8 @@
 """Hydra's submitit launchers (``hydra/launcher=slurm``, ``hydra/launcher=submitit_local``), made to survive dead jobs.
 
-Hydra instantiates launchers only from the ``hydra_plugins`` package: the launchers themselves are
-``hydra_plugins.hlat_sweep_launcher.LocalLauncher`` and ``SlurmLauncher`` (``src/hydra_plugins/``), two lines each on
-top of :class:`CollectingLauncher` here.
-
-The plugin's launcher waits for its jobs with ``job.results()``, which raises for the first job that was cancelled
-(``scancel``), killed (SIGKILL, out of memory, a lost node), failed outside Python or returned a result that cannot be
-unpickled: the sweep then ends with a stack trace before :class:`hlat.sweep.callback.SweepCallback` can compare
-the jobs that finished, fail the sweep and close its MLflow parent run. These subclasses collect every job on its own:
-
-- **In the job**, the returned ``JobReturn`` is made picklable: an exception object that cannot cross the pickle
-  boundary (torch elastic's ``SignalException`` needs a ``sigval`` its pickle does not carry) becomes a plain
-  ``RuntimeError`` with the same text and traceback.
-- **In the launcher**, a job that did not report back is recorded in its ``sweep_job.json`` (``killed`` or
-  ``failed``, the reason, submitit's log files and the job's MLflow run: :func:`hlat.track.sweep.record_dead_job`) and
-  reported to the sweeper as the objective +inf, the worst one. ``SweepCallback`` then names it, closes its MLflow
-  run, marks the parent run FAILED or KILLED and exits 1; running the sweep again continues it from its checkpoint.
-- **On Slurm**, submitit learns that a job ended without a result only from ``sacct``: without Slurm accounting a
-  sweep with a dead job would wait forever, so the sweep refuses to start (exit 2) and names the fix
-  (:func:`require_accounting`, also run by ``SweepCallback`` before it opens the parent run).
+The plugin's ``job.results()`` raises at the first cancelled, killed or unpicklable job, ending the sweep before it
+can report. Here each job is collected alone: a dead one is recorded and reported as +inf. ``src/hydra_plugins/``
+holds the two-line subclasses Hydra instantiates.
 """
 
 from __future__ import annotations
@@ -54,9 +38,7 @@ OURS = "hydra_plugins.hlat_sweep_launcher."
 def adopt(config: Any) -> None:
     """Swap the plugin's launcher in a multirun's config for the subclass here (``SweepCallback`` at the sweep's start).
 
-    ``hydra/launcher=submitit_local`` and ``submitit_slurm`` are the plugin's own structured configs, which a yaml
-    file of the same name could only replace through Hydra's deprecated automatic schema matching; the launcher is
-    instantiated from this very config right after the callback, so the subclass runs under every submitit preset.
+    Not a yaml of the same name: replacing the plugin's structured config so needs Hydra's deprecated schema matching.
     """
     from omegaconf import read_write
 
@@ -73,7 +55,7 @@ def picklable(ret: JobReturn) -> JobReturn:
         return ret
     try:
         pickle.loads(pickle.dumps(value))
-    except Exception:
+    except Exception:  # e.g. torch elastic's SignalException, whose pickle lacks its sigval
         trace = "".join(traceback.format_exception(value))
         ret._return_value = RuntimeError(f"{type(value).__module__}.{type(value).__name__}: {value}\n{trace}")
     return ret
@@ -207,8 +189,7 @@ def accounting_problem() -> str | None:
 def require_accounting() -> None:
     """Exit 2 with one line naming the fix when Slurm accounting is off, before anything is submitted.
 
-    submitit learns that a job ended without a result (``scancel``, out of memory, a lost node) only from ``sacct``;
-    without accounting (``AccountingStorageType=accounting_storage/none``) it would wait for such a job forever.
+    submitit sees a job that died without a result only in ``sacct``; without it, it would wait forever.
     """
     why = accounting_problem()
     if why is None:
