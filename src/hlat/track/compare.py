@@ -1,14 +1,7 @@
-"""Compare MLflow runs: a Markdown table of the config keys that differ and the headline metrics, plus a plot.
+"""``hlat compare``: a Markdown table of the config keys that differ and the headline metrics, plus a plot.
 
-The library behind ``hlat compare``. Runs are picked by experiment name, by run ids, or by a Hydra multirun
-directory (every hlat run carries the tag ``run_dir``, its job's output directory)::
-
-    hlat compare --experiment precision_ablation
-    hlat compare --sweep multirun/2026-11-22/07-34-38 --out /tmp/cmp
-    hlat compare --uri sqlite:///other.db --runs 1a2b3c4d... 5e6f7a8b...
-
-It writes ``comparison.md`` and ``comparison.png`` into ``--out``. mlflow and matplotlib are imported inside the
-functions that need them, so importing this module stays cheap.
+Runs are picked by experiment, run ids or multirun directory (their ``run_dir`` tag); the report is
+``comparison.md`` and ``comparison.png``. mlflow and matplotlib are imported only where needed.
 """
 
 from __future__ import annotations
@@ -41,29 +34,18 @@ def _ignored(key: str) -> bool:
 
 
 def differing_keys(runs: Sequence[RunData]) -> list[str]:
-    """The param keys whose values differ between the runs, sorted.
+    """The param keys whose values differ between the runs (or that some lack), sorted; empty for fewer than two.
 
-    A key that some runs lack counts as differing. Keys that change from run to run without describing the
-    configuration (``hydra.*``, ``fault.*``, ``tracker.run_name``, ``train.checkpoint_dir``, ``train.resume``) are
-    left out.
-
-    Args:
-        runs: The runs to compare.
-
-    Returns:
-        Sorted param keys; empty for fewer than two runs.
+    Keys that say where things go rather than what was trained (``hydra.*``, ``fault.*``...) are left out.
     """
     keys = {k for run in runs for k in run.params if not _ignored(k)}
     return sorted(k for k in keys if len({run.params.get(k) for run in runs}) > 1)
 
 
 def shown_keys(runs: Sequence[RunData]) -> list[str]:
-    """``differing_keys`` with the keys a differing preset name already explains folded into that name.
+    """``differing_keys`` without those a differing preset name explains (a function of ``<group>.name``).
 
-    A config group's preset (``precision.name``) sets the group's other fields, and some run params are derived
-    from them (``memory.bytes_per_param.*``). A differing key is left out when its value is a function of a
-    differing ``<group>.name`` across the runs (runs with the same preset name share its value), so the table
-    shows ``precision.name`` and ``optimizer.beta2`` rather than every precision field.
+    So the table shows ``precision.name`` and ``optimizer.beta2`` rather than every precision field.
     """
     keys = differing_keys(runs)
     names = [k for k in keys if k.endswith(".name")]
@@ -126,18 +108,9 @@ def _cell(text: str) -> str:
 
 
 def summary_table(runs: Sequence[RunData]) -> str:
-    """A Markdown table with one row per run.
+    """A Markdown table, one row per run: name, id, the differing keys, then the headline metrics (``-``: missing).
 
-    Columns: run name, short run id, one column per differing param key, then the final loss (mean of the last
-    10% of logged loss points), the minimum loss, the gradient-norm median over the second half, the last
-    parameter norm, the median tokens/s and, when any run logged it, the peak memory. A missing metric shows as
-    ``-``.
-
-    Args:
-        runs: The runs to compare, in row order.
-
-    Returns:
-        The table, without a trailing newline.
+    The final loss is the mean of the last 10% of logged points, as the sweep's objective.
     """
     keys = shown_keys(runs)
     head = [
@@ -187,16 +160,9 @@ def _smooth(values: Sequence[float], k: int = _SMOOTH) -> list[float]:
 
 
 def plot(runs: Sequence[RunData], path: Path | str) -> Path:
-    """Write a PNG: the loss (moving average of 5 logs) and the gradient norm (log y) of every run, overlaid.
+    """Write a PNG at ``path``: the loss (moving average of 5 logs) and the gradient norm (log y) of every run.
 
-    Uses a bare ``matplotlib.figure.Figure`` (Agg canvas), so neither pyplot nor the global backend is touched.
-
-    Args:
-        runs: The runs to plot; each is labelled with its name and its values of the differing keys.
-        path: Where to write the PNG; its directory must exist.
-
-    Returns:
-        ``path`` as a ``Path``.
+    A bare ``matplotlib.figure.Figure``, so neither pyplot nor the global backend is touched.
     """
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -231,16 +197,7 @@ def plot(runs: Sequence[RunData], path: Path | str) -> Path:
 
 
 def write_report(runs: Sequence[RunData], out_dir: Path | str, *, title: str | None = None) -> tuple[Path, Path]:
-    """Write ``comparison.md`` (title, table, link to the plot) and ``comparison.png`` into ``out_dir``.
-
-    Args:
-        runs: The runs to compare.
-        out_dir: Output directory, created if missing; existing report files are overwritten.
-        title: The Markdown title line (without ``#``); defaults to "Comparison of N MLflow runs".
-
-    Returns:
-        ``(markdown_path, png_path)``.
-    """
+    """Write ``comparison.md`` (title, table, link to the plot) and ``comparison.png`` into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = plot(runs, out_dir / "comparison.png")
@@ -280,11 +237,7 @@ def build_parser(prog: str = "hlat compare") -> argparse.ArgumentParser:
 
 
 def newest_sweep(path: Path) -> Path:
-    """The Hydra multirun directory ``hlat compare --sweep`` means by ``path``.
-
-    ``path`` itself when it is one (it has ``multirun.yaml``) or none is below it; else the newest one below it,
-    named on stderr, so ``multirun/scaled_init`` means that sweep's latest run.
-    """
+    """The multirun directory ``hlat compare --sweep path`` means: ``path``, else the newest one below it."""
     if (path / "multirun.yaml").is_file() or not path.is_dir():
         return path
     found = sorted(path.glob("**/multirun.yaml"), key=lambda p: (p.stat().st_mtime, str(p)))
@@ -295,15 +248,7 @@ def newest_sweep(path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``hlat compare``: print the table and write the report.
-
-    Args:
-        argv: Command-line arguments without the program name; ``None`` reads ``sys.argv``.
-
-    Returns:
-        0 on success, 2 when the selection is invalid or matches nothing (the reason goes to stderr). Usage
-        errors exit through argparse with status 2.
-    """
+    """Run ``hlat compare``: print the table and write the report; 2 when the selection matches nothing."""
     args = build_parser().parse_args(argv)
     if args.sweep is not None:
         args.sweep = str(newest_sweep(Path(args.sweep)))

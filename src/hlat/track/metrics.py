@@ -29,10 +29,8 @@ Rows = list[tuple[int, dict[str, float]]]
 class SpikeDetector:
     """Gradient spikes as the paper defines them (arXiv 2404.10630 §4.1, Fig. 2).
 
-    r is the mean gradient norm of the previous ``window`` steps (every step enters it, spikes included). A spike
-    starts at a step whose norm exceeds r + ``threshold`` and lasts while each following norm stays above its own
-    r + ``threshold``; its duration is the number of such steps. Detection starts once ``window`` norms have been
-    seen. A non-finite norm counts as above the threshold and does not enter the mean.
+    A spike starts where the norm exceeds r + ``threshold`` (r: the mean of the previous ``window`` norms, spikes
+    included) and lasts while it stays above; a non-finite norm counts as above and stays out of the mean.
     """
 
     def __init__(self, window: int = 20, threshold: float = 0.1) -> None:
@@ -132,11 +130,9 @@ class Throughput:
 def resolve_peak_flops(
     cluster: ClusterConfig, compute_dtype: str, cache_dir: str, bf16_matmul: str | None = None
 ) -> tuple[float | None, str]:
-    """Peak FLOP/s of ONE device at ``compute_dtype`` and where the figure comes from.
+    """Peak FLOP/s of ONE device at ``compute_dtype`` and where the figure comes from, or (None, why).
 
-    In order: ``cluster.peak_tflops``; the published figure for the device (trn1 on the neuron backend, the CUDA
-    device's name); on CPU this host's measured matmul peak cached by ``hlat bench peak``, of the bf16 matmul the
-    run does (``bf16_matmul``: ``emulated`` reads the emulated peak). (None, why) otherwise.
+    In order: ``cluster.peak_tflops``; the device's published figure; on CPU, this host's cached measured peak.
     """
     if cluster.peak_tflops is not None:
         return cluster.peak_tflops * 1e12, "cluster.peak_tflops"
@@ -157,10 +153,7 @@ def resolve_peak_flops(
 
 
 def first_peak_hint(source: str, cache_dir: str) -> bool:
-    """Whether to print "no MFU metric: ``source``" now: once per host (``hlat.plan.peak.first_hint``), not every run.
-
-    Every run still records ``source`` in its ``perf.peak_source`` tag (and ``perf.peak_tflops`` param).
-    """
+    """Whether to print "no MFU metric: ``source``" now: once per host, not every run (the tag records it always)."""
     from hlat.plan.peak import first_hint
 
     return first_hint(source, cache_dir)
@@ -169,10 +162,8 @@ def first_peak_hint(source: str, cache_dir: str) -> bool:
 class Uptime:
     """Goodput accounting of one training job across restarts (the paper's uptime, arXiv 2404.10630 §4.2, Table 1).
 
-    wall: seconds since the job's first launch (downtime between a crash and the restart included); productive:
-    seconds of the steps the job keeps (restored from the checkpoint on resume, so work done after the last
-    checkpoint by a process that died is not in it); lost = wall - productive (redone work, restart and start-up
-    overhead, downtime); uptime = productive / wall.
+    uptime = productive / wall: productive counts only the steps the job keeps (restored with the checkpoint), wall
+    counts from its first launch, downtime included.
     """
 
     def __init__(self, start: float, productive_s: float = 0.0, restarts: int = 0) -> None:
@@ -223,21 +214,9 @@ def layer_grad_norms(model: nn.Module) -> dict[str, torch.Tensor]:
 class MetricsLogger:
     """Loop hook: keeps per-step loss and grad norm on the device, logs them every ``every`` steps.
 
-    Each flush makes ONE host transfer (``backend.fetch``) and hands ``sink`` one row per step
-    (``train/loss``, ``train/grad_norm``, ``train/lr`` and the live ``spike/*`` metrics); the last row of the
-    interval also carries ``train/param_norm``, the interval's throughput (``perf/tokens_per_s``,
-    ``perf/sequences_per_s``, ``perf/step_time_s``, ``perf/data_wait_s`` per step), MFU and cost
-    (``Throughput``), peak host memory (``sys/peak_rss_gib``, and ``sys/cuda_max_allocated_gib`` on CUDA),
-    ``train/tokens_seen``, the job's ``uptime/*`` (``Uptime``), the ``fault/*`` counters of the train state
-    (skipped updates, discarded batches, rollbacks), the spike summary every ``spike_summary_every`` steps and at the
-    end, plus whatever host values ``extra`` returns (the data loader's ``data/*`` statistics). All of it is computed
-    on the host from the fetched values: telemetry adds no device synchronisation. ``first_nonfinite`` is the
-    first step whose fetched loss or gradient norm was not finite (None so far).
-
-    With a ``timer`` (``train.step_breakdown``) the last row also carries ``time/<phase>_s``, the seconds per step
-    of each phase over the interval, and ``time/other_s``, the rest of ``perf/step_time_s``. After ``start``, the
-    first row this process logs carries ``perf/startup_s`` (from the process's start to its first step) and
-    ``perf/first_step_s`` (that step, compilation included).
+    Each flush is ONE host transfer (``backend.fetch``): one row per step to ``sink``, the interval's throughput,
+    memory, uptime, fault counters and ``extra``'s values on its last row, all computed on the host (docs/telemetry.md
+    lists them). ``first_nonfinite``: the first step whose fetched loss or gradient norm was not finite.
     """
 
     def __init__(
@@ -275,11 +254,7 @@ class MetricsLogger:
         self._loop_start: float | None = None
 
     def start(self, process_start: float) -> None:
-        """The loop starts now: restart the interval clock.
-
-        Args:
-            process_start: When this process began, in epoch seconds (``perf/startup_s`` counts from it).
-        """
+        """The loop starts now: restart the interval clock (``perf/startup_s`` counts from ``process_start``)."""
         self._t0 = self._loop_start = time.perf_counter()
         self._startup = {"perf/startup_s": time.time() - process_start}
 

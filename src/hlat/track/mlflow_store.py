@@ -1,7 +1,4 @@
-"""Where hlat's MLflow data lives and how it is shown.
-
-The store's URI, a fail-fast check that it can be used, the experiments hlat creates (tagged for model training)
-and the MLflow UI addresses hlat prints.
+"""Where hlat's MLflow data lives and how it is shown: the store's URI and its check, experiments, UI addresses.
 
 mlflow itself is imported only inside the functions that need it.
 """
@@ -28,11 +25,8 @@ _SERVER_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "m
 def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0) -> None:
     """Fail fast, before any data or model is built, when the MLflow store of ``tracker.uri`` cannot be used.
 
-    An http(s) server gets one ``GET /health`` (through the proxies of the environment, as MLflow's requests go)
-    and a database server one TCP connect, each of at most ``timeout_s`` seconds where MLflow itself would retry
-    for minutes; any HTTP answer counts as reachable. A sqlite file's directory must exist and be writable; a
-    ``file:`` store's directory must be (or become) a writable directory. Other schemes (databricks, ...) are left
-    to MLflow. Only rank 0 tracks, so only rank 0 checks.
+    A server gets one ``GET /health`` or TCP connect of at most ``timeout_s`` (MLflow would retry for minutes); a
+    sqlite or ``file:`` store's directory must be writable. Only rank 0 checks.
 
     Raises:
         ConfigError: The server does not answer or the store cannot be written; names ``tracker.uri`` and the fixes.
@@ -131,11 +125,7 @@ LOSS = "train/loss"
 
 
 def experiment_id(client: Any, name: str) -> str:
-    """The id of MLflow experiment ``name``, created if it does not exist, tagged as model training.
-
-    Every experiment hlat logs to goes through here: a new one is created with ``mlflow.experimentKind`` =
-    ``custom_model_development``; an existing one without that tag gets it (a kind someone set is left alone).
-    """
+    """The id of MLflow experiment ``name``, created if need be, tagged as model training unless it has a kind."""
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)

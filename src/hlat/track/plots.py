@@ -11,14 +11,7 @@ Series = list[tuple[int, float]]
 def training_plots(series: dict[str, Series], histogram: dict[int, int], out_dir: Path) -> list[Path]:
     """Write ``training.png`` (loss, grad norm with spikes marked, param norm, LR, spike durations) and ``spikes.json``.
 
-    Args:
-        series: ``(step, value)`` lists for ``train/loss``, ``train/grad_norm``, ``train/param_norm``, ``train/lr``
-            and ``spike/active`` (missing keys leave their panel empty).
-        histogram: Spike duration -> number of spikes (``SpikeDetector.histogram()``).
-        out_dir: Created if missing.
-
-    Returns:
-        The files written.
+    ``series``: ``(step, value)`` lists by metric (a missing one leaves its panel empty). Returns the files written.
     """
     import matplotlib
     import matplotlib.ticker
@@ -68,15 +61,7 @@ def training_plots(series: dict[str, Series], histogram: dict[int, int], out_dir
 
 
 def plot_eval_curves(series: dict[str, Series], out: Path) -> Path:
-    """One panel per ``<task>/<metric>``: the metric against training tokens seen (the paper's Fig. 3).
-
-    Args:
-        series: ``(tokens, value)`` lists keyed by ``<task>/<metric>``.
-        out: The PNG to write (its directory is created).
-
-    Returns:
-        ``out``.
-    """
+    """Write ``out``: one panel per ``<task>/<metric>``, against training tokens seen (the paper's Fig. 3)."""
     import matplotlib
 
     matplotlib.use("Agg")

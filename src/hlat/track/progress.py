@@ -1,8 +1,4 @@
-"""The run's progress on rank 0: a tqdm bar on a terminal, one plain line every N steps in a log file.
-
-A tracker (``hlat.track.trackers``: it receives the metric rows, for the loss and tokens/s) and a loop hook (it advances
-every step without touching the device).
-"""
+"""The run's progress on rank 0: a tqdm bar on a terminal, one plain line every N steps in a log file."""
 
 from __future__ import annotations
 
@@ -16,11 +12,10 @@ from tqdm import tqdm
 
 
 class ProgressBar:
-    """Progress over optimizer steps with the loss, tokens/s and the ETA; also a loop hook.
+    """Progress over optimizer steps with the loss, tokens/s and the ETA: a tracker, and a loop hook.
 
-    On a terminal, a tqdm bar. Elsewhere (a log file, a pipe, a scheduler's output), where a bar would be one
-    ever-growing line, one plain line every ``every`` steps and at the last one:
-    ``step 40/200 loss 6.120 2,480 tok/s eta 4m10s``. ``plain``: force either (None: ``stream.isatty()`` decides).
+    A tqdm bar on a terminal; elsewhere, where a bar is one ever-growing line, ``step 40/200 loss 6.120 2,480 tok/s
+    eta 4m10s`` every ``every`` steps. ``plain``: force either (None: ``stream.isatty()`` decides).
     """
 
     def __init__(

@@ -1,8 +1,6 @@
 """What a run directory records so a result can be traced: git state, versions, environment.
 
-The environment is recorded without secrets: :func:`redact_env` is the one place that decides what is a credential,
-for every file hlat writes that holds environment variables (``provenance.json`` and its MLflow artifact here; the
-launch files of ``hlat.deploy`` refuse such names).
+:func:`redact_env` is the one place that decides what is a credential, for every file hlat writes.
 """
 
 from __future__ import annotations
@@ -79,10 +77,7 @@ def is_secret_name(name: str) -> bool:
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` as it may be written down: every credential's value is :data:`REDACTED`.
-
-    So is the ``user:password@`` of a URL in any other value (a compile cache's or a store's URL).
-    """
+    """``env`` as it may be written down: every credential's value, and any URL's ``user:password@``, redacted."""
     return {k: REDACTED if is_secret_name(k) else _URL_USERINFO.sub(f"://{REDACTED}@", v) for k, v in env.items()}
 
 

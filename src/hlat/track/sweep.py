@@ -1,15 +1,8 @@
 """A sweep's records, identity and grouping: what its jobs wrote, which MLflow runs they are, how to tell them apart.
 
-- **Job identity.** Every run is tagged ``hlat.config_hash``, a hash of the resolved config without the keys that
-  only say where things go (:data:`UNHASHED`); :mod:`hlat.sweep.job` skips or continues a job by it.
-- **Records.** Each job directory holds ``sweep_job.json`` (the job's decision, MLflow run, status, objective), the
-  sweep directory ``sweep.json`` (the MLflow parent run, the command line); :func:`record_dead_job` is the
-  launcher's side of a job that never reported back.
-- **Grouping.** ``mlflow.parentRunId`` nests a job's run under its sweep (:func:`parent_tags`); a run is named after
-  its swept overrides (:func:`default_run_name`); ``hlat compare --sweep`` finds a sweep's runs by its records.
-
-The job's objective (what the Optuna sweeper minimizes) is the mean training loss over the last 10% of the
-logged points, read from MLflow, so that a skipped job reports exactly what its run reported (:func:`objective`).
+A job is identified by ``hlat.config_hash`` (the config without :data:`UNHASHED`), recorded in ``sweep_job.json``
+(the sweep in ``sweep.json``) and nested under the sweep's parent run. Its objective is read back from MLflow, so a
+skipped job reports exactly what its run did.
 """
 
 from __future__ import annotations
@@ -102,15 +95,9 @@ def parent_tags(run_dir: Path, experiment: str) -> dict[str, str]:
 
 
 def record_dead_job(job_dir: Path, status: str, reason: str, *, logs: list[str], mlflow_run_id: str | None) -> str:
-    """Record a job that ended without reporting back (the launcher's side, ``hlat.sweep.launcher``).
+    """Record a job that ended without reporting back as ``status`` (``killed``, ``failed``); returns its status.
 
-    A status the job recorded itself (``preempted`` or ``interrupted`` by a signal, or ``finished`` before its result
-    was lost) is kept; otherwise the job is recorded ``status`` (``killed``: cancelled or killed from outside;
-    ``failed``) with ``reason``, its logs ``logs`` and its MLflow run, so :class:`SweepCallback` can name it and close
-    its run.
-
-    Returns:
-        The job's recorded status.
+    A status the job recorded itself (``preempted``, ``interrupted``, ``finished``) is kept.
     """
     record = read_record(job_dir)
     if record.get("status") in (*DONE, "preempted", "interrupted"):
@@ -125,13 +112,7 @@ def record_dead_job(job_dir: Path, status: str, reason: str, *, logs: list[str],
 def swept_overrides(job: list[str], command_line: list[str]) -> list[str]:
     """The overrides that tell this job from the other jobs of its sweep, e.g. ``["optimizer.beta2=0.95"]``.
 
-    Args:
-        job: The job's overrides (``hydra.overrides.task`` inside the job), as the sweeper normalized them.
-        command_line: The sweep's command-line overrides (``optimizer.beta2=0.95,0.99 train.steps=6``).
-
-    Returns:
-        The job's overrides of keys the command line sweeps (``a=1,2``, ``range``, ``choice``...) or does not set at
-        all (the sweeper's ``hydra.sweeper.params``); the shared, fixed ones are left out.
+    Those of keys the command line sweeps or does not set (the sweeper's params); the shared, fixed ones are left out.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -141,11 +122,7 @@ def swept_overrides(job: list[str], command_line: list[str]) -> list[str]:
 
 
 def default_run_name(job_dir: Path) -> str | None:
-    """A sweep job's MLflow run name, its swept overrides joined by ``,`` (None outside a tracked sweep).
-
-    Read from the job's HydraConfig and the sweep's ``sweep.json``, so it is the same under every launcher (the
-    basic one, submitit's local processes, Slurm jobs).
-    """
+    """A sweep job's MLflow run name, its swept overrides joined by ``,`` (None outside a tracked sweep)."""
     from hydra.core.hydra_config import HydraConfig
 
     path = Path(job_dir).parent / SWEEP_FILE

@@ -158,15 +158,9 @@ class MultiTracker:
 class MLflowTracker(NoopTracker):
     """Logs to MLflow through ``MlflowClient.log_batch`` from a background thread, so logging never blocks a step.
 
-    ``log_metrics`` only appends to a buffer; the thread sends it every ``flush_every_s`` seconds (at once when
-    the buffer reaches a full batch, and on every call when ``flush_every_s`` is 0). One HTTP call per point
-    manages ~160 points/s against a server; batches reach ~5,000/s. A failed send is kept and retried at the next
-    flush; ``finish`` stops the thread and sends what is left from the caller, where an error is raised.
-
-    A new run's first metric is ``train/loss``: other metrics (the pre-flight record at step 0) wait in the buffer
-    for the first loss, and MLflow's system metrics start once it is sent. MLflow's compare view charts the first
-    metric of a run by default (its parallel-coordinates plot; a sqlite store lists a run's metrics in the order
-    they first came), which was otherwise a ``system/`` or ``preflight/`` one.
+    Batches, sent every ``flush_every_s``: one HTTP call per point manages ~160 points/s, batches ~5,000/s. A failed
+    send is retried at the next flush. A run's first metric is ``train/loss``, which MLflow's compare view then
+    charts by default.
     """
 
     def __init__(self, cfg: TrackerConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> None:
@@ -260,8 +254,7 @@ class MLflowTracker(NoopTracker):
     def flush(self, *, everything: bool = False) -> None:
         """Send buffered metrics, at most 1000 per request; unsent ones go back to the buffer on error.
 
-        Until the run's first ``train/loss`` is sent, the other metrics wait for it (``everything``: send them
-        anyway; also when they fill a batch) and then follow it.
+        Until the first ``train/loss`` is sent the others wait for it, unless ``everything`` or they fill a batch.
         """
         with self._lock:
             if not self._loss_sent:
@@ -283,9 +276,8 @@ class MLflowTracker(NoopTracker):
     def sync(self) -> bool:
         """Send every buffered metric now, from the caller; a failure is logged, not raised. Returns success.
 
-        Called before a checkpoint is declared complete: a restart from that checkpoint replays only later steps,
-        so metrics still waiting in the buffer when the process dies (SIGKILL, a lost node) would leave a hole in
-        the run's history that nothing logs again.
+        Called before a checkpoint is declared complete: a restart replays only later steps, so metrics lost with a
+        dying process would leave a hole in the history.
         """
         try:
             self.flush(everything=True)
@@ -329,8 +321,7 @@ def build_tracker(
 ) -> tuple[Tracker, MLflowTracker | None]:
     """The tracker for this rank (a no-op off rank 0) and the MLflow tracker inside it, if any.
 
-    ``extra`` trackers (progress bar, history) are added on rank 0 only. ``run_id``: the MLflow run of a job being
-    resumed, which is continued instead of starting a new one.
+    ``run_id``: the MLflow run of a resumed job, continued instead of a new one.
     """
     if rank != 0:
         return NoopTracker(), None
