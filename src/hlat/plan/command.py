@@ -1,8 +1,6 @@
 """``hlat plan``: the command line of the planner (``hlat.plan.report``) and of its validation (``hlat.plan.paper``).
 
-``hlat plan [overrides] [--nodes 4,8,16,32,64] [--json] [--paper]``: memory per device, step time, MFU and cost per
-4M tokens of the composed config on its cluster, a scaling table over node counts, or the validation against the
-HLAT paper (docs/planner.md).
+``hlat plan [overrides] [--nodes 4,8,16,32,64] [--json] [--paper]`` (docs/planner.md).
 """
 
 from __future__ import annotations

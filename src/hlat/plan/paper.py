@@ -1,12 +1,7 @@
 """The planner against the HLAT paper and the Neuron SDK's published throughputs: calibration and validation.
 
-The trn1 preset has two calibrated parameters (``cluster.compute_efficiency`` and one collective efficiency used
-for ``intra_node_efficiency`` and ``inter_node_efficiency`` alike). ``fit_trn1`` fits them to exactly two data
-points, ``CALIBRATION``: the SDK's Llama2-7B throughput on 16 nodes (SDK 2.20, the release HLAT's scripts use) and
-HLAT's MFU on 64 nodes. Every other figure is a prediction, compared in ``validation_rows``. The step time is
-linear in 1/efficiency when no gradient reduction overlaps the backward (trn1), so the fit is a 2 x 2 solve.
-
-``python -m hlat.plan.paper`` (or ``hlat plan --paper``) prints the fit and the table of docs/planner.md.
+The trn1 preset's two efficiencies are fitted to exactly two points (``CALIBRATION``); every other figure is a
+prediction (``validation_rows``). ``hlat plan --paper`` prints the fit and the table of docs/planner.md.
 """
 
 from __future__ import annotations
@@ -123,8 +118,7 @@ def predicted(ref: Reference) -> tuple[float, float]:
 def gpu_baseline(collective: float | None = None) -> Plan:
     """The cheapest plan of the GPU baseline over tp in {1, 2, 4, 8} that fits 40 GB A100s.
 
-    Args:
-        collective: Override the p4d preset's (assumed, uncalibrated) collective efficiencies.
+    ``collective``: overrides the p4d preset's (assumed, uncalibrated) collective efficiencies.
     """
     base, plans = compose(*GPU_BASELINE), []
     for tp in (1, 2, 4, 8):

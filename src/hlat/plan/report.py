@@ -1,9 +1,6 @@
 """``hlat plan``: memory per device, step time, MFU and cost of a config on a cluster, before any hardware is used.
 
-``hlat plan experiment=hlat_7b`` prints the report of one config (the overrides are ``python train.py``'s);
-``--nodes 4,8,16,32,64`` sweeps the node count into a scaling table; ``--json`` prints the same as JSON;
-``--paper`` prints the validation against the HLAT paper (``hlat.plan.paper``). The memory model is
-``hlat.plan.memory``, the step-time model ``hlat.plan.step_model``; docs/planner.md describes both and their errors.
+The plan of one config, or a scaling table over node counts; docs/planner.md describes the models and their errors.
 """
 
 from __future__ import annotations
@@ -54,10 +51,7 @@ class Plan:
 
 
 def adapt_layout(cfg: RunConfig, world: int) -> tuple[RunConfig, str]:
-    """The nearest layout that fits ``world`` ranks, and a note of what changed.
-
-    It keeps the configured tensor degree if it can, with the largest pipeline degree not above the configured one;
-    failing that, smaller tensor degrees.
+    """The nearest layout that fits ``world`` ranks (the configured tp if it can), and a note of what changed.
 
     Raises:
         ConfigError: when no layout fits.
@@ -86,11 +80,8 @@ def adapt_layout(cfg: RunConfig, world: int) -> tuple[RunConfig, str]:
 def make_plan(cfg: RunConfig, *, adapt: bool = False, hint: bool = True) -> Plan:
     """Plan ``cfg`` for the world of its cluster preset.
 
-    Args:
-        cfg: A validated run config.
-        adapt: When the layout does not fit the world, plan the nearest smaller one (``adapt_layout``) instead of
-            raising.
-        hint: When nothing the cluster runs fits, look for the smallest cluster preset that would (``cluster_fix``).
+    ``adapt``: plan the nearest layout that fits instead of raising; ``hint``: name the smallest cluster preset that
+    would fit when nothing does.
 
     Raises:
         ConfigError: The layout does not fit the world (and ``adapt`` is false).

@@ -1,37 +1,9 @@
 """Step time, throughput, MFU and cost of a training config on a cluster: an analytic model, no device work.
 
-One optimizer step of a ``tp x pp x dp`` layout is modelled as
+    step = (compute + tp_comm) * (m + pp - 1) / m + pp_p2p + dp_exposed + optimizer
 
-    step = (compute + tp_comm) * (m + pp - 1) / m      # m micro-batches per data-parallel rank, 1F1B pipeline
-           + pp_p2p + dp_exposed + optimizer
-
-- **compute**: the hardware FLOPs one device executes per step (the trainer's model FLOPs, ``hlat.track.metrics.
-  flops_per_token``, plus what activation checkpointing recomputes) over ``peak x compute_efficiency``. The
-  efficiency is the one calibrated parameter of the compute side (docs/planner.md).
-- **tp_comm**: per layer and micro-batch, Megatron's tensor-parallel collectives (Korthikanti et al. 2022, §4.2.2):
-  with sequence parallelism 4 all-gathers and 4 reduce-scatters of the (s, b, h) activation per layer (forward and
-  backward), without it 4 all-reduces of the same volume; full checkpointing repeats the forward's half. They run
-  over the in-node link (NeuronLink, NVLink) and are not overlapped with compute (XLA and Megatron of 2023 serialise
-  them with the matmuls they feed).
-- **pipeline**: the 1F1B bubble ``(pp - 1) / (m + pp - 1)`` of the step (Narayanan et al. 2021, §2.2.1) and the
-  point-to-point activations (forward) and their gradients (backward) between stages.
-- **dp**: the gradient reduction over the data-parallel ranks, hierarchical: a reduce-scatter/all-gather among the
-  ranks of one node, and a ring over the nodes for the rest, which every device of a node runs at once, so each gets
-  ``1/devices_per_node`` of the node's network. ZeRO-1 reduce-scatters gradients and all-gathers parameters instead
-  of all-reducing. ``grad_reduce_overlap`` of it is hidden behind the backward pass (0 on Neuron: NxD reduces once
-  the accumulation is done).
-- **optimizer**: AdamW streams its states, gradients and parameters through HBM once (memory bound).
-
-Ring collectives (Patarasuk & Yuan 2009; the NCCL tests' "bus bandwidth"): an all-reduce of S bytes over n ranks
-moves ``2 (n - 1) / n x S`` per rank, an all-gather or reduce-scatter ``(n - 1) / n x S``; the nominal bandwidths
-are multiplied by ``cluster.intra_node_efficiency`` or ``cluster.inter_node_efficiency``, the achieved fractions.
-
-The efficiencies are the model's only free parameters; docs/planner.md gives their values, how the trn1 ones were
-fitted to two published throughputs (``hlat.plan.paper``), and how well the model predicts the others.
-
-Not modelled (each a few percent or less for the paper's recipes): latency terms of collectives, the vocabulary-
-parallel embedding and output layer's collectives, the imbalance of the first and last pipeline stages (embedding,
-output layer), host-side overheads (data loading runs ahead, arXiv 2404.10630 §3.3), stragglers.
+m micro-batches per data-parallel rank, 1F1B pipeline, ring collectives at achieved fractions of the nominal
+bandwidths. docs/planner.md ("Step time") gives each term, its reference, what is not modelled, and the fit.
 """
 
 from __future__ import annotations
@@ -71,10 +43,7 @@ class Hardware:
     grad_reduce_overlap: float
 
     def link_bw(self, *, cross_node: bool) -> float:
-        """Achieved bytes/s of one device in a collective.
-
-        In the node, its link; across nodes, its share of the node's network (every device runs one at once).
-        """
+        """Achieved bytes/s of one device in a collective: its link, or its share of the node's network."""
         if cross_node:
             return self.inter_node_bw / self.devices_per_node * self.inter_node_efficiency
         return self.intra_node_bw * self.intra_node_efficiency
@@ -193,9 +162,8 @@ class StepEstimate:
 def hardware_flops_per_token(cfg: RunConfig, n_params: int) -> tuple[float, float]:
     """(model FLOPs, recomputed FLOPs) per token: the trainer's count, and what checkpointing adds to it.
 
-    Selective checkpointing recomputes the attention core's forward, 4·L·H·Q·T (a third of the 12·L·H·Q·T of
-    ``flops_per_token``); full checkpointing the forward of every block, 2·N_blocks + 4·L·H·Q·T, N_blocks the
-    parameters outside the embedding and the output layer (Korthikanti et al. 2022, §5; Narayanan et al. 2021, §5.1).
+    Selective recomputes the attention core's forward (4·L·H·Q·T), full every block's (2·N_blocks + 4·L·H·Q·T)
+    (Korthikanti et al. 2022, §5; Narayanan et al. 2021, §5.1).
     """
     m, s = cfg.model, cfg.train.seq_len
     model = flops_per_token(n_params, m.vocab_size * m.dim, m.n_layers, m.n_heads, m.head_dim, s)
@@ -207,7 +175,8 @@ def hardware_flops_per_token(cfg: RunConfig, n_params: int) -> tuple[float, floa
 
 
 def _tp_comm_s(cfg: RunConfig, dims: ParallelDims, hw: Hardware, micro_batches: int) -> float:
-    """Tensor-parallel collectives of one device per step (without the bubble)."""
+    """Tensor-parallel collectives of one device per step (without the bubble; Korthikanti et al. 2022, §4.2.2)."""
+    # Not overlapped with compute: XLA and Megatron serialise them with the matmuls they feed.
     if dims.tp == 1:
         return 0.0
     m, t = cfg.model, cfg.train
@@ -218,11 +187,7 @@ def _tp_comm_s(cfg: RunConfig, dims: ParallelDims, hw: Hardware, micro_batches: 
 
 
 def _pp_p2p_s(cfg: RunConfig, dims: ParallelDims, hw: Hardware, micro_batches: int) -> float:
-    """Stage-to-stage sends of one device per step.
-
-    One activation forward and one gradient backward per slot of the (m + pp - 1) of the pipeline; with sequence
-    parallelism each tensor-parallel rank sends its 1/tp of the sequence.
-    """
+    """Stage-to-stage sends of one device per step: an activation and its gradient per pipeline slot."""
     if dims.pp == 1:
         return 0.0
     m, t = cfg.model, cfg.train
@@ -265,7 +230,7 @@ def _optimizer_s(cfg: RunConfig, dims: ParallelDims, hw: Hardware, n_params: int
 
 
 def estimate_step(cfg: RunConfig, dims: ParallelDims, hw: Hardware, n_params: int) -> StepEstimate:
-    """Predict one optimizer step of ``cfg`` laid out as ``dims`` on ``hw`` (see the module docstring)."""
+    """Predict one optimizer step of ``cfg`` laid out as ``dims`` on ``hw`` (docs/planner.md, "Step time")."""
     t = cfg.train
     mb = dims.grad_accum(t)
     tokens = t.global_batch_size * t.seq_len
