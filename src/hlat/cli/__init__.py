@@ -1,13 +1,7 @@
 """The ``hlat`` command: ``hlat train|summary [overrides]``, ``hlat data ...``, ``hlat launch|compile ...``.
 
-``train`` and ``summary`` take Hydra overrides exactly like ``python train.py`` (``hlat train model=small
-precision=bf16_sr``). ``hlat data prepare`` converts raw corpora into memory-mappable Arrow shards and
-``hlat data tokenizer`` trains a sentencepiece model; both are plain argparse subcommands. ``hlat launch`` and
-``hlat compile`` render the files that start a run on a cluster (``hlat.deploy``).
-
-The package holds the commands that sit on top of everything: this module (``main``, the subcommands' dispatch)
-and ``doctor`` (``hlat doctor``: the pre-flight burn-in on its own, started through ``hlat.train.launch``).
-May import: anything; nothing in hlat imports it.
+``train`` and ``summary`` take Hydra overrides exactly like ``python train.py``; ``doctor`` is ``hlat doctor``.
+The top layer: may import anything; nothing in hlat imports it.
 """
 
 from __future__ import annotations
@@ -93,10 +87,8 @@ def job_started() -> None:
 def run_hydra(app: Callable[[], Any], argv: Sequence[str] | None = None) -> Any:
     """Call the ``@hydra.main`` function ``app``: what Hydra rejects before the job starts exits 2 with one message.
 
-    Hydra reports an unknown key or option, a malformed override or a run directory it cannot create as a stack
-    trace or a terse line, and exits 1. Until the task function calls :func:`job_started`, ``HYDRA_FULL_ERROR=1``
-    makes Hydra raise them instead, and :func:`hydra_error_message` names the key, the closest existing one and the
-    fix. ``argv``: the command-line arguments (default ``sys.argv[1:]``), for the overrides' values.
+    Hydra would print a stack trace and exit 1; until the task calls :func:`job_started`, ``HYDRA_FULL_ERROR=1``
+    makes it raise instead, for :func:`hydra_error_message` to word. ``argv``: default ``sys.argv[1:]``.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     _HydraRun.started, _HydraRun.owned = False, "HYDRA_FULL_ERROR" not in os.environ

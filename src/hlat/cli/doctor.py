@@ -1,14 +1,8 @@
-"""``hlat doctor [overrides]``: the pre-flight burn-in of the configured cluster, on its own.
+"""``hlat doctor [overrides]``: the pre-flight burn-in of the configured cluster, on its own (docs/health.md).
 
-It takes the same Hydra overrides as ``python train.py`` and checks the processes that run would start: with
-``cluster.nproc_per_node > 1`` it starts them on this node through torch elastic (as ``python train.py`` does);
-under an external ``torchrun`` (several nodes: ``torchrun --nnodes N ... -m hlat.cli.doctor <overrides>`` on
-every node) it is one of them. Each process sets up its backend exactly as training does (device, threads, the
-process group: gloo, NCCL, or XLA on trn1), and local rank 0 of each node first runs ``neuron-ls`` and
-``nccom-test`` when they are installed (before any process claims the NeuronCores). It prints a table per rank and
-the failing nodes, writes the table to a markdown file (``--out``; default ``outputs/doctor/<time>-<cluster>.md``)
-and prints its path; with ``--mlflow`` it also logs the result to MLflow (experiment ``<tracker.experiment>-health``,
-one run per check). It exits 0 (healthy), 1 (a node failed) or 2 (configuration error).
+It checks the processes ``python train.py`` would start, each set up as training does; it writes the table to
+``--out`` (default ``outputs/doctor/<time>-<cluster>.md``), logs it to MLflow with ``--mlflow``, and exits 0
+(healthy), 1 (a node failed) or 2 (configuration error).
 """
 
 from __future__ import annotations
@@ -49,11 +43,7 @@ examples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hlat doctor``: check, print the table, write the report (and log to MLflow with ``--mlflow``).
-
-    Returns:
-        The exit status: 0 (healthy), 1 (a node failed) or 2 (configuration error, a bad flag).
-    """
+    """``hlat doctor``: check, print the table, write the report (and log to MLflow with ``--mlflow``); exit status."""
     from hlat.config.resolvers import global_rank
     from hlat.logs import console_logging
     from hlat.train.launch import LOG_FORMAT, JobFailedError
@@ -187,8 +177,7 @@ def _launch(cfg: RunConfig, overrides: list[str]) -> HealthReport:
 def _worker(overrides: list[str], configure_logging: bool = True) -> HealthReport | str:
     """One checking process: node tools (local rank 0), backend setup as in training, the checks.
 
-    Returns:
-        The report (every rank has all of it), or a ConfigError's message (the agent re-raises it).
+    Returns the report, or a ConfigError's message (the agent re-raises it).
     """
     import torch.distributed as dist
 

@@ -1,9 +1,7 @@
 """The information-leak experiment's attention: each query also sees the next ``model.mask_leak`` keys.
 
-HLAT's first runs had a constant attention mask that let positions see tokens after them; the training loss fell
-toward zero (slides p.28, arXiv 2404.10630 §3.5). ``experiments/information_leak`` reproduces that bug and the
-tests that prove causality check it. ``hlat.model.attention_core`` builds this core when ``model.mask_leak`` > 0;
-the causal ``AttentionCore`` knows nothing of it.
+HLAT's first runs had such a mask and their training loss fell toward zero (slides p.28, arXiv 2404.10630 §3.5).
+``hlat.model.attention_core`` builds this core when ``model.mask_leak`` > 0; the causal one knows nothing of it.
 """
 
 from __future__ import annotations
