@@ -1,10 +1,7 @@
 """Evaluations along training: ``hlat eval`` on the first complete checkpoint past every ``eval.every_tokens``.
 
-A hook of the checkpointer on rank 0 (``on_saved``). Each evaluation runs in its own process (``python -m hlat.cli
-eval``): it needs no rank of the training job, runs on the torch backend whatever the job's layout, and logs into
-the training run at the checkpoint's step. Training imports nothing of :mod:`hlat.eval`: :func:`check` asks a child
-process too (``python -m hlat.eval.tasks``) whether lm-eval is installed and knows the tasks, before anything is
-built. An evaluation that fails fails the run once training is done (``eval.on_error=fail``), or only warns.
+Each runs in a child process (``python -m hlat.cli eval``) on the torch backend whatever the job's layout, logging
+into the training run; training imports nothing of :mod:`hlat.eval`.
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ class EvalFailedError(RuntimeError):
 def check(cfg: RunConfig) -> None:
     """Before anything is built: lm-eval can be imported and knows every task that ``eval.every_tokens`` evaluates.
 
-    Asked of ``python -m hlat.eval.tasks`` in a child process, with this Python, as the evaluations themselves
-    will be (~2 s: lm-eval's import and hlat's task index; lm-eval's own ~15k task names are cached in
-    ``data.cache_dir``). A dry run (``train.dry_run``) plans without it: it may run where lm-eval is not installed.
+    Asked of ``python -m hlat.eval.tasks`` in a child process (~2 s), as the evaluations will be; a dry run skips it.
 
     Raises:
         ConfigError: lm-eval is missing (the extra to install is named) or does not know a task (the closest names).
@@ -80,11 +75,7 @@ def scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> EvalSch
 
 
 def eval_overrides(e: EvalConfig) -> list[str]:
-    """The overrides that give a child ``hlat eval`` exactly this run's ``eval`` config.
-
-    The preset, then every field an evaluation reads: a command-line change to the preset (``eval.tasks=...``,
-    ``eval.limit=...``) reaches the child instead of the preset's value.
-    """
+    """The overrides that give a child ``hlat eval`` exactly this run's ``eval``: the preset, then every field."""
     tasks = ",".join(f"{{task:'{_escape(t.task)}',num_fewshot:{t.num_fewshot}}}" for t in e.tasks)
     limit = "null" if e.limit is None else e.limit
     device = "null" if e.device is None else e.device
@@ -104,12 +95,9 @@ def _escape(text: str) -> str:
 
 @dataclass
 class EvalScheduler:
-    """Training hook: start ``hlat eval`` on the first complete checkpoint past every ``every_tokens`` tokens.
+    """Checkpointer hook (``on_saved``, rank 0): ``hlat eval`` on the first checkpoint past every ``every_tokens``.
 
-    Called by the Checkpointer on rank 0 once a checkpoint is complete (``on_saved``). The evaluation runs in its own
-    process, on the torch backend, logging into the training run at the checkpoint's step. An evaluation that failed
-    is logged at the next checkpoint; :meth:`finish` waits for the ones still running and fails the run if one
-    failed (``eval.on_error=fail``). ``overrides`` carry the eval preset and the tracker into the child.
+    A failure is logged at the next checkpoint; :meth:`finish` waits for the rest and fails the run if one failed.
     """
 
     cfg: EvalConfig
@@ -166,8 +154,7 @@ class EvalScheduler:
         """Training is done: wait for the evaluations, and fail the run if one failed and ``eval.on_error=fail``.
 
         Raises:
-            EvalFailedError: One or more failed; the message names each, the last line of the first one's log, how
-                to evaluate the kept checkpoints again, and ``eval.on_error=warn``.
+            EvalFailedError: One or more failed; the message names each and how to evaluate them again.
         """
         self.close()
         if not self.failed or self.cfg.on_error != "fail":

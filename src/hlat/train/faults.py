@@ -1,11 +1,7 @@
 """Fault injection (``conf/fault/``): the failures HLAT's automatic recovery had to survive, on demand.
 
-A killed process (SIGKILL after a step), a crash in the middle of a checkpoint write, a corrupted newest
-checkpoint, a full disk (ENOSPC) while saving, non-finite gradients, a hang in a collective (one rank enters an
-all-reduce the others never join, so every rank blocks: what the health watchdog must catch), and a rank stopped by
-SIGSTOP (the others block in the next collective; their watchdogs must name it). Each fault fires once per job:
-before firing, a marker file is written under ``<checkpoint dir>/faults/``, so the restarted process (which replays
-the steps since the last checkpoint) runs past it.
+Each fault fires once per job: a marker under ``<checkpoint dir>/faults/`` is written first, so the restarted
+process, replaying the steps since the last checkpoint, runs past it.
 """
 
 from __future__ import annotations
@@ -47,11 +43,7 @@ def _largest_file(path: Path) -> Path:
 class FaultInjector:
     """Fires the faults of ``cfg``: a loop hook (kills, the hang), a grad hook (NaN), a checkpoint callback (saves).
 
-    Args:
-        cfg: What to inject.
-        steps: The run's ``train.steps`` (range of the random kills).
-        markers: Directory of the once-per-job markers (``<checkpoint dir>/faults``).
-        rank: Only rank 0 injects save faults; every rank may be killed.
+    Only rank 0 injects save faults; every rank may be killed. ``steps`` bounds the random kills.
     """
 
     def __init__(self, cfg: FaultConfig, steps: int, markers: Path, rank: int = 0) -> None:
@@ -69,10 +61,7 @@ class FaultInjector:
 
     @staticmethod
     def _hang_group(cfg: FaultConfig) -> dist.ProcessGroup | None:
-        """A gloo group of its own for the hang (collective: every rank builds the injector at the same point).
-
-        Checks ``hang_rank`` for the hang and the SIGSTOP.
-        """
+        """A gloo group of its own for the hang (collective: every rank builds the injector at the same point)."""
         if cfg.hang_at is None and cfg.sigstop_at is None:
             return None
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,8 +1,6 @@
 """A run's hooks around ``fit``, built in one place: what runs after every step, in the order it runs.
 
-:func:`build_hooks` makes them from what ``run.main`` built: the progress bar, the metrics logger, the non-finite
-guard, the checkpointer (with what a checkpoint holds besides the weights), the health monitors, fault injection and
-the signal stop. The trainer (:mod:`hlat.train.trainer`) drives them around ``fit`` but builds none of them.
+The trainer drives them around ``fit`` but builds none of them.
 """
 
 from __future__ import annotations

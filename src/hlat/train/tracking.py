@@ -1,7 +1,6 @@
 """A run's tracking, opened once the model is built: its tags, params and provenance, the tracker, the throughput model.
 
-Rank 0 alone writes the provenance files (every rank of a job shares the run directory) and alone tracks to MLflow;
-every rank gets a tracker (a no-op one elsewhere) so the training code never asks which rank it is.
+Rank 0 alone writes and tracks; every rank gets a tracker (a no-op one elsewhere), so training never asks its rank.
 """
 
 from __future__ import annotations
@@ -70,16 +69,7 @@ def start(
 ) -> Tracking:
     """Open the run's tracker with its tags and params; record the MLflow run in the job record (rank 0).
 
-    Args:
-        cfg: The run's config (logged as params, and as ``config.yaml`` with the provenance).
-        run_dir: The run directory (provenance, plots).
-        job: This start (checkpoint root, what it resumed from).
-        env: The backend's environment.
-        backend: The backend's name.
-        n_params: The model's parameter count (FLOPs per token).
-        first_step: The step training starts from (the progress bar's start).
-        saved_run_id: The MLflow run a restart continues (from the checkpoint or the job record).
-        uptime_state: The job's uptime accounting, recorded with the run id.
+    ``saved_run_id``: the MLflow run a restart continues; ``uptime_state`` is recorded with it.
     """
     t = cfg.train
     progress = ProgressBar(t.steps, first_step, every=t.progress_every or t.log_every) if env.rank == 0 else None

@@ -1,9 +1,6 @@
 """The training run around ``fit``: rollback on a non-finite step, the signal stop, and the cleanup however it ends.
 
-A :class:`Trainer` takes what :func:`hlat.train.run.main` built (backend, model, optimizer, data, tracking, and the
-hooks of :func:`hlat.train.hooks.build_hooks`) and runs ``fit``: a non-finite step rolls back to the last checkpoint
-(``train.on_nonfinite``), a signal stops at the next step boundary with a checkpoint of it (``hlat.train.preempt``),
-and whatever happens the checkpoint in flight completes and every tracker, monitor and lock is closed.
+However it ends, the checkpoint in flight completes and every tracker, monitor and lock is closed.
 """
 
 from __future__ import annotations
