@@ -1,9 +1,7 @@
 """Reading torch.distributed.checkpoint (DCP) directories without running code from them.
 
-DCP's reader unpickles ``.metadata`` with plain ``pickle`` and non-tensor items with ``weights_only=False``, so a
-crafted directory runs code on resume, ``init_from``, export or eval. Here ``.metadata`` goes through an unpickler
-limited to :data:`ALLOWED_GLOBALS` and non-tensor items through ``weights_only=True``; anything else is a
-:class:`~hlat.config.ConfigError` naming the file.
+DCP's own reader unpickles with plain ``pickle`` (a crafted checkpoint runs code); here ``.metadata`` may hold only
+:data:`ALLOWED_GLOBALS` and other items load with ``weights_only=True``, else a ConfigError names the file.
 """
 
 from __future__ import annotations

@@ -24,13 +24,9 @@ def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
 
 
 class Permutation:
-    """A pseudo-random bijection of ``[0, n)`` determined by ``(seed, epoch)``.
+    """A pseudo-random bijection of ``[0, n)`` determined by ``(seed, epoch)``; every epoch an independent order.
 
-    Args:
-        n: Size of the domain (number of documents).
-        seed: Run seed (``train.seed``).
-        epoch: Epoch number; every epoch gets an independent order.
-        rounds: Feistel rounds (4 suffice for a pseudo-random permutation; 6 add margin).
+    ``rounds``: Feistel rounds (4 suffice for a pseudo-random permutation; 6 add margin).
     """
 
     def __init__(self, n: int, seed: int, epoch: int, rounds: int = 6) -> None:

@@ -34,13 +34,7 @@ _FIX_PATH = (
 
 @dataclass
 class Documents:
-    """Documents read from a source.
-
-    Attributes:
-        texts: Non-empty documents, in file order (files sorted by path).
-        skipped: Number of null, empty or whitespace-only documents that were dropped.
-        files: The files that were read.
-    """
+    """Documents read from a source: the non-empty ones in file order, how many were skipped, the files read."""
 
     texts: list[str]
     skipped: int = 0

@@ -57,15 +57,7 @@ def _default_threads() -> int:
 
 
 class Tokenizer:
-    """A loaded SentencePiece model.
-
-    Attributes:
-        path: The ``.model`` file it was loaded from.
-        vocab_size: Number of pieces (the model's embedding rows).
-        bos_id: Beginning-of-sequence id (unused by packing, kept for generation).
-        eos_id: End-of-sequence id, appended after every document when packing.
-        fingerprint: Short hash of the serialized model, to tell tokenizers apart in checkpoints.
-    """
+    """A loaded SentencePiece model; ``fingerprint`` (a hash of the model) tells tokenizers apart in checkpoints."""
 
     def __init__(self, path: Path | str, num_threads: int | None = None) -> None:
         """Load ``path``; ``num_threads`` (default: the usable cores) parallelizes :meth:`encode`."""

@@ -1,9 +1,6 @@
 """Load an hlat checkpoint for use outside training, and greedy decoding with the KV cache.
 
-Example::
-
-    loaded = load("outputs/2025-01-01/12-00-00/checkpoints", device="cuda")
-    ids = greedy(loaded.model, loaded.tokenizer.encode(["def f():"])[0], max_new_tokens=20)
+``loaded = load("outputs/.../checkpoints")``, then ``greedy(loaded.model, prompt_ids, max_new_tokens=20)``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
     step = (compute + tp_comm) * (m + pp - 1) / m + pp_p2p + dp_exposed + optimizer
 
-m micro-batches per data-parallel rank, 1F1B pipeline, ring collectives at achieved fractions of the nominal
-bandwidths. docs/planner.md ("Step time") gives each term, its reference, what is not modelled, and the fit.
+m micro-batches per data-parallel rank, 1F1B; docs/planner.md ("Step time") gives each term and its reference.
 """
 
 from __future__ import annotations
