@@ -8,7 +8,7 @@ import pytest
 
 from hlat.config import ConfigError, to_run_config
 from hlat.plan.memory import check_world, planned_budget
-from hlat.train.launch import supervise
+from hlat.train.entry import supervise
 from hlat.train.run import main
 from tests.conftest import CONF, compose_cfg, run_config
 

@@ -463,8 +463,8 @@ def test_auto_skips_a_device_it_cannot_time_and_on_refuses_it(caplog) -> None:
 
 def test_a_failed_preflight_is_final_and_a_hang_is_named_when_restarts_run_out(tmp_path: Path) -> None:
     from hlat.health.report import PreflightError
-    from hlat.train import launch
-    from hlat.train.launch import error_message
+    from hlat.train import entry as launch
+    from hlat.train.entry import error_message
 
     assert issubclass(PreflightError, ConfigError)  # final like a configuration error (never retried) ...
     assert error_message(PreflightError("node vm: ...")) == "hlat: health check failed: node vm: ..."  # ... not one

@@ -219,7 +219,7 @@ class Step:
 def test_the_watchdog_of_the_waiting_rank_names_the_stopped_one_and_the_launcher_repeats_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from hlat.train import launch
+    from hlat.train import entry as launch
 
     wall, clock, exits = Wall(), Clock(), []
     board = FileBoard(tmp_path / "heartbeat", world_size=2)

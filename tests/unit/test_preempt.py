@@ -1,5 +1,5 @@
-"""hlat.train.preempt and the agent's side of it: the signal flag, the stop hook and its rank agreement, the grace-path
-save, the marker, the hand-over to submitit, and how hlat.train.launch turns torch elastic's SignalException into a
+"""hlat.launch.preempt and the agent's side of it: the signal flag, the stop hook and its rank agreement, the grace-path
+save, the marker, the hand-over to submitit, and how hlat.train.entry turns torch elastic's SignalException into a
 result."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import pytest
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.launcher.api import LaunchConfig
 
+from hlat.launch import preempt
+from hlat.launch.preempt import AbortedError, PreemptedError, SignalFlag, StopHook
 from hlat.state import TrainState
-from hlat.train import launch, preempt
-from hlat.train.preempt import AbortedError, PreemptedError, SignalFlag, StopHook
+from hlat.train import entry as launch
 from tests.unit.test_health_dist import join, run_two
 
 
@@ -204,7 +205,7 @@ def test_ranks_agree_on_a_signal_that_reached_only_one() -> None:
     ],
 )
 def test_a_stopped_run_exits_with_its_documented_code_and_one_line(capsys, error, code: int, says: str) -> None:
-    from hlat.train.launch import _stopped
+    from hlat.train.entry import _stopped
 
     with pytest.raises(SystemExit) as e:
         _stopped(None, error)

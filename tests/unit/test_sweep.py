@@ -15,7 +15,7 @@ from hlat import checkpoint
 from hlat.config import ConfigError, resolvers, to_run_config
 from hlat.sweep import job as sweep_job
 from hlat.track import runs, sweep
-from hlat.train import launch
+from hlat.train import entry as launch
 from tests.conftest import compose_cfg, lock_held_elsewhere
 from tests.timeouts import hang_guard
 

@@ -13,8 +13,9 @@ atomic: the backend writes into ``step_XXXXXXXX.tmp/`` (in a background thread w
 renamed. A directory without a manifest is never loaded, and one whose files do not match their checksums is
 skipped with a warning naming it. Retention deletes old checkpoints only after a new one is complete.
 
-May import: ``hlat.config``, the core modules, ``hlat.plan``, ``hlat.data``, ``hlat.backends`` and ``hlat.track``.
-Never ``hlat.health``, ``hlat.train`` or the commands (tests/unit/test_import_boundaries.py draws the graph).
+May import: ``hlat.config``, the core modules, ``hlat.launch``, ``hlat.plan``, ``hlat.data``, ``hlat.backends`` and
+``hlat.track``. Never ``hlat.health``, ``hlat.train`` or the commands (tests/unit/test_import_boundaries.py draws the
+graph).
 """
 
 from __future__ import annotations
@@ -159,11 +160,11 @@ def restart_resume(resume: str, root: Path) -> str:
     A restarted worker (under hlat's supervision or an external torchrun, Slurm or a PyTorchJob) reruns the same
     command line: with ``never`` it would refuse its own checkpoints, and with a path it would go back to the
     checkpoint the job started from. Once the job has written checkpoints, ``auto``. Whether this is a restart is
-    decided by the attempt every rank agrees on (:func:`hlat.attempt.current`), never by one agent's
+    decided by the attempt every rank agrees on (:func:`hlat.launch.attempt.current`), never by one agent's
     ``TORCHELASTIC_RESTART_COUNT``: a node restarted only because another node's worker died counts 0 there, and
     would have started over while the other nodes resumed.
     """
-    from hlat import attempt
+    from hlat.launch import attempt
 
     restarted = attempt.current() > 0
     if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):

@@ -6,7 +6,7 @@ precision=bf16_sr``). ``hlat data prepare`` converts raw corpora into memory-map
 ``hlat compile`` render the files that start a run on a cluster (``hlat.deploy``).
 
 The package holds the commands that sit on top of everything: this module (``main``, the subcommands' dispatch)
-and ``doctor`` (``hlat doctor``: the pre-flight burn-in on its own, started through ``hlat.train.launch``).
+and ``doctor`` (``hlat doctor``: the pre-flight burn-in on its own, started through ``hlat.train.entry``).
 May import: anything; nothing in hlat imports it.
 """
 
@@ -125,7 +125,7 @@ def _hydra_train(argv: list[str]) -> None:
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
     def task(cfg: DictConfig) -> None:
         job_started()
-        from hlat.train.launch import entry  # torch and the trainer: only once the config composed
+        from hlat.train.entry import entry  # torch and the trainer: only once the config composed
 
         entry(cfg)
 

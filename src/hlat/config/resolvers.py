@@ -2,7 +2,7 @@
 
 ``hydra.run.dir``, ``hydra.sweep.dir`` and the log file names of ``conf/`` resolve through here, so every rank of a
 job (under torchrun, Slurm tasks or hlat's own torch elastic agent) writes into one directory. The launcher
-(:mod:`hlat.train.launch`) and the sweep records (:mod:`hlat.track.sweep`) read the rank here too. Only the
+(:mod:`hlat.launch.elastic`) and the sweep records (:mod:`hlat.track.sweep`) read the rank here too. Only the
 standard library at import (``hlat summary`` composes without torch); torch's TCPStore is imported when a
 torchrun job asks for its stamp.
 """

@@ -333,7 +333,7 @@ class TrainConfig(_Frozen):
     preempt_grace_s: float = 20.0
     """Seconds a trainer stopped by SIGTERM, SIGINT (Ctrl-C) or Slurm's warning signal (SIGUSR1, SIGUSR2 under
     submitit) has from the signal to its exit: it finishes the step in flight, writes that step's checkpoint
-    synchronously, marks the MLflow run KILLED and resumable, and exits with code 85 (``hlat.train.preempt``); a slower
+    synchronously, marks the MLflow run KILLED and resumable, and exits with code 85 (``hlat.launch.preempt``); a slower
     stop is logged. ``hlat launch`` gives the trainer this plus 10 s (Kubernetes' terminationGracePeriodSeconds,
     torch elastic's shutdown timeout, the lead of Slurm's warning signal). Kubernetes and Slurm wait 30 s by
     default."""

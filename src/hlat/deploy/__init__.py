@@ -2,10 +2,10 @@
 
 Every renderer is a pure function of the composed, validated :class:`hlat.config.RunConfig`, the Hydra overrides
 ``train.py`` receives and the environment variables to export; it returns text (or, for Kubernetes, a dict to dump
-as YAML). They all start the trainer the same way ``python train.py`` supervises itself (``hlat.train.launch``): one
+as YAML). They all start the trainer the same way ``python train.py`` supervises itself (``hlat.launch.elastic``): one
 torch elastic agent (``torchrun``) per node, a c10d rendezvous on the first node, and ``--max-restarts`` from
 ``cluster.max_restarts``, so a failed rank restarts the whole job from its newest checkpoint. They also leave a
-preempted trainer ``train.preempt_grace_s`` + 10 s to checkpoint the step in flight (``hlat.train.preempt``), and the
+preempted trainer ``train.preempt_grace_s`` + 10 s to checkpoint the step in flight (``hlat.launch.preempt``), and the
 Slurm script requeues such a job. The shell scripts run hlat's interpreter (``<python> -m torch.distributed.run``) and
 ``train.py`` by absolute path from the checkout (:class:`hlat.deploy.render.Install`), needing nothing of the shell
 that starts them; the PyTorchJob runs the image's ``torchrun train.py``. ``hlat launch`` and ``hlat compile``

@@ -2,7 +2,7 @@
 
 Each node runs one torch elastic agent, ``torchrun``, with ``cluster.nproc_per_node`` trainer processes. Nodes meet
 in a c10d rendezvous hosted on the first node (``$MASTER_ADDR``), and ``--max-restarts`` is
-``cluster.max_restarts``. This is the mechanism that ``hlat.train.launch`` uses for ``python train.py``, stretched over
+``cluster.max_restarts``. This is the mechanism that ``hlat.train.entry`` uses for ``python train.py``, stretched over
 ``cluster.nodes`` hosts. Under an external torchrun, ``train.py`` trains in place
 (``hlat.config.resolvers.under_elastic``).
 
@@ -16,8 +16,8 @@ the checkout's root (:class:`Install`). Nodes meet at the first node's *hostname
 the c10d store by comparing the endpoint with its own host name, so an IP address works only where it is the
 address that host's name resolves to.
 
-Preemption (``hlat.train.preempt``): torchrun forwards SIGTERM and Slurm's warning signal (``PET_SIGNALS_TO_HANDLE``) to
-the trainers, which checkpoint the step in flight within ``train.preempt_grace_s``, and waits that plus 10 s for
+Preemption (``hlat.launch.preempt``): torchrun forwards SIGTERM and Slurm's warning signal (``PET_SIGNALS_TO_HANDLE``)
+to the trainers, which checkpoint the step in flight within ``train.preempt_grace_s``, and waits that plus 10 s for
 them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; torch versions without it wait 30 s). The sbatch script asks Slurm for
 SIGUSR1 that long before the time limit and requeues the job when the trainers leave the preemption marker.
 
@@ -35,9 +35,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hlat.config import RunConfig
+from hlat.launch.preempt import AGENT_SIGNALS, launcher_grace_s
 from hlat.parallel import ParallelDims
 from hlat.track.provenance import is_secret_name
-from hlat.train.preempt import AGENT_SIGNALS, launcher_grace_s
 
 RDZV_PORT = 29400
 """Port of the c10d rendezvous store on the first node (torchrun's default for c10d)."""

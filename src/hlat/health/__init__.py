@@ -13,9 +13,9 @@
 - :mod:`hlat.health.stragglers`: every N steps, each rank's step time and local (forward + data wait) time gathered,
   the slowest rank and its lag logged.
 
-This package imports nothing at import time: :mod:`hlat.train.launch` reads the exit code and error type from it.
+This package imports nothing at import time: :mod:`hlat.train.entry` reads the exit code and error type from it.
 
-May import: ``hlat.config``, the core modules, ``hlat.plan``, ``hlat.backends`` and ``hlat.track`` (the trainer
-runs the checks and monitors). Never ``hlat.train`` or the commands: ``hlat doctor``, which starts processes as
-training does, lives in ``hlat.cli``.
+May import: ``hlat.config``, the core modules, ``hlat.launch``, ``hlat.plan``, ``hlat.backends`` and ``hlat.track``
+(the trainer runs the checks and monitors). Never ``hlat.train`` or the commands: ``hlat doctor``, which starts
+processes as training does, lives in ``hlat.cli``.
 """

@@ -63,7 +63,7 @@ class Beat:
     pid: int
     local_rank: int
     attempt: int
-    """The job's attempt (:mod:`hlat.attempt`): a beat left by an earlier attempt is not this one's."""
+    """The job's attempt (:mod:`hlat.launch.attempt`): a beat left by an earlier attempt is not this one's."""
     step: int
     """The last step this rank completed (the watchdog's loop hook saw it)."""
     phase: str
@@ -306,7 +306,7 @@ def board_for(world_size: int, directory: Path) -> Board | None:
 
     None for one process: nobody else reads its beat.
     """
-    from hlat import attempt
+    from hlat.launch import attempt
 
     if world_size == 1:
         return None

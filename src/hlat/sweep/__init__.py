@@ -6,7 +6,7 @@ Owns ``job`` (one job: skip it if it already finished, continue it from its chec
 ``src/hydra_plugins/`` registers them). What a sweep records about its jobs (hashes, tags, the job files) is
 ``hlat.track.sweep``'s, and its parent run's view in the MLflow UI ``hlat.track.sweep_views``'s.
 
-Sits beside ``hlat.train``: ``hlat.train.launch`` hands a multirun's job to ``job.run_job``, which calls back the
+Sits beside ``hlat.train``: ``hlat.train.entry`` hands a multirun's job to ``job.run_job``, which calls back the
 training it is given. May import: everything below the commands (``hlat.train`` included). Never ``hlat.eval``,
 ``hlat.cli`` or ``hlat.deploy`` (tests/unit/test_import_boundaries.py draws the graph).
 """

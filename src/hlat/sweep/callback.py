@@ -8,7 +8,7 @@ directory and on the parent run), gives the parent run the summary of its arms (
 their losses as metrics, a linked table as its description, a saved view of the MLflow UI) and fails the sweep (exit 1)
 if a job failed, was killed or was stopped, naming the jobs and their logs, closing their MLflow runs and marking the
 parent run FAILED (a job failed) or KILLED.
-A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.train.preempt``) marks its parent
+A sweep that ends any other way (Ctrl-C, SIGTERM, a job stopped by a signal: ``hlat.launch.preempt``) marks its parent
 run KILLED on the way out, never leaving it RUNNING. Only rank 0 acts (under ``torchrun`` every rank runs the sweep).
 """
 
@@ -43,7 +43,7 @@ def _uri(config: DictConfig) -> str | None:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Signals that end a sweep between jobs through ``SystemExit`` (so the parent run is closed on the way out);
-during a job the trainer takes them over and stops with a checkpoint (``hlat.train.preempt``)."""
+during a job the trainer takes them over and stops with a checkpoint (``hlat.launch.preempt``)."""
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

@@ -5,12 +5,12 @@ hooks -> fit), ``hooks`` (the hooks ``fit`` runs, built in one place: metrics, t
 monitors, fault injection, the signal stop), ``trainer`` (``fit`` with those hooks: rollback, signals and clean-up),
 ``loop`` (``fit`` itself: the step, micro-batches, hooks), ``tracking`` (the run's tags, params, tracker and
 throughput model), ``resume`` (which start this is, what it resumes from, restore, roll-back on a non-finite step),
-``launch`` (the command-line entry, torch elastic supervision, exit codes and "how to continue" hints), ``preempt``
-(signals -> a checkpoint of the step in flight), ``faults`` (fault injection), ``rendezvous`` (one-node stores on
-loopback) and ``evals`` (evaluations along training, as child processes, and the check of their tasks before
-anything is built). The multirun's jobs, callback and launcher are ``hlat.sweep``'s, beside this package.
+``entry`` (the command-line entry, exit codes and "how to continue" hints), ``faults`` (fault injection) and
+``evals`` (evaluations along training, as child processes, and the check of their tasks before anything is built).
+Supervision, preemption and restart attempts are ``hlat.launch``'s, below this package; the multirun's jobs, callback
+and launcher are ``hlat.sweep``'s, beside it.
 
-May import: everything below it (``hlat.config``, the core modules, ``hlat.plan``, ``hlat.data``,
+May import: everything below it (``hlat.config``, the core modules, ``hlat.launch``, ``hlat.plan``, ``hlat.data``,
 ``hlat.backends``, ``hlat.track``, ``hlat.checkpoint``, ``hlat.health``'s checks and monitors). Never
 ``hlat.eval``, ``hlat.cli``, ``hlat.deploy`` or ``hlat.cli.doctor`` (tests/unit/test_import_boundaries.py draws
 the graph).

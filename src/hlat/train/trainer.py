@@ -2,7 +2,7 @@
 
 A :class:`Trainer` takes what :func:`hlat.train.run.main` built (backend, model, optimizer, data, tracking, and the
 hooks of :func:`hlat.train.hooks.build_hooks`) and runs ``fit``: a non-finite step rolls back to the last checkpoint
-(``train.on_nonfinite``), a signal stops at the next step boundary with a checkpoint of it (``hlat.train.preempt``),
+(``train.on_nonfinite``), a signal stops at the next step boundary with a checkpoint of it (``hlat.launch.preempt``),
 and whatever happens the checkpoint in flight completes and every tracker, monitor and lock is closed.
 """
 
@@ -20,11 +20,11 @@ from torch import nn
 from hlat.backends.base import Backend
 from hlat.config import RunConfig
 from hlat.data import Loader
+from hlat.launch import preempt
 from hlat.optim import lr_at
 from hlat.parallel import ParallelDims
 from hlat.state import NonFiniteError, TrainState
 from hlat.track.metrics import SpikeDetector, Uptime
-from hlat.train import preempt
 from hlat.train.hooks import Hooks
 from hlat.train.loop import fit
 from hlat.train.resume import JobStart, restore, rollback

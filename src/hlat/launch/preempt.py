@@ -13,7 +13,7 @@ A second Ctrl-C (more than :data:`REPEAT_S` after the first) aborts at once, wit
 are the same request delivered twice (a terminal signals the whole process group, and torch elastic forwards what
 it got to workers that already got it), so they are ignored.
 
-Under supervision (``hlat.train.launch.supervise``) the torch elastic agent forwards the signal to its workers and waits
+Under supervision (``hlat.train.entry.supervise``) the torch elastic agent forwards the signal to its workers and waits
 up to :func:`launcher_grace_s` for them; rank 0 leaves :data:`MARKER` in the run directory once the checkpoint is
 complete, which tells the agent (and the Slurm batch script that ``hlat launch`` renders) that the run stopped
 resumable, since torch elastic does not report its workers' exit after a signal.

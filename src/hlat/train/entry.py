@@ -12,7 +12,7 @@ run directory, so ``train.resume=auto`` continues from the newest valid checkpoi
 a restart cannot fix (a configuration error, a halt on a non-finite step, a full disk) end the job at once instead.
 Under an external ``torchrun`` (or Slurm / Kubeflow launching one) the trainer simply runs: that launcher already
 supervises it. A signal to the agent (SIGTERM, Ctrl-C, Slurm's SIGUSR1/SIGUSR2) is forwarded to the trainers, which stop
-at the next step boundary with a checkpoint of it (``hlat.train.preempt``); the job then ends preempted and resumable,
+at the next step boundary with a checkpoint of it (``hlat.launch.preempt``); the job then ends preempted and resumable,
 not restarted.
 """
 
@@ -38,9 +38,10 @@ from hlat.config.resolvers import global_rank, under_elastic
 from hlat.health.blame import last_verdict
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
+from hlat.launch import preempt
 from hlat.state import HaltedError
 from hlat.sweep import job as sweep_job
-from hlat.train import evals, preempt
+from hlat.train import evals
 from hlat.train.evals import EvalFailedError
 from hlat.train.run import main
 
@@ -93,7 +94,8 @@ def supervise(cfg: RunConfig, run_dir: Path) -> None:
     """Run ``cluster.nproc_per_node`` trainer processes under torch elastic, restarted up to ``max_restarts`` times.
 
     A signal to this process (the agent) is forwarded to the trainers, which stop at the next step boundary with a
-    checkpoint (``hlat.train.preempt``); the agent waits ``train.preempt_grace_s`` + 10 s for them before it kills them.
+    checkpoint (``hlat.launch.preempt``); the agent waits ``train.preempt_grace_s`` + 10 s for them before it kills
+    them.
 
     Raises:
         ConfigError, CheckpointError, HaltedError: As raised by the trainer (never retried).
@@ -120,11 +122,11 @@ def supervise(cfg: RunConfig, run_dir: Path) -> None:
             f"this Slurm job has {slurm[2]} node(s) but cluster={cfg.cluster.name} needs {nodes}; keep the launcher's "
             "hydra.launcher.nodes at ${cluster.nodes} (conf/hydra/launcher/slurm.yaml)"
         )
+    from hlat.launch.rendezvous import one_node_launch
     from hlat.parallel import ParallelDims
-    from hlat.train.rendezvous import one_node_launch
 
     ParallelDims.build(cfg.parallelism, cfg.cluster.world_size, cfg.model, cfg.train)  # before starting anything
-    # One node: its stores and sockets on 127.0.0.1 only (hlat.train.rendezvous); several: c10d on the first host.
+    # One node: its stores and sockets on 127.0.0.1 only (hlat.launch.rendezvous); several: c10d on the first host.
     rdzv = one_node_launch() if nodes == 1 else {"rdzv_backend": "c10d", "rdzv_endpoint": endpoint}
     config = LaunchConfig(
         min_nodes=nodes,
@@ -165,7 +167,7 @@ def _stop_settings(launch_config: type, grace_s: float) -> dict[str, Any]:
     """``LaunchConfig`` fields that let a signalled agent stop its trainers gracefully, where this torch has them.
 
     ``signals_to_handle`` adds Slurm's warning signals (USR1, USR2) to the ones the agent forwards to its workers,
-    and ``shutdown_timeout`` waits ``grace_s`` + :data:`hlat.train.preempt.MARGIN_S` for them instead of 30 s (older
+    and ``shutdown_timeout`` waits ``grace_s`` + :data:`hlat.launch.preempt.MARGIN_S` for them instead of 30 s (older
     torch versions have neither field and forward SIGTERM, SIGINT, SIGHUP and SIGQUIT with 30 s).
     """
     wanted = {"signals_to_handle": preempt.AGENT_SIGNALS, "shutdown_timeout": preempt.launcher_grace_s(grace_s)}
@@ -178,7 +180,7 @@ def _run_agent(launch: Any, cfg: RunConfig, run_dir: Path) -> dict[int, Any]:
 
     torch elastic turns the signal into ``SignalException`` after forwarding it to the workers and waiting for them
     (or killing them after its shutdown timeout); it does not report how they ended, so rank 0's
-    :data:`hlat.train.preempt.MARKER` says whether the checkpoint was completed. The agent's signal handlers are put
+    :data:`hlat.launch.preempt.MARKER` says whether the checkpoint was completed. The agent's signal handlers are put
     back afterwards: torch elastic leaves its own installed.
     """
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -231,7 +233,7 @@ def _worker(cfg: RunConfig, run_dir: str, log_file: str) -> tuple[str, str] | No
     )
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates; the others speak up on problems
-    # A restart is logged by hlat.attempt once the ranks agree on it (this agent's own count can be 0 on a node
+    # A restart is logged by hlat.launch.attempt once the ranks agree on it (this agent's own count can be 0 on a node
     # restarted because another node's worker died).
     try:  # a restart resumes this job's own progress (run.restart_resume)
         main(cfg, Path(run_dir))
@@ -305,8 +307,8 @@ def entry(hydra_cfg: DictConfig) -> float | None:
     A configuration error prints one clean message and exits 2 (a failed pre-flight health check: 3, its own
     ``exit_code``); a failure a rerun can continue from (a halt, a full disk, restarts exhausted) prints what
     happened and how to continue, and exits 1. A run stopped by a signal with a checkpoint of the step in flight
-    (``hlat.train.preempt``) prints the command that continues it and exits 85; one stopped without it (a second Ctrl-C)
-    exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.sweep.job.run_job` instead,
+    (``hlat.launch.preempt``) prints the command that continues it and exits 85; one stopped without it (a second
+    Ctrl-C) exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.sweep.job.run_job` instead,
     which returns the job's objective (and exits only when the job was stopped by a signal).
     """
     from hydra.core.hydra_config import HydraConfig
