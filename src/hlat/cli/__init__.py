@@ -6,7 +6,7 @@ precision=bf16_sr``). ``hlat data prepare`` converts raw corpora into memory-map
 ``hlat compile`` render the files that start a run on a cluster (``hlat.deploy``).
 
 The package holds the commands that sit on top of everything: this module (``main``, the subcommands' dispatch)
-and ``doctor`` (``hlat doctor``: the pre-flight burn-in on its own, started through ``hlat.train.entry``).
+and ``doctor`` (``hlat doctor``: the pre-flight burn-in on its own, started through ``hlat.launch``).
 May import: anything; nothing in hlat imports it.
 """
 

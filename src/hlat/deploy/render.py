@@ -2,8 +2,8 @@
 
 Each node runs one torch elastic agent, ``torchrun``, with ``cluster.nproc_per_node`` trainer processes. Nodes meet
 in a c10d rendezvous hosted on the first node (``$MASTER_ADDR``), and ``--max-restarts`` is
-``cluster.max_restarts``. This is the mechanism that ``hlat.train.entry`` uses for ``python train.py``, stretched over
-``cluster.nodes`` hosts. Under an external torchrun, ``train.py`` trains in place
+``cluster.max_restarts``. This is the mechanism that ``hlat.launch.elastic`` uses for ``python train.py``, stretched
+over ``cluster.nodes`` hosts. Under an external torchrun, ``train.py`` trains in place
 (``hlat.config.resolvers.under_elastic``).
 
 Every rank on every node, and every restart, has to write to one run directory: that is where ``train.resume=auto``
@@ -36,11 +36,10 @@ from dataclasses import dataclass
 
 from hlat.config import RunConfig
 from hlat.launch.preempt import AGENT_SIGNALS, launcher_grace_s
+from hlat.launch.rendezvous import RDZV_PORT  # the c10d store's port on the first node, as python train.py's
 from hlat.parallel import ParallelDims
 from hlat.track.provenance import is_secret_name
 
-RDZV_PORT = 29400
-"""Port of the c10d rendezvous store on the first node (torchrun's default for c10d)."""
 NOFILE = 65535
 """Open-file limit for the trainer processes (NxD's Llama example scripts raise it to this value)."""
 ULIMIT = f'ulimit -n {NOFILE} 2>/dev/null || ulimit -n "$(ulimit -Hn)" || true'
