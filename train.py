@@ -5,7 +5,7 @@ from omegaconf import DictConfig
 
 from hlat.cli import job_started, run_hydra
 from hlat.config import register_configs
-from hlat.train.launch import entry
+from hlat.train.entry import entry
 
 register_configs()
 

@@ -2,7 +2,7 @@
 --target torchrun`` runs it. One node's trainer is SIGKILLed from outside: both nodes must restart, resume from the
 newest checkpoint and end bitwise equal to an uninterrupted job, with every step's loss in one MLflow run.
 
-Before ``hlat.attempt``, the node whose worker died counted a restart and the other did not (torch elastic counts
+Before ``hlat.launch.attempt``, the node whose worker died counted a restart and the other did not (torch elastic counts
 retries per agent): the ranks waited under different store prefixes and the job hung (issue 23).
 """
 

@@ -227,7 +227,7 @@ def test_a_hang_in_a_collective_is_dumped_and_the_restart_resumes(tmp_path: Path
     dumps = {p.name: p.read_text() for p in (run_dir / "hang").glob("rank*.txt")}
     assert set(dumps) == {"rank0.txt", "rank1.txt"}  # every rank's stacks, not only the first to notice
     assert "_hang" in dumps["rank1.txt"] and "faults.py" in dumps["rank1.txt"]  # where rank 1 hung
-    # Rank 0 waits in a collective for rank 1: the step-end agreement on a stop signal (hlat.train.preempt, after the
+    # Rank 0 waits in a collective for rank 1: the step-end agreement on a stop signal (hlat.launch.preempt, after the
     # fault hook where rank 1 hangs) or, without it, the gradient all-reduce inside the next backward.
     assert "preempt.py" in dumps["rank0.txt"] or "torch/autograd" in dumps["rank0.txt"], dumps["rank0.txt"][-3000:]
     assert all(d.count("hread 0x") >= 2 for d in dumps.values())  # all threads: the stuck one and the watchdog

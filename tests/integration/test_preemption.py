@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hlat import checkpoint
-from hlat.train.preempt import MARKER, PREEMPTED_EXIT_CODE
+from hlat.launch.preempt import MARKER, PREEMPTED_EXIT_CODE
 from hlat.train.run import main
 from tests.conftest import run_config
 from tests.integration.test_fault_recovery import assert_same, state_of, strip_job

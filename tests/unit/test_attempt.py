@@ -1,5 +1,5 @@
-"""The job-wide restart attempt (``hlat.attempt``): every rank agrees on one number through a real ``TCPStore``, however
-earlier attempts died, and the per-agent ``TORCHELASTIC_RESTART_COUNT`` no longer decides it."""
+"""The job-wide restart attempt (``hlat.launch.attempt``): every rank agrees on one number through a real
+``TCPStore``, however earlier attempts died, and the per-agent ``TORCHELASTIC_RESTART_COUNT`` no longer decides it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hlat import attempt
 from hlat.checkpoint import restart_resume
-from hlat.train.rendezvous import loopback_store
+from hlat.launch import attempt
+from hlat.launch.rendezvous import loopback_store
 from tests.timeouts import hang_guard
 
 WORLD = 3

@@ -7,12 +7,17 @@ from pathlib import Path
 import pytest
 
 from hlat.config import ConfigError, to_run_config
+from hlat.launch.elastic import supervise
 from hlat.plan.memory import check_world, planned_budget
-from hlat.train.launch import supervise
 from hlat.train.run import main
 from tests.conftest import CONF, compose_cfg, run_config
 
 GiB = 1024**3
+
+
+def never_started(*args: object) -> None:
+    """The worker of a job that must be refused before any process starts."""
+    raise AssertionError("a process started")
 
 
 @pytest.mark.parametrize(
@@ -98,7 +103,7 @@ def test_a_partial_world_is_refused_for_a_multi_node_preset() -> None:
 
 def test_python_train_py_does_not_start_one_node_of_a_multi_node_job(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"spans 32 nodes.*hlat launch --target torchrun\|slurm\|eks"):
-        supervise(run_config("cluster=trn1_x32"), tmp_path)
+        supervise(run_config("cluster=trn1_x32"), tmp_path, never_started)
 
 
 def test_an_elastic_restart_continues_its_own_checkpoints(tmp_path: Path, monkeypatch) -> None:
@@ -118,7 +123,7 @@ def test_an_elastic_restart_continues_its_own_checkpoints(tmp_path: Path, monkey
 def test_a_bad_layout_is_refused_before_any_process_starts(tmp_path: Path) -> None:
     cfg = run_config("cluster=trn1_1node")  # the default batch of 16 cannot feed 32 data-parallel ranks
     with pytest.raises(ConfigError, match=r"train.global_batch_size=16 is not divisible .* degree 32"):
-        supervise(cfg, tmp_path)
+        supervise(cfg, tmp_path, never_started)
     assert not (tmp_path / "elastic").exists()
 
 

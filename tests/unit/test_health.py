@@ -463,18 +463,18 @@ def test_auto_skips_a_device_it_cannot_time_and_on_refuses_it(caplog) -> None:
 
 def test_a_failed_preflight_is_final_and_a_hang_is_named_when_restarts_run_out(tmp_path: Path) -> None:
     from hlat.health.report import PreflightError
-    from hlat.train import launch
-    from hlat.train.launch import error_message
+    from hlat.train import entry
+    from hlat.train.entry import error_message
 
     assert issubclass(PreflightError, ConfigError)  # final like a configuration error (never retried) ...
     assert error_message(PreflightError("node vm: ...")) == "hlat: health check failed: node vm: ..."  # ... not one
     assert PreflightError("x").exit_code == 3 and not hasattr(ConfigError("x"), "exit_code")  # python train.py: 3
     # The agent maps a worker's final error back by its class name: a PreflightError must not be retried.
-    assert next(t for t in launch.FINAL_ERRORS if t.__name__ == "PreflightError") is PreflightError
-    assert launch._exit_text(HANG_EXIT_CODE, tmp_path) == (
+    assert next(t for t in entry.FINAL_ERRORS if t.__name__ == "PreflightError") is PreflightError
+    assert entry._exit_text(HANG_EXIT_CODE, tmp_path) == (
         f"exit code 75 (a hang; the watchdog's report and stack dumps are in {tmp_path / 'hang'})"  # no report yet
     )
-    assert launch._exit_text(1, tmp_path) == "exit code 1"
+    assert entry._exit_text(1, tmp_path) == "exit code 1"
 
 
 def test_hlat_doctor_is_a_subcommand_and_checks_one_process(capsys, tmp_path: Path, monkeypatch) -> None:

@@ -219,7 +219,7 @@ class Step:
 def test_the_watchdog_of_the_waiting_rank_names_the_stopped_one_and_the_launcher_repeats_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from hlat.train import launch
+    from hlat.train import entry
 
     wall, clock, exits = Wall(), Clock(), []
     board = FileBoard(tmp_path / "heartbeat", world_size=2)
@@ -247,7 +247,7 @@ def test_the_watchdog_of_the_waiting_rank_names_the_stopped_one_and_the_launcher
     assert record["suspects"] == [{"rank": 1, "why": "stopped"}] and record["rank"] == 0 and record["step"] == 4
     assert (tmp_path / "hang" / "rank0.txt").exists() and not (tmp_path / "hang" / "rank1.txt").exists()
     # restarts exhausted: python train.py's message names the stopped rank, not the one that reported it
-    assert launch._exit_text(HANG_EXIT_CODE, tmp_path) == (
+    assert entry._exit_text(HANG_EXIT_CODE, tmp_path) == (
         f"exit code 75 (a hang: {record['verdict']}; the watchdog's report and stack dumps are in {tmp_path / 'hang'})"
     )
     assert last_verdict(tmp_path / "nowhere") is None

@@ -50,7 +50,7 @@ HYDRA_ALLOWED = {
     "config/__init__.py",
     "config/compose.py",
     "config/resolvers.py",  # ConfigStore, compose, resolvers
-    "train/launch.py",  # the composed config in, converted once (to_run_config): below it, only RunConfig
+    "train/entry.py",  # the composed config in, converted once (to_run_config): below it, only RunConfig
     "sweep/job.py",
     "sweep/callback.py",
     "sweep/launcher.py",
@@ -73,9 +73,9 @@ def test_model_is_backend_free() -> None:
     assert {m for m in imports(SRC / "model.py") if m.startswith("hlat")} <= allowed
 
 
-def test_only_the_launcher_imports_run() -> None:
+def test_only_the_entry_imports_run() -> None:
     for path in modules():
-        if path.relative_to(SRC).as_posix() == "train/launch.py":  # entry -> run.main, in or out of process
+        if path.relative_to(SRC).as_posix() == "train/entry.py":  # entry -> run.main, in or out of process
             continue
         assert "hlat.train.run" not in imports(path), path
 
@@ -86,7 +86,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.config",),
     (
         "hlat",
-        "hlat.attempt",
         "hlat.model",
         "hlat.attention",
         "hlat.experiments",
@@ -102,6 +101,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hlat.state",
         "hlat.recompute",
     ),
+    ("hlat.launch",),
     ("hlat.plan",),
     ("hlat.data", "hlat.backends", "hlat.track"),
     ("hlat.checkpoint",),
@@ -109,11 +109,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.train", "hlat.sweep"),
     ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.plan.command"),
 )
-"""Bottom to top: the config layer; the core (model, layouts, precision, ...); the planner; data, backends and tracking;
-checkpoints (their files, manifests, weights and the Hugging Face layout: training and evaluation both read them); the
-health checks the trainer runs; training and the multirun's jobs, callback and launcher; the commands (evaluation,
-deployment, the command line and ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed
-prefix (a module directly in ``hlat/`` is listed by its own name); imports go down or sideways, never up."""
+"""Bottom to top: the config layer; the core (model, layouts, precision, ...); launching (torch elastic supervision,
+the rendezvous, restart attempts, preemption: the backends, checkpoints, health checks and the trainer use them); the
+planner; data, backends and tracking; checkpoints (their files, manifests, weights and the Hugging Face layout:
+training and evaluation both read them); the health checks the trainer runs; training and the multirun's jobs,
+callback and launcher; the commands (evaluation, deployment, the command line and ``hlat doctor``, ``hlat plan``). A
+module belongs to the layer of its longest listed prefix (a module directly in ``hlat/`` is listed by its own name);
+imports go down or sideways, never up."""
 
 
 def module_name(path: Path) -> str:
@@ -199,7 +201,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_imports_inside_functions() -> None:
     graph = import_graph()  # the lazy ones are the ones that used to close circles
     assert "hlat.plan.paper" in graph["hlat.plan.command"]  # `hlat plan --paper`, imported when asked for
-    assert "hlat.train.launch" in graph["hlat.cli"]  # `hlat train`, imported once the config composed
+    assert "hlat.train.entry" in graph["hlat.cli"]  # `hlat train`, imported once the config composed
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -209,6 +211,20 @@ def test_eval_reads_checkpoints_without_the_trainer() -> None:
     graph = import_graph()
     bad = sorted(
         f"{a} imports {b}" for a in graph if a.startswith("hlat.eval") for b in graph[a] if b.startswith("hlat.train")
+    )
+    assert not bad, bad
+
+
+def test_launching_imports_only_the_config_and_the_core() -> None:
+    # The supervisor runs the worker function its caller hands it (the trainer, hlat doctor's checks): hlat.launch
+    # never imports them, so the backends, checkpoints and health checks below the trainer can use its pieces.
+    graph = import_graph()
+    bad = sorted(
+        f"{a} imports {b}"
+        for a in graph
+        if a.startswith("hlat.launch")
+        for b in graph[a]
+        if not b.startswith("hlat.launch") and layer(b) > layer("hlat")
     )
     assert not bad, bad
 

@@ -1,5 +1,5 @@
-"""hlat.train.preempt and the agent's side of it: the signal flag, the stop hook and its rank agreement, the grace-path
-save, the marker, the hand-over to submitit, and how hlat.train.launch turns torch elastic's SignalException into a
+"""hlat.launch.preempt and the agent's side of it: the signal flag, the stop hook and its rank agreement, the grace-path
+save, the marker, the hand-over to submitit, and how hlat.launch.elastic turns torch elastic's SignalException into a
 result."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.launcher.api import LaunchConfig
 
+from hlat.launch import elastic, preempt
+from hlat.launch.preempt import AbortedError, PreemptedError, SignalFlag, StopHook
 from hlat.state import TrainState
-from hlat.train import launch, preempt
-from hlat.train.preempt import AbortedError, PreemptedError, SignalFlag, StopHook
 from tests.unit.test_health_dist import join, run_two
 
 
@@ -140,12 +140,12 @@ def test_the_launcher_grace_leaves_a_margin() -> None:
 
 
 def test_the_agent_forwards_slurms_signals_and_waits_the_grace() -> None:
-    assert launch._stop_settings(LaunchConfig, 45) == {
+    assert elastic._stop_settings(LaunchConfig, 45) == {
         "signals_to_handle": preempt.AGENT_SIGNALS,
         "shutdown_timeout": 55,
     }
     old = type("OldLaunchConfig", (), {"__dataclass_fields__": {}})  # a torch without these fields
-    assert launch._stop_settings(old, 45) == {}
+    assert elastic._stop_settings(old, 45) == {}
 
 
 @pytest.mark.parametrize("marker", [True, False])
@@ -161,7 +161,7 @@ def test_a_signalled_agent_reports_preempted_or_interrupted(tmp_path: Path, mark
 
     (tmp_path / preempt.MARKER).write_text("{}")  # a stale marker from an earlier stop is removed first
     with pytest.raises(PreemptedError if marker else AbortedError) as e:
-        launch._run_agent(agent, {}, tmp_path)
+        elastic._run_agent(agent, {}, tmp_path)
     assert e.value.signum == signal.SIGTERM
     if marker:
         assert e.value.to_dict() == stop.to_dict()
@@ -204,7 +204,7 @@ def test_ranks_agree_on_a_signal_that_reached_only_one() -> None:
     ],
 )
 def test_a_stopped_run_exits_with_its_documented_code_and_one_line(capsys, error, code: int, says: str) -> None:
-    from hlat.train.launch import _stopped
+    from hlat.train.entry import _stopped
 
     with pytest.raises(SystemExit) as e:
         _stopped(None, error)

@@ -7,7 +7,7 @@ import os
 import psutil
 import pytest
 
-from hlat.train.rendezvous import BACKEND, LOOPBACK, loopback_interface, loopback_store, one_node_launch
+from hlat.launch.rendezvous import BACKEND, LOOPBACK, loopback_interface, loopback_store, one_node_launch
 
 
 def listening(port: int) -> list[str]:

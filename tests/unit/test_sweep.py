@@ -13,9 +13,9 @@ import pytest
 
 from hlat import checkpoint
 from hlat.config import ConfigError, resolvers, to_run_config
+from hlat.launch import rendezvous
 from hlat.sweep import job as sweep_job
 from hlat.track import runs, sweep
-from hlat.train import launch
 from tests.conftest import compose_cfg, lock_held_elsewhere
 from tests.timeouts import hang_guard
 
@@ -174,7 +174,7 @@ def test_rank_resolvers_and_the_job_stamp_shared_through_the_agent_store(monkeyp
 
 
 def test_slurm_rendezvous_meets_at_the_first_host(monkeypatch) -> None:
-    assert launch.slurm_rendezvous() is None
+    assert rendezvous.slurm_rendezvous() is None
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     for key, value in {
         "SLURM_JOB_ID": "77",
@@ -187,7 +187,7 @@ def test_slurm_rendezvous_meets_at_the_first_host(monkeypatch) -> None:
         "SLURM_NTASKS": "4",
     }.items():
         monkeypatch.setenv(key, value)
-    assert launch.slurm_rendezvous() == (f"trn-3:{launch.RDZV_PORT}", "slurm-77", 4)
+    assert rendezvous.slurm_rendezvous() == (f"trn-3:{rendezvous.RDZV_PORT}", "slurm-77", 4)
 
 
 def test_a_sweep_job_is_named_by_the_overrides_that_tell_it_from_the_others(tmp_path: Path, monkeypatch) -> None:

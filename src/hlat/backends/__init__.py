@@ -2,7 +2,8 @@
 
 Owns ``base`` (the ``Backend`` protocol and its ``Env``), ``torch`` / ``torch_dist`` (plain PyTorch: CPU, CUDA,
 DDP / ZeRO-1, tensor parallelism) and ``neuron*`` (torch-neuronx + NeuronX Distributed; the only modules that
-import them, and only inside functions). May import: ``hlat.config``, the core modules and ``hlat.plan``.
+import them, and only inside functions). May import: ``hlat.config``, the core modules, ``hlat.launch`` (the
+restart attempt) and ``hlat.plan``.
 """
 
 from __future__ import annotations

@@ -73,11 +73,11 @@ def _attempt_store(ranks: Ranks, timeout: datetime.timedelta | None) -> dist.Sto
     Under torch elastic the store lives in the agent and outlives the workers; with the plain ``env://`` init a
     restarted group found the previous attempt's gloo addresses there and failed to connect ("connectFullMesh
     failed ... Connection refused", torch 2.13; pytorch/pytorch#167288 reports the same with NCCL). A prefix per
-    attempt keeps each attempt's keys apart. The attempt is the one every rank agrees on (:mod:`hlat.attempt`), not
-    ``TORCHELASTIC_RESTART_COUNT``: that count is per agent, so after one node's worker died the nodes waited under
-    different prefixes and the job hung.
+    attempt keeps each attempt's keys apart. The attempt is the one every rank agrees on (:mod:`hlat.launch.attempt`),
+    not ``TORCHELASTIC_RESTART_COUNT``: that count is per agent, so after one node's worker died the nodes waited
+    under different prefixes and the job hung.
     """
-    from hlat import attempt
+    from hlat.launch import attempt
 
     env = os.environ
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does

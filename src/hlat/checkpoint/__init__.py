@@ -2,7 +2,7 @@
 
 The backend writes into ``step_XXXXXXXX.tmp/``; ``manifest.json`` (sizes, sha256s, config) goes in last and the
 directory is renamed, so one without a manifest is never loaded and one that fails its checksums is skipped.
-May import: ``hlat.config``, the core, ``hlat.plan``, ``hlat.data``, ``hlat.backends``, ``hlat.track``.
+May import: ``hlat.config``, the core, ``hlat.launch``, ``hlat.plan``, ``hlat.data``, ``hlat.backends``, ``hlat.track``.
 """
 
 from __future__ import annotations
@@ -140,9 +140,9 @@ def restart_resume(resume: str, root: Path) -> str:
 
     A restart reruns the same command line, whose ``never`` or path would refuse or rewind the job's own progress.
     """
-    # A restart is the attempt every rank agrees on (hlat.attempt.current), not TORCHELASTIC_RESTART_COUNT: a node
-    # restarted only because another node's worker died counts 0 there, and would start over.
-    from hlat import attempt
+    # A restart is the attempt every rank agrees on (hlat.launch.attempt.current), not TORCHELASTIC_RESTART_COUNT:
+    # a node restarted only because another node's worker died counts 0 there, and would start over.
+    from hlat.launch import attempt
 
     restarted = attempt.current() > 0
     if restarted and (resume == "never" or any(root.glob("step_*/manifest.json"))):

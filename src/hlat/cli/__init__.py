@@ -117,7 +117,7 @@ def _hydra_train(argv: list[str]) -> None:
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
     def task(cfg: DictConfig) -> None:
         job_started()
-        from hlat.train.launch import entry  # torch and the trainer: only once the config composed
+        from hlat.train.entry import entry  # torch and the trainer: only once the config composed
 
         entry(cfg)
 

@@ -45,8 +45,8 @@ examples:
 def main(argv: list[str] | None = None) -> int:
     """``hlat doctor``: check, print the table, write the report (and log to MLflow with ``--mlflow``); exit status."""
     from hlat.config.resolvers import global_rank
+    from hlat.launch.elastic import LOG_FORMAT, JobFailedError
     from hlat.logs import console_logging
-    from hlat.train.launch import LOG_FORMAT, JobFailedError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -145,8 +145,8 @@ def _launch(cfg: RunConfig, overrides: list[str]) -> HealthReport:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hlat.train.launch import JobFailedError
-    from hlat.train.rendezvous import one_node_launch
+    from hlat.launch.elastic import JobFailedError
+    from hlat.launch.rendezvous import one_node_launch
 
     logs = tempfile.mkdtemp(prefix="hlat-doctor-")
     config = LaunchConfig(
@@ -185,7 +185,7 @@ def _worker(overrides: list[str], configure_logging: bool = True) -> HealthRepor
     from hlat.backends.torch_dist import Ranks
     from hlat.config.compose import compose_run_config
     from hlat.health.preflight import run_checks
-    from hlat.train.launch import LOG_FORMAT
+    from hlat.launch.elastic import LOG_FORMAT
 
     if configure_logging:  # a spawned process: log like the agent
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)

@@ -6,7 +6,7 @@ rendezvous is on worker 0. That is the operator's default host ``<job>-worker-0`
 ``pytorchjob-port`` container port. Each pod requests all of its node's Neuron devices and EFA interfaces, mounts
 a memory-backed ``/dev/shm`` and mounts the shared FSx volume for data, checkpoints and the run directory.
 ``terminationGracePeriodSeconds`` is ``train.preempt_grace_s`` + 10 s: on an eviction or a deleted job, Kubernetes
-sends SIGTERM to torchrun, which forwards it, and the trainers checkpoint the step in flight (``hlat.train.preempt``)
+sends SIGTERM to torchrun, which forwards it, and the trainers checkpoint the step in flight (``hlat.launch.preempt``)
 before the kubelet's SIGKILL; the recreated pods continue from that checkpoint.
 """
 
@@ -19,7 +19,7 @@ import yaml
 
 from hlat.config import RunConfig
 from hlat.deploy.render import RDZV_PORT, check_name, launch_env, layout, torchrun_argv
-from hlat.train.preempt import launcher_grace_s
+from hlat.launch.preempt import launcher_grace_s
 
 NEURONCORES_PER_DEVICE = 2
 """NeuronCore-v2 per Trainium (v1) chip: the Neuron device plugin counts chips as ``aws.amazon.com/neuron``."""

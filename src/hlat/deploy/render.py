@@ -15,12 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hlat.config import RunConfig
+from hlat.launch.preempt import AGENT_SIGNALS, launcher_grace_s
+from hlat.launch.rendezvous import RDZV_PORT  # the c10d store's port on the first node, as python train.py's
 from hlat.parallel import ParallelDims
 from hlat.track.provenance import is_secret_name
-from hlat.train.preempt import AGENT_SIGNALS, launcher_grace_s
 
-RDZV_PORT = 29400
-"""Port of the c10d rendezvous store on the first node (torchrun's default for c10d)."""
 NOFILE = 65535
 """Open-file limit for the trainer processes (NxD's Llama example scripts raise it to this value)."""
 ULIMIT = f'ulimit -n {NOFILE} 2>/dev/null || ulimit -n "$(ulimit -Hn)" || true'

@@ -6,7 +6,7 @@ and ``train.py``, so the script can be submitted from any directory and any shel
 of the allocation (by hostname, from ``scontrol show hostnames``) hosts the c10d rendezvous.
 
 A run's script also asks Slurm for a warning signal before the time limit and requeues the job when the trainers
-checkpointed on a signal (``hlat.train.preempt``); a compile's script does neither.
+checkpointed on a signal (``hlat.launch.preempt``); a compile's script does neither.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hlat.deploy.render import (
     purpose_lines,
     run_dir_of,
 )
-from hlat.train.preempt import MARKER, launcher_grace_s
+from hlat.launch.preempt import MARKER, launcher_grace_s
 
 INSTANCE_VCPUS = {"trn1.32xlarge": 128, "trn1n.32xlarge": 128, "trn1.2xlarge": 8}
 """vCPUs of the instance types the cluster presets name (``#SBATCH --cpus-per-task``)."""

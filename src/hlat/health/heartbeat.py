@@ -45,7 +45,7 @@ class Beat:
     pid: int
     local_rank: int
     attempt: int
-    """The job's attempt (:mod:`hlat.attempt`): a beat left by an earlier attempt is not this one's."""
+    """The job's attempt (:mod:`hlat.launch.attempt`): a beat left by an earlier attempt is not this one's."""
     step: int
     """The last step this rank completed (the watchdog's loop hook saw it)."""
     phase: str
@@ -275,7 +275,7 @@ def _read_beat(path: Path) -> Beat | None:
 def board_for(world_size: int, directory: Path) -> Board | None:
     """The job's board: torch elastic's store when the workers share the agent's, else files; None for one process."""
     # The agent's store outlives a stopped worker; under plain env:// rank 0's process hosts the store, hence files.
-    from hlat import attempt
+    from hlat.launch import attempt
 
     if world_size == 1:
         return None

@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import nn
 
-from hlat import attempt
 from hlat.backends.base import Env
 from hlat.config import RunConfig
 from hlat.health.heartbeat import Heartbeat, PhaseMarks, beat_period, board_for
 from hlat.health.stragglers import Rows, StragglerMonitor
 from hlat.health.watchdog import HangWatchdog
+from hlat.launch import attempt
 
 
 class Monitors:

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 HANG_EXIT_CODE = 75
 """Exit code of a trainer the watchdog ended (EX_TEMPFAIL: a temporary failure, retrying may work). Torch elastic
-restarts a worker group on any non-zero exit; ``hlat.train.launch`` names this one in its report."""
+restarts a worker group on any non-zero exit; ``hlat.train.entry`` names this one in its report."""
 WINDOW = 50
 """Recent step durations whose median sets the threshold."""
 PY_SPY_TIMEOUT_S = 60.0

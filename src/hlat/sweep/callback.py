@@ -36,7 +36,7 @@ def _uri(config: DictConfig) -> str | None:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Signals that end a sweep between jobs through ``SystemExit`` (so the parent run is closed on the way out);
-during a job the trainer takes them over and stops with a checkpoint (``hlat.train.preempt``)."""
+during a job the trainer takes them over and stops with a checkpoint (``hlat.launch.preempt``)."""
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

@@ -28,9 +28,9 @@ from typing import Any, NoReturn
 from hlat import checkpoint
 from hlat.checkpoint import checkpoint_root, read_job
 from hlat.config import RunConfig
+from hlat.launch.preempt import PREEMPTED_EXIT_CODE, AbortedError, PreemptedError, hand_over
 from hlat.track.runs import objective
 from hlat.track.sweep import HASH_TAG, JOB_FILE, config_hash, default_run_name, rank, read_record, write_json
-from hlat.train.preempt import PREEMPTED_EXIT_CODE, AbortedError, PreemptedError, hand_over
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def run_job(
 
     A failing job is reported and recorded, never raised: the sweep goes on with its other jobs, and
     :class:`SweepCallback` fails the sweep at its end if any job failed. A job stopped by a signal
-    (``hlat.train.preempt``: SIGTERM, Ctrl-C, Slurm's warning) is recorded ``preempted`` (or ``interrupted``) and ends
+    (``hlat.launch.preempt``: SIGTERM, Ctrl-C, Slurm's warning) is recorded ``preempted`` (or ``interrupted``) and ends
     the sweep: the process exits 85 (or 128 + the signal), and running the same sweep again continues it. (Under Hydra's
     submitit launchers only that job's process ends; ``hlat.sweep.launcher`` collects the other jobs and the sweep
     fails at its end.) A run with no ``tracker.run_name`` is named after the job's swept overrides
@@ -151,7 +151,7 @@ def run_job(
         load: The job's config (the launcher's conversion of Hydra's; a config error fails this job only).
         job_dir: The job's output directory.
         train: Trains ``cfg`` and returns ``(MLflow run id, loss points)`` (the launcher's, in or out
-            of process: ``hlat.train.launch``).
+            of process: ``hlat.train.entry``).
         explain: The launcher's one-line report of a failure the user can act on (None: an unexpected crash).
 
     Returns:

@@ -18,9 +18,10 @@ from hlat.backends.base import Backend, Env
 from hlat.config import RunConfig
 from hlat.data import Loader
 from hlat.health.monitors import Monitors
+from hlat.launch import preempt
 from hlat.state import NULL_TIMER, Hook, NonFiniteError, NullTimer, StepOutput, StepTimer, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
-from hlat.train import evals, preempt
+from hlat.train import evals
 from hlat.train.faults import fault_hooks
 from hlat.train.loop import timed_hook
 from hlat.train.resume import JobStart

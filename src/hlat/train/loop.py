@@ -72,7 +72,7 @@ def fit(
     ``timer`` (``train.step_breakdown``) times the loader wait, the update (clip, step and ``zero_grad``) and, through
     the micro-batches it hands the backend, forward and backward; hooks are timed by wrapping them (``timed_hook``).
 
-    A hook ends training early by raising at the step boundary: ``hlat.train.preempt.StopHook`` raises
+    A hook ends training early by raising at the step boundary: ``hlat.launch.preempt.StopHook`` raises
     ``PreemptedError`` after a signal (``state`` then holds the last completed step, for the caller to checkpoint).
     """
     model.train()

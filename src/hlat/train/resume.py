@@ -17,11 +17,12 @@ from typing import IO
 import torch
 from torch import nn
 
-from hlat import attempt, checkpoint
+from hlat import checkpoint
 from hlat.backends.base import Backend
 from hlat.config import ConfigError, RunConfig
 from hlat.data import Loader
 from hlat.data.loader import CHECKPOINT
+from hlat.launch import attempt
 from hlat.state import HaltedError, NonFiniteError, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
 

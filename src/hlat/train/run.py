@@ -3,7 +3,7 @@
 job -> backend -> layout and memory -> job checks -> data -> model -> optimizer -> state -> tracker -> hooks
 (metrics, guard, checkpoints, monitors, faults, stop) -> fit -> report. Each step is one call to the package that owns
 it, and what it makes is handed on explicitly; what to do when a step fails (exit codes, "how to continue" hints,
-restarts) is the launcher's (:mod:`hlat.train.launch`), which also turns Hydra's config into the ``RunConfig`` here.
+restarts) is the entry's (:mod:`hlat.train.entry`), which also turns Hydra's config into the ``RunConfig`` here.
 """
 
 from __future__ import annotations

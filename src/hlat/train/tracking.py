@@ -16,13 +16,13 @@ from hlat import checkpoint
 from hlat.backends.base import Env
 from hlat.config import RunConfig, flatten, to_yaml
 from hlat.health.preflight import log_preflight
+from hlat.launch import preempt
 from hlat.sizing import bytes_per_param, flops_per_token
 from hlat.track import sweep
 from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
 from hlat.track.trackers import History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
-from hlat.train import preempt
 from hlat.train.resume import JobStart
 
 log = logging.getLogger(__name__)

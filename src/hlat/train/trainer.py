@@ -17,11 +17,11 @@ from torch import nn
 from hlat.backends.base import Backend
 from hlat.config import RunConfig
 from hlat.data import Loader
+from hlat.launch import preempt
 from hlat.optim import lr_at
 from hlat.parallel import ParallelDims
 from hlat.state import NonFiniteError, TrainState
 from hlat.track.metrics import SpikeDetector, Uptime
-from hlat.train import preempt
 from hlat.train.hooks import Hooks
 from hlat.train.loop import fit
 from hlat.train.resume import JobStart, restore, rollback

@@ -1,22 +1,9 @@
 """Preemption and interrupts: a signal stops training at the next step boundary, with a checkpoint of that step.
 
-SIGTERM (Slurm's ``scancel`` and time limit, Kubernetes, ``docker stop``), SIGINT (Ctrl-C), SIGUSR1 (the warning
-signal ``hlat launch --target slurm`` asks for) and SIGUSR2 (the one Hydra's submitit launcher asks for) only set a
-flag (:class:`SignalFlag`, installed by the trainer around training and restored after). At the next step boundary
-:class:`StopHook` makes every rank agree on it (one host all-reduce per step when there are several ranks, none with
-one) and raises :class:`PreemptedError`; ``run.main`` then writes the checkpoint of that step synchronously (after any
-save in flight), marks the MLflow run KILLED and resumable, and the command line prints the command that continues it
-and exits with :data:`PREEMPTED_EXIT_CODE`. All of that should fit in ``train.preempt_grace_s``; the launchers give the
-trainer that plus :data:`MARGIN_S` (:func:`launcher_grace_s`) before they kill it.
-
-A second Ctrl-C (more than :data:`REPEAT_S` after the first) aborts at once, without the checkpoint. Other repeats
-are the same request delivered twice (a terminal signals the whole process group, and torch elastic forwards what
-it got to workers that already got it), so they are ignored.
-
-Under supervision (``hlat.train.launch.supervise``) the torch elastic agent forwards the signal to its workers and waits
-up to :func:`launcher_grace_s` for them; rank 0 leaves :data:`MARKER` in the run directory once the checkpoint is
-complete, which tells the agent (and the Slurm batch script that ``hlat launch`` renders) that the run stopped
-resumable, since torch elastic does not report its workers' exit after a signal.
+:class:`SignalFlag` records SIGTERM, SIGINT, SIGUSR1 or SIGUSR2; :class:`StopHook` makes the ranks agree on it at the
+step boundary and raises :class:`PreemptedError`; the run then saves (:func:`checkpoint_now`), leaves
+:data:`MARKER` and exits :data:`PREEMPTED_EXIT_CODE`. docs/fault-recovery.md tells the whole path. Imports nothing of
+hlat.
 """
 
 from __future__ import annotations

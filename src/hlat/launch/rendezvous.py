@@ -1,13 +1,7 @@
-"""The rendezvous of a one-node job on the loopback interface: nothing a local run starts listens on the network.
+"""Where the agents of a job meet: a one-node job on the loopback interface, a Slurm job at its first host.
 
-Under ``cluster.max_restarts > 0`` or several processes, ``python train.py`` (and ``hlat doctor``) become a torch
-elastic agent whose c10d rendezvous hosts two ``TCPStore`` servers: the rendezvous's own and, since torch 2.4, the
-store the workers share (``TORCHELASTIC_USE_AGENT_STORE``). A ``TCPStore`` server listens on every interface (``::``
-or ``0.0.0.0``, torch's libuv backend) whatever host name it is given, unless it is handed a socket that is already
-bound (``master_listen_fd``, torch >= 2.8 with libuv). So a job of one node uses :data:`BACKEND`: torch's c10d
-rendezvous with both stores on sockets bound to 127.0.0.1, ``MASTER_ADDR=127.0.0.1`` for the workers, and the
-workers' gloo / NCCL sockets on the loopback interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless set).
-Jobs of several nodes keep torch's c10d rendezvous: their nodes must reach it.
+A one-node job uses :data:`BACKEND`, torch's c10d rendezvous with its stores bound to 127.0.0.1, so nothing a local
+run starts listens on the network (docs/fault-recovery.md, "Supervision"). Imports nothing of hlat.
 """
 
 from __future__ import annotations
@@ -24,6 +18,22 @@ LOOPBACK = "127.0.0.1"
 BACKEND = "hlat-loopback"
 """The rendezvous backend name ``LaunchConfig.rdzv_backend`` gets for a one-node job."""
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+RDZV_PORT = 29400
+"""The c10d rendezvous port on a multi-node job's first host (torchrun's default)."""
+
+
+def slurm_rendezvous() -> tuple[str, str, int] | None:
+    """Under Hydra's submitit Slurm launcher: ``(rendezvous endpoint, run id, nodes)`` of this Slurm job.
+
+    ``hydra/launcher=slurm`` starts one task per node; each becomes a torch elastic agent (what ``torchrun`` is)
+    for its node's trainers, and the agents meet at the job's first host, as NxD's Slurm scripts do with torchrun.
+    """
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return None
+    import submitit
+
+    job = submitit.JobEnvironment()
+    return f"{job.hostnames[0]}:{RDZV_PORT}", f"slurm-{job.job_id}", job.num_nodes
 
 
 def one_node_launch() -> dict[str, Any]:
@@ -69,7 +79,11 @@ def create_handler(params: Any) -> Any:
 
 
 def loopback_store(port: int = 0, timeout: datetime.timedelta | None = None) -> Any:
-    """A ``TCPStore`` server listening on 127.0.0.1 only (``port`` 0: any free port; ``.port`` says which)."""
+    """A ``TCPStore`` server listening on 127.0.0.1 only (``port`` 0: any free port; ``.port`` says which).
+
+    Handed an already bound socket (``master_listen_fd``, torch >= 2.8 with libuv): given only a host name, a
+    ``TCPStore`` server listens on every interface.
+    """
     import torch.distributed as dist
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

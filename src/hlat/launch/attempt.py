@@ -1,28 +1,8 @@
-"""Which attempt of the job this is: one number that every rank on every node agrees on.
+"""Which attempt of the job this is: one number that every rank on every node agrees on (:func:`current`).
 
-Torch elastic restarts a job's workers in two ways. The agent whose worker failed counts a retry
-(``TORCHELASTIC_RESTART_COUNT``, its ``max_restarts - remaining_restarts``); every other agent restarts its workers
-because the rendezvous membership changed, which torch does not count. So after one node's worker dies, that node's
-new workers see count 1 and the other nodes' see count 0. hlat used to key each attempt's store prefix, its resume
-decision and its logs with that count: rank 0 waited under ``attempt_0``, rank 1 under ``attempt_1``, and the job
-hung until its allocation was cancelled (issue 23; single-host jobs never saw it, having one agent).
-
-The workers of one job share the agent's ``TCPStore`` (``TORCHELASTIC_USE_AGENT_STORE``), which outlives every
-attempt. In it they agree on a number by a handshake that cannot be fooled by what earlier attempts left behind:
-
-- rank 0 takes the next number (``store.add``): the attempt;
-- every other rank announces a nonce of its own (``hello/<rank>``), and waits for the welcome addressed to that
-  nonce (``welcome/<rank>/<nonce>``), which holds the number;
-- rank 0 welcomes each nonce it reads and waits until every rank confirmed under the new number
-  (``ready/<attempt>/<rank>``).
-
-An earlier attempt's hello may still be in the store when rank 0 reads it; it is welcomed too, but nobody waits for
-that welcome, and rank 0 keeps reading until the live rank's own hello arrives and is confirmed. This relies on what
-torch elastic guarantees: every worker of an attempt is stopped before the next attempt's workers start. A rank that
-does not arrive in time fails the handshake with an error (the agents then restart the job), never a silent hang.
-
-Without torch elastic's shared store (one process, or a torch that predates it), the agent's own count is the job's:
-there is one agent, or the store does not outlive an attempt.
+Torch elastic counts a restart only on the agent whose worker failed, so ranks agree on the number through the store
+the agent keeps for the whole job (:func:`handshake`); without that store, the only agent's count is the job's.
+docs/fault-recovery.md says why. Imports nothing of hlat.
 """
 
 from __future__ import annotations
@@ -107,7 +87,12 @@ def _agree(store: Any | None, timeout_s: float) -> int:
 
 
 def handshake(store: Any, rank: int, world_size: int, timeout_s: float, nonce: str | None = None) -> int:
-    """Agree on the attempt through ``store`` (see the module docstring); returns it.
+    """Agree on the attempt through ``store``; returns it.
+
+    Rank 0 takes the next number (``store.add``) and answers every hello with it; every other rank says hello under a
+    nonce of its own, waits for the welcome addressed to that nonce, and confirms under the new number. A hello left
+    by an earlier attempt is answered too, but nobody waits for that answer: rank 0 reads on until every rank of this
+    attempt confirmed (torch elastic stops every worker of an attempt before the next one starts).
 
     Args:
         store: A ``torch.distributed.Store`` every rank of the job reaches (it may hold earlier attempts' keys).
