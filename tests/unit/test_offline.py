@@ -1,4 +1,4 @@
-"""Tests of hlat.data.offline: the pre-tokenized, index-sampled baseline loader (data.loader=offline_packed)."""
+"""Tests of hlat.data.offline (+ its cache, hlat.data.pretokenized): the baseline loader data.loader=offline_packed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hlat.config import ConfigError, DataConfig
-from hlat.data.offline import OfflinePackedLoader, SampleIndex, build_offline_loader, cache_key, token_dtype
+from hlat.data.offline import OfflinePackedLoader, SampleIndex, build_offline_loader
+from hlat.data.pretokenized import cache_key, token_dtype
 from hlat.data.sources import TextSource
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer
 

@@ -18,7 +18,8 @@ from hlat.config import ConfigError, RunConfig
 from hlat.layouts import check_layout
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims
-from hlat.plan.memory import GiB, can_add_nodes, check_fits, check_world, estimate_memory, planned_budget, suggest_fixes
+from hlat.plan.clusters import can_add_nodes
+from hlat.plan.memory import GiB, check_fits, check_world, estimate_memory, planned_budget, suggest_fixes
 from hlat.plan.paper import compose
 from hlat.plan.report import make_plan
 

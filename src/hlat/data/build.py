@@ -17,7 +17,7 @@ from hlat.config import DataConfig
 from hlat.data.builtin import builtin_corpus_path
 from hlat.data.loader import PackedStream, StreamSpec, tokenizer_sample
 from hlat.data.sources import TextSource
-from hlat.data.tokenizer import load_or_train_tokenizer, load_tokenizer
+from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer, load_tokenizer
 from hlat.data.worker import OnlineLoader
 
 log = logging.getLogger(__name__)
@@ -59,39 +59,15 @@ def build_loader(
 ) -> Loader:
     """Build one data-parallel rank's loader from the ``data`` config.
 
-    Cheap checks come first: a given tokenizer is loaded and checked against ``vocab_size`` before any
-    data is read, and the data is validated before a tokenizer is trained.
-
     Returns:
-        An ``OnlineLoader`` (or the offline baseline for ``data.loader=offline_packed``): an infinite
-        iterator of ``(inputs, targets)`` int64 tensors of shape ``(micro_batch_size, seq_len)`` with
-        ``state_dict``/``load_state_dict``/``stats``/``close``.
+        The online loader, or the offline baseline for ``data.loader=offline_packed`` (see :class:`Loader`):
+        ``(inputs, targets)`` int64 tensors of shape ``(micro_batch_size, seq_len)``.
 
     Raises:
         ConfigError: Bad path/column/tokenizer, vocabulary mismatch, or no documents.
     """
-    if seq_len <= 0 or micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
-        raise ValueError(
-            f"bad layout: seq_len={seq_len}, micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}"
-        )
-    cache_dir = Path(cfg.cache_dir).expanduser()
-    tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer is not None else None
-    path, column = (builtin_corpus_path(cache_dir), "text") if cfg.path is None else (Path(cfg.path), cfg.text_column)
-    source = TextSource(path, column)
-    if tokenizer is None:
-        sample = tokenizer_sample(source)
-        if not sample:
-            raise source.no_documents("every value")
-        tokenizer = load_or_train_tokenizer(cfg, sample, vocab_size, cache_dir)
-    log.info(
-        "data: %d rows from %s (%d files), tokenizer %s (%d pieces), loader %s",
-        len(source),
-        path,
-        len(source.files),
-        tokenizer.path.name,
-        tokenizer.vocab_size,
-        cfg.loader,
-    )
+    _check_layout(seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    source, tokenizer = _open_data(cfg, vocab_size)
     if cfg.loader == "offline_packed":
         from hlat.data.offline import build_offline_loader
 
@@ -106,8 +82,8 @@ def build_loader(
             dp_size=dp_size,
         )
     spec = StreamSpec(
-        str(path),
-        column,
+        str(source.path),
+        source.text_column,
         str(tokenizer.path),
         vocab_size,
         seq_len,
@@ -119,3 +95,43 @@ def build_loader(
     )
     PackedStream(spec, source, tokenizer)  # validates the rank layout against the data now, not in the worker
     return OnlineLoader(spec, source, tokenizer, worker=cfg.worker, prefetch=cfg.prefetch)
+
+
+def _check_layout(*, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    """Refuse a rank layout that no loader can serve."""
+    if seq_len <= 0 or micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
+        raise ValueError(
+            f"bad layout: seq_len={seq_len}, micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}"
+        )
+
+
+def _open_data(cfg: DataConfig, vocab_size: int) -> tuple[TextSource, Tokenizer]:
+    """The documents and their tokenizer, cheapest checks first.
+
+    A given tokenizer is checked against ``vocab_size`` before any data is read, and the data is validated
+    before a tokenizer is trained.
+    """
+    cache_dir = Path(cfg.cache_dir).expanduser()
+    tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer is not None else None
+    path, column = (builtin_corpus_path(cache_dir), "text") if cfg.path is None else (Path(cfg.path), cfg.text_column)
+    source = TextSource(path, column)
+    if tokenizer is None:
+        tokenizer = _train_tokenizer(cfg, source, vocab_size, cache_dir)
+    log.info(
+        "data: %d rows from %s (%d files), tokenizer %s (%d pieces), loader %s",
+        len(source),
+        path,
+        len(source.files),
+        tokenizer.path.name,
+        tokenizer.vocab_size,
+        cfg.loader,
+    )
+    return source, tokenizer
+
+
+def _train_tokenizer(cfg: DataConfig, source: TextSource, vocab_size: int, cache_dir: Path) -> Tokenizer:
+    """The tokenizer ``data.tokenizer=null`` asks for: trained on a sample of ``source`` (or reused from the cache)."""
+    sample = tokenizer_sample(source)
+    if not sample:
+        raise source.no_documents("every value")
+    return load_or_train_tokenizer(cfg, sample, vocab_size, cache_dir)

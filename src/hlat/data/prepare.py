@@ -1,13 +1,8 @@
 """``hlat data prepare`` and ``hlat data tokenizer``: turn raw corpora into what ``data.path`` reads best.
 
-:func:`prepare` converts JSONL, Parquet, Arrow IPC and plain-text files (or directories of them) into
-Arrow IPC *file*-format shards ``shard-00000.arrow``, ... with one ``large_string`` column ``text``,
-uncompressed, so that :class:`~hlat.data.sources.TextSource` memory-maps them: a corpus larger than
-RAM then costs address space, not memory. Inputs are streamed (JSONL and text line by line, Parquet
-by batches, Arrow by record batches) and shards are written record batch by record batch, so memory
-stays bounded by one batch. Rows that are null, blank, not strings or not valid UTF-8 are counted per
-reason and skipped. Shards are written to a hidden directory first and moved into place at the end,
-so an interrupted run leaves nothing that ``data.path`` would read.
+:func:`prepare` streams JSONL, Parquet, Arrow IPC and text files into uncompressed Arrow IPC shards of one
+``large_string`` column ``text``, which :class:`~hlat.data.sources.TextSource` memory-maps. Memory stays bounded by
+one batch; an interrupted run leaves no shard behind. Imports ``hlat.config`` and ``hlat.data`` only.
 """
 
 from __future__ import annotations
@@ -279,7 +274,9 @@ def prepare(
     lines: bool = False,
     progress: bool = True,
 ) -> PrepareReport:
-    """Convert ``inputs`` into Arrow IPC shards in ``output`` (see the module docstring).
+    """Convert ``inputs`` into Arrow IPC shards in ``output``.
+
+    Rows that are null, blank, not strings or not valid UTF-8 are counted per reason and skipped.
 
     Args:
         inputs: Files or directories (``.jsonl``/``.json``, ``.parquet``, ``.arrow``/``.feather``/``.ipc``, ``.txt``).
@@ -302,27 +299,13 @@ def prepare(
     if out.is_file() or (out.is_dir() and any(out.glob("shard-*.arrow"))):
         raise ConfigError(f"--output {out} is a file or already holds shard-*.arrow files; pass a new directory")
     out.mkdir(parents=True, exist_ok=True)
+    # Shards are written to a hidden directory and moved into place at the end: an interrupted run leaves nothing
+    # that data.path would read.
     partial = Path(tempfile.mkdtemp(dir=out, prefix=".partial-"))
     report = PrepareReport(input_bytes=sum(f.stat().st_size for f in files))
     writer = _ShardWriter(partial, shard_rows)
     try:
-        with tqdm(
-            total=report.input_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress, leave=False
-        ) as bar:
-            for path in files:
-                done = 0
-                for values, nbytes in _read(path, text_column, lines):
-                    for value in values:
-                        doc, reason = _clean(value)
-                        if doc is None:
-                            report.skipped[reason] += 1
-                        else:
-                            writer.add(doc)
-                            report.documents += 1
-                    nbytes = min(nbytes, path.stat().st_size - done)
-                    done += nbytes
-                    bar.update(nbytes)
-                bar.update(path.stat().st_size - done)
+        _write_documents(files, writer, report, text_column=text_column, lines=lines, progress=progress)
         writer.close()
         if report.documents == 0:
             raise ConfigError(
@@ -340,6 +323,29 @@ def prepare(
     if report.skipped:
         log.warning("skipped %d rows: %s", sum(report.skipped.values()), dict(report.skipped))
     return report
+
+
+def _write_documents(
+    files: list[Path], writer: _ShardWriter, report: PrepareReport, *, text_column: str, lines: bool, progress: bool
+) -> None:
+    """Stream every row of ``files`` into ``writer``, counting documents and skipped rows (per reason) in ``report``."""
+    with tqdm(
+        total=report.input_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress, leave=False
+    ) as bar:
+        for path in files:
+            done = 0
+            for values, nbytes in _read(path, text_column, lines):
+                for value in values:
+                    doc, reason = _clean(value)
+                    if doc is None:
+                        report.skipped[reason] += 1
+                    else:
+                        writer.add(doc)
+                        report.documents += 1
+                nbytes = min(nbytes, path.stat().st_size - done)  # the reader's byte counts are estimates
+                done += nbytes
+                bar.update(nbytes)
+            bar.update(path.stat().st_size - done)
 
 
 def train_tokenizer(

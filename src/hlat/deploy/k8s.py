@@ -1,13 +1,7 @@
-"""A Kubeflow PyTorchJob for EKS (training-operator ``kubeflow.org/v1``), built as a dict and dumped with PyYAML.
+"""``hlat launch --target eks``: a Kubeflow PyTorchJob (training-operator ``kubeflow.org/v1``), dumped with PyYAML.
 
-There are ``cluster.nodes`` Worker pods, one per trn1.32xlarge (or GPU) node, and each runs the node's torchrun.
-``elasticPolicy`` hands restarts to torch elastic: ``maxRestarts`` is ``cluster.max_restarts`` and the c10d
-rendezvous is on worker 0. That is the operator's default host ``<job>-worker-0``, and its Service exposes the
-``pytorchjob-port`` container port. Each pod requests all of its node's Neuron devices and EFA interfaces, mounts
-a memory-backed ``/dev/shm`` and mounts the shared FSx volume for data, checkpoints and the run directory.
-``terminationGracePeriodSeconds`` is ``train.preempt_grace_s`` + 10 s: on an eviction or a deleted job, Kubernetes
-sends SIGTERM to torchrun, which forwards it, and the trainers checkpoint the step in flight (``hlat.launch.preempt``)
-before the kubelet's SIGKILL; the recreated pods continue from that checkpoint.
+One Worker pod per node runs the node's torchrun; torch elastic owns the restarts (``elasticPolicy``), with the c10d
+rendezvous on worker 0. Imports ``hlat.config``, ``hlat.deploy.render`` and ``hlat.launch.preempt``.
 """
 
 from __future__ import annotations
@@ -72,35 +66,9 @@ def pytorchjob(
         ConfigError: A parallel layout that does not fit the cluster.
     """
     c = cfg.cluster
-    check_name(name)
-    pod = f"{name}-worker-{c.nodes - 1}"
-    if len(pod) > 63:
-        raise ValueError(
-            f"job name {name!r} is too long: its pod name {pod!r} passes Kubernetes' 63 characters; pass a name of "
-            f"at most {63 - len(pod) + len(name)} characters with --name"
-        )
+    _check_pod_names(name, c.nodes)
     labels = {"app.kubernetes.io/name": "hlat", "app.kubernetes.io/instance": name}
-    command = torchrun_argv(cfg, overrides, endpoint=f"{name}-worker-0:{port}", rdzv_id=name)
-    container: dict[str, Any] = {
-        "name": CONTAINER,
-        "image": image,
-        "command": command,
-        "env": [{"name": k, "value": str(v)} for k, v in launch_env(cfg, env).items()],
-        "ports": [{"name": PORT_NAME, "containerPort": port}],
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "fsx", "mountPath": fsx_mount}],
-    }
-    if need := resources(cfg):
-        container["resources"] = {"requests": dict(need), "limits": dict(need)}
-    pod_spec: dict[str, Any] = {
-        "containers": [container],
-        "volumes": [
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-            {"name": "fsx", "persistentVolumeClaim": {"claimName": fsx_claim}},
-        ],
-        "terminationGracePeriodSeconds": launcher_grace_s(cfg.train.preempt_grace_s),
-    }
-    if c.instance_type:
-        pod_spec["nodeSelector"] = {"node.kubernetes.io/instance-type": c.instance_type}
+    container = _container(cfg, overrides, env, name=name, image=image, port=port, fsx_mount=fsx_mount)
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
@@ -118,11 +86,65 @@ def pytorchjob(
                 "Worker": {
                     "replicas": c.nodes,
                     "restartPolicy": "OnFailure",
-                    "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+                    "template": {"metadata": {"labels": dict(labels)}, "spec": _pod_spec(cfg, container, fsx_claim)},
                 }
             },
         },
     }
+
+
+def _check_pod_names(name: str, nodes: int) -> None:
+    """Refuse a job name that is not a DNS-1035 label or whose last pod name passes Kubernetes' 63 characters."""
+    check_name(name)
+    pod = f"{name}-worker-{nodes - 1}"
+    if len(pod) > 63:
+        raise ValueError(
+            f"job name {name!r} is too long: its pod name {pod!r} passes Kubernetes' 63 characters; pass a name of "
+            f"at most {63 - len(pod) + len(name)} characters with --name"
+        )
+
+
+def _container(
+    cfg: RunConfig,
+    overrides: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    name: str,
+    image: str,
+    port: int,
+    fsx_mount: str,
+) -> dict[str, Any]:
+    """The worker container: the node's torchrun, rendezvous on worker 0, all of the node's accelerators and EFA."""
+    # Worker 0's host is the operator's default ``<job>-worker-0``; its Service exposes the pytorchjob-port port.
+    command = torchrun_argv(cfg, overrides, endpoint=f"{name}-worker-0:{port}", rdzv_id=name)
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": image,
+        "command": command,
+        "env": [{"name": k, "value": str(v)} for k, v in launch_env(cfg, env).items()],
+        "ports": [{"name": PORT_NAME, "containerPort": port}],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "fsx", "mountPath": fsx_mount}],
+    }
+    if need := resources(cfg):
+        container["resources"] = {"requests": dict(need), "limits": dict(need)}
+    return container
+
+
+def _pod_spec(cfg: RunConfig, container: dict[str, Any], fsx_claim: str) -> dict[str, Any]:
+    """The worker pod: the container, a memory-backed ``/dev/shm``, the shared FSx volume and the grace period."""
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "fsx", "persistentVolumeClaim": {"claimName": fsx_claim}},
+        ],
+        # On an eviction or a deleted job Kubernetes sends SIGTERM to torchrun, which forwards it: the trainers
+        # checkpoint the step in flight (hlat.launch.preempt) before the kubelet's SIGKILL, grace + 10 s later.
+        "terminationGracePeriodSeconds": launcher_grace_s(cfg.train.preempt_grace_s),
+    }
+    if cfg.cluster.instance_type:
+        pod_spec["nodeSelector"] = {"node.kubernetes.io/instance-type": cfg.cluster.instance_type}
+    return pod_spec
 
 
 def to_yaml(manifest: Mapping[str, Any]) -> str:

@@ -1,12 +1,8 @@
 """The Slurm batch script of a multi-node run (``hlat launch --target slurm``, ``hlat compile --target slurm``).
 
-One ``sbatch`` allocation of ``cluster.nodes`` exclusive nodes runs one ``srun`` task per node, and each task runs
-that node's torch elastic agent: the command of :mod:`hlat.deploy.render`, by the absolute path of hlat's interpreter
-and ``train.py``, so the script can be submitted from any directory and any shell (even ``env -i``). The first host
-of the allocation (by hostname, from ``scontrol show hostnames``) hosts the c10d rendezvous.
-
-A run's script also asks Slurm for a warning signal before the time limit and requeues the job when the trainers
-checkpointed on a signal (``hlat.launch.preempt``); a compile's script does neither.
+One ``srun`` task per node runs that node's torch elastic agent (:mod:`hlat.deploy.render`); a run's script also
+requeues itself after a checkpoint on Slurm's time-limit signal. Imports ``hlat.config``, ``hlat.deploy.render`` and
+``hlat.launch.preempt``.
 """
 
 from __future__ import annotations
@@ -56,12 +52,7 @@ def sbatch_script(
     Slurm's CPU binding does not squeeze 32 trainer processes onto one core. The job enters ``install.root``
     itself, so it can be submitted from anywhere, by any shell; its output file lands where it was submitted.
 
-    A run (not a compile) asks Slurm for SIGUSR1 ``train.preempt_grace_s`` + 10 s before the time limit, sent to the
-    job steps: torchrun forwards it, the trainers checkpoint the step in flight and rank 0 leaves
-    ``<run dir>/preempted.json``. torchrun's own exit status does not say that (it exits 1 after a signal), so the
-    script requeues the job (``--requeue``) when that marker is there, and the requeued job continues from the
-    checkpoint into the same run directory and MLflow run (``train.resume=auto``). ``scancel`` signals the batch
-    shell too, so a cancelled job is not requeued.
+    A run (not a compile) checkpoints and requeues itself near its time limit (:func:`_requeue_lines`).
 
     Args:
         cfg: The validated run config.
@@ -75,27 +66,18 @@ def sbatch_script(
         port: Rendezvous port on the first node.
         compile_steps: Render the ahead-of-time compile of this many steps instead of the run.
     """
-    c = cfg.cluster
     job = f"{name}-compile" if compile_steps is not None else name
-    sbatch = [f"--job-name={job}", f"--nodes={c.nodes}", "--ntasks-per-node=1"]
-    if cpus_per_task is not None:
-        sbatch.append(f"--cpus-per-task={cpus_per_task}")
-    if c.device == "cuda" and c.backend == "torch":
-        sbatch.append(f"--gpus-per-node={c.devices_per_node}")
-    sbatch += ["--exclusive", "--output=%x-%j.out"]
     preemptible = compile_steps is None
-    if preemptible:  # the requeued job appends to the same output file
-        sbatch += [f"--signal=USR1@{launcher_grace_s(cfg.train.preempt_grace_s)}", "--requeue", "--open-mode=append"]
     lines = [
         "#!/bin/bash",
-        *(f"#SBATCH {s}" for s in sbatch),
+        *(f"#SBATCH {s}" for s in _sbatch_options(cfg, job, cpus_per_task, preemptible)),
         f"# Rendered by hlat; submit it from anywhere: sbatch {job}.sbatch (it runs in {install.root})",
         *purpose_lines(cfg, compile_steps),
         *(["# Near its time limit the job checkpoints the step in flight and requeues itself."] if preemptible else []),
         "set -euo pipefail",
         "",
     ]
-    if c.nodes > 1:
+    if cfg.cluster.nodes > 1:  # the first host of the allocation hosts the rendezvous
         lines += ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', "export MASTER_ADDR"]
     lines += [*install.setup_lines(), *export_lines(launch_env(cfg, env)), ULIMIT]
     if compile_steps is not None:
@@ -108,8 +90,28 @@ def sbatch_script(
     return "\n".join([*lines, *_requeue_lines(overrides, srun)]) + "\n"
 
 
+def _sbatch_options(cfg: RunConfig, job: str, cpus_per_task: int | None, preemptible: bool) -> list[str]:
+    """The ``#SBATCH`` options: one exclusive node per ``cluster.nodes``, one task each, and the time-limit signal."""
+    c = cfg.cluster
+    sbatch = [f"--job-name={job}", f"--nodes={c.nodes}", "--ntasks-per-node=1"]
+    if cpus_per_task is not None:
+        sbatch.append(f"--cpus-per-task={cpus_per_task}")
+    if c.device == "cuda" and c.backend == "torch":
+        sbatch.append(f"--gpus-per-node={c.devices_per_node}")
+    sbatch += ["--exclusive", "--output=%x-%j.out"]
+    if preemptible:  # the requeued job appends to the same output file
+        sbatch += [f"--signal=USR1@{launcher_grace_s(cfg.train.preempt_grace_s)}", "--requeue", "--open-mode=append"]
+    return sbatch
+
+
 def _requeue_lines(overrides: Sequence[str], srun: str) -> list[str]:
     """``srun`` between removing a stale preemption marker and requeueing the job when the trainers left a new one.
+
+    Slurm sends SIGUSR1 ``train.preempt_grace_s`` + 10 s before the time limit to the job steps: torchrun forwards
+    it, the trainers checkpoint the step in flight and rank 0 leaves ``<run dir>/preempted.json``. torchrun's exit
+    status does not say that (it exits 1 after a signal), so the script requeues the job when that marker is there,
+    and the requeued job continues into the same run directory and MLflow run (``train.resume=auto``). ``scancel``
+    signals the batch shell too, so a cancelled job is not requeued.
 
     Raises:
         ValueError: overrides without ``hydra.run.dir`` (where the marker is).

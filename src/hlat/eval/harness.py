@@ -1,20 +1,12 @@
 """lm-evaluation-harness on hlat checkpoints: the ``hlat`` model class, the local tasks and ``evaluate``.
 
-``HlatLM`` is an ``lm_eval`` model registered as ``hlat``; it loads a torch-backend checkpoint with
-``hlat.eval.inference.load`` (a ``step_N`` directory, or the newest intact one under a run's ``checkpoints/``) and
-answers the three request types of lm-eval: ``loglikelihood`` (batched, longest first, contexts cut from the left to
-``max_length``), ``loglikelihood_rolling`` (disjoint windows of ``max_length`` tokens) and ``generate_until`` (greedy,
-batched: left-padded prompts with the pads masked, through ``hlat.eval.kv_cache``). Documents were separated by EOS in
-training, so EOS is the "start of text" token that every context begins with (the role BOS plays for LLaMA in
-lm-eval).
-
 lm-eval 0.4.13 has no plugin discovery: a model is known once the module registering it is imported. So::
 
     python -m hlat.eval.harness --model hlat --model_args checkpoint=runs/x/checkpoints --tasks hlat_local
 
-is lm-eval's own command line with ``hlat`` registered and ``--include_path`` set to the local tasks (add your own
-``--include_path`` to replace it); in Python, ``import hlat.eval.harness`` before
-``lm_eval.simple_evaluate(model="hlat", ...)``, or call ``evaluate`` here.
+is lm-eval's own command line with ``hlat`` registered and the local tasks on ``--include_path``; in Python,
+``import hlat.eval.harness`` before ``lm_eval.simple_evaluate(model="hlat", ...)``, or call ``evaluate``. Imports
+lm-eval and ``hlat.eval``.
 """
 
 from __future__ import annotations
@@ -49,6 +41,11 @@ __all__ = ["HlatLM", "evaluate", "main", "task_manager"]
 
 class HlatLM(TemplateLM):
     """An hlat checkpoint as an lm-eval language model (``--model hlat``).
+
+    It answers ``loglikelihood`` (batched, longest first, contexts cut from the left to ``max_length``),
+    ``loglikelihood_rolling`` (disjoint windows of ``max_length`` tokens) and ``generate_until`` (greedy, batched:
+    left-padded prompts with the pads masked, through ``hlat.eval.kv_cache``). Documents were separated by EOS in
+    training, so EOS is the "start of text" token every context begins with (the role BOS plays for LLaMA).
 
     Args:
         checkpoint: A ``step_N`` checkpoint, a run's ``checkpoints/`` directory or the run directory.
@@ -251,31 +248,22 @@ def evaluate(
         checkpoint: A ``step_N`` checkpoint, a run's ``checkpoints/`` directory or the run directory.
         tasks: Task or group names (``hlat_local`` by default; built-in ones need ``include_defaults``).
         num_fewshot: Few-shot examples per prompt, for every task or per task name (e.g. the paper's
-            ``{"mmlu": 5, "bbh": 3, "arc_easy": 0}``); None or a task left out: the task's default. Tasks with
-            different shots run in separate ``simple_evaluate`` calls on the one loaded model, merged.
+            ``{"mmlu": 5, "bbh": 3, "arc_easy": 0}``); None or a task left out: the task's default.
         limit: At most this many documents per task (a fraction if below 1).
         device: ``cpu``, ``cuda`` or ``cuda:N``.
         batch_size: Sequences per forward pass.
         max_length: Longest input; default the run's ``train.seq_len``.
         include_defaults: Index lm-eval's built-in tasks too (~10 s; their datasets download when they run).
         bootstrap_iters: Resamples for the standard errors of the metrics that need them (0: none).
-        tokenizer: A sentencepiece ``.model`` instead of finding the run's (e.g. the tokenizer a training run has
-            loaded already).
+        tokenizer: A sentencepiece ``.model`` to use instead of finding the run's.
         dtype: Weight dtype for inference: ``float32`` or ``bfloat16``.
         **kwargs: More keyword arguments for ``lm_eval.simple_evaluate`` (e.g. ``log_samples``).
 
     Returns:
         lm-eval's results, with ``hlat`` (checkpoint, step, model, params, tokenizer) added.
     """
-    from lm_eval import simple_evaluate
-
-    names = [tasks] if isinstance(tasks, str) else list(tasks)
-    shots = dict(num_fewshot) if isinstance(num_fewshot, Mapping) else dict.fromkeys(names, num_fewshot)
-    by_shots: dict[int | None, list[str]] = {}
-    for name in names:
-        by_shots.setdefault(shots.get(name), []).append(name)
+    by_shots = _tasks_by_shots(tasks, num_fewshot)
     kwargs.setdefault("log_samples", False)
-    results: dict[str, Any] = {}
     with _rng_preserved():
         lm = HlatLM(
             str(checkpoint),
@@ -286,22 +274,37 @@ def evaluate(
             tokenizer=tokenizer,
         )
         manager = task_manager(include_defaults)
-        for n, group in by_shots.items():
-            part = simple_evaluate(
-                model=lm,
-                tasks=group,
-                num_fewshot=n,
-                limit=limit,
-                task_manager=manager,
-                bootstrap_iters=bootstrap_iters,
-                **kwargs,
-            )
-            for key, value in (part or {}).items():  # None only on a non-zero rank of a distributed lm-eval run
-                if isinstance(value, dict) and isinstance(results.get(key), dict):
-                    results[key].update(value)
-                else:
-                    results.setdefault(key, value)
+        results = _evaluate_groups(
+            lm, by_shots, limit=limit, task_manager=manager, bootstrap_iters=bootstrap_iters, **kwargs
+        )
     results["hlat"] = describe(lm.loaded)
+    return results
+
+
+def _tasks_by_shots(
+    tasks: Sequence[str] | str, num_fewshot: int | Mapping[str, int] | None
+) -> dict[int | None, list[str]]:
+    """The task names grouped by their few-shot count (None: the task's default), in the order given."""
+    names = [tasks] if isinstance(tasks, str) else list(tasks)
+    shots = dict(num_fewshot) if isinstance(num_fewshot, Mapping) else dict.fromkeys(names, num_fewshot)
+    by_shots: dict[int | None, list[str]] = {}
+    for name in names:
+        by_shots.setdefault(shots.get(name), []).append(name)
+    return by_shots
+
+
+def _evaluate_groups(lm: HlatLM, by_shots: Mapping[int | None, list[str]], **kwargs: Any) -> dict[str, Any]:
+    """One ``simple_evaluate`` call per few-shot count on the one loaded model; their results merged."""
+    from lm_eval import simple_evaluate
+
+    results: dict[str, Any] = {}
+    for n, group in by_shots.items():
+        part = simple_evaluate(model=lm, tasks=group, num_fewshot=n, **kwargs)
+        for key, value in (part or {}).items():  # None only on a non-zero rank of a distributed lm-eval run
+            if isinstance(value, dict) and isinstance(results.get(key), dict):
+                results[key].update(value)
+            else:
+                results.setdefault(key, value)
     return results
 
 

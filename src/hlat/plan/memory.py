@@ -1,6 +1,7 @@
 """Pre-flight memory estimate: refuse a run that cannot fit before anything is allocated, and name the fix.
 
 The step-time side of the planner is ``hlat.plan.step_model``; ``hlat plan`` (``hlat.plan.report``) prints both.
+Torch-free: imports ``hlat.config``, the core and ``hlat.plan.clusters`` (the presets the advice may propose).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from hlat.config import ClusterConfig, ConfigError, ModelConfig, RunConfig
 from hlat.parallel import ParallelDims, valid_tp
+from hlat.plan.clusters import can_add_nodes, cluster_presets
 from hlat.sizing import BYTES, bytes_per_param, count_params  # torch-free: `hlat plan` / `hlat summary` start fast
 
 log = logging.getLogger(__name__)
@@ -253,42 +255,6 @@ def _group(cfg: RunConfig, key: str) -> Any:
 
 NODE_FACTORS = (1, 2, 4, 8, 16, 32)
 """The node counts the advice tries, as multiples of ``cluster.nodes``."""
-
-
-def can_add_nodes(cluster: ClusterConfig) -> bool:
-    """Whether the advice may add nodes to ``cluster``.
-
-    A preset of a cloud node type (``cluster.instance_type``: trn1, p4d, p5) or one that already spans nodes can
-    grow; a preset of this machine (``cluster=cpu``, ``cpu_x2``, ``gpu_8x``, ``xla_cpu``) is one host. trn1 nodes talk
-    only over EFA, so a neuron cluster without ``cluster.efa_devices`` stays on one node (``hlat launch`` refuses it).
-    """
-    if cluster.backend == "neuron" and cluster.efa_devices == 0:
-        return False
-    return cluster.nodes > 1 or cluster.instance_type is not None
-
-
-def cluster_presets() -> list[ClusterConfig]:
-    """Every preset of ``conf/cluster/``, its ``defaults`` parents merged in (what ``cluster=<name>`` composes)."""
-    import yaml
-
-    from hlat.config.compose import config_dir
-
-    root = config_dir() / "cluster"
-
-    def load(name: str) -> dict[str, Any]:
-        data = yaml.safe_load((root / f"{name}.yaml").read_text()) or {}
-        merged: dict[str, Any] = {}
-        for parent in data.pop("defaults", []):
-            merged |= {} if parent == "_self_" else load(parent)
-        return merged | data
-
-    presets = []
-    for f in sorted(root.glob("*.yaml")):
-        try:
-            presets.append(ClusterConfig(**load(f.stem)))
-        except (ConfigError, TypeError, OSError, yaml.YAMLError):
-            continue  # not a plain preset (an interpolation, an unknown key): Hydra composes it, the advice skips it
-    return presets
 
 
 def cluster_fix(cfg: RunConfig) -> Fix | None:

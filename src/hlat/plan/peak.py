@@ -1,10 +1,9 @@
 """This host's matrix-multiply peak FLOP/s, measured once and cached: the MFU denominator on CPU.
 
-A CPU has no datasheet peak worth trusting (it depends on the vector units, the clock under load, the number of
-threads torch uses and the torch build), so we measure it: square ``n×n`` matmuls in each dtype, best of several
-timed windows. The result is cached per host in ``<cache_dir>/peak-<fingerprint>.json``, where the fingerprint
-hashes everything that changes the answer (CPU model, usable cores, torch version, torch threads), so a cache
-directory shared between machines never hands one host another's peak. Run it as ``python -m hlat.plan.peak``.
+A CPU has no datasheet peak worth trusting, so it is measured (square matmuls per dtype, best of several windows)
+and cached in ``<cache_dir>/peak-<fingerprint>.json``, keyed by everything that changes the answer (CPU model,
+usable cores, torch version and threads). ``python -m hlat.plan.peak`` runs it. Imports ``hlat.host`` (and, in
+``main``, ``hlat.bf16_matmul``).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,37 +90,56 @@ def measure_matmul_flops(
     b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dtype)
     c = torch.empty(n, n, device=dev, dtype=dtype)
     flops_per_matmul = 2.0 * n**3
-    if emulated:  # the upcasts and the rounding are part of every emulated matmul, so they are timed too
-        c32 = torch.empty(n, n, device=dev)
+    matmul = _emulated_matmul(n, dev) if emulated else torch.matmul
+    per_matmul = _warm_up(matmul, a, b, c, dev, seconds / 2)
+    per_window = max(1, round(seconds / max(per_matmul, 1e-9)))
+    best = 0.0
+    for _ in range(repeats):
+        elapsed = _timed_window(matmul, a, b, c, dev, per_window)
+        best = max(best, per_window * flops_per_matmul / elapsed)
+    return best
 
-        def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-            torch.matmul(a.float(), b.float(), out=c32)
-            out.copy_(c32)
-    else:
-        matmul = torch.matmul
 
-    # Warm-up, synchronizing each matmul so that the last one gives an honest time per matmul.
+def _emulated_matmul(n: int, dev: torch.device) -> Callable[..., None]:
+    """The emulated bf16 matmul (``hlat.bf16_matmul``): upcast, multiply in fp32, round back into ``out``."""
+    c32 = torch.empty(n, n, device=dev)
+
+    def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        # The upcasts and the rounding are part of every emulated matmul, so they are timed too.
+        torch.matmul(a.float(), b.float(), out=c32)
+        out.copy_(c32)
+
+    return matmul
+
+
+def _warm_up(
+    matmul: Callable[..., Any], a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dev: torch.device, seconds: float
+) -> float:
+    """Run matmuls for about ``seconds`` (at least two); the seconds the last one took.
+
+    Each matmul is synchronized, so that the last one gives an honest time per matmul.
+    """
     warm_start = time.perf_counter()
     iters, per_matmul = 0, 0.0
-    while iters < 2 or time.perf_counter() - warm_start < seconds / 2:
+    while iters < 2 or time.perf_counter() - warm_start < seconds:
         t0 = time.perf_counter()
         matmul(a, b, out=c)
         _sync(dev)
         per_matmul = time.perf_counter() - t0
         iters += 1
+    return per_matmul
 
-    # Fixed matmul count per window, one clock read and one synchronization on each side of it.
-    per_window = max(1, round(seconds / max(per_matmul, 1e-9)))
-    best = 0.0
-    for _ in range(repeats):
-        _sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(per_window):
-            matmul(a, b, out=c)
-        _sync(dev)
-        elapsed = time.perf_counter() - t0
-        best = max(best, per_window * flops_per_matmul / elapsed)
-    return best
+
+def _timed_window(
+    matmul: Callable[..., Any], a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dev: torch.device, count: int
+) -> float:
+    """The seconds ``count`` matmuls take: one clock read and one synchronization on each side of them."""
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(count):
+        matmul(a, b, out=c)
+    _sync(dev)
+    return time.perf_counter() - t0
 
 
 def cache_path(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:

@@ -1,16 +1,9 @@
 """One job of a Hydra multirun: skip it if it finished, continue it if it died, train it otherwise; record the end.
 
-A Hydra multirun (``python train.py -m ...``, any sweeper or launcher) gets from this module:
-
-- **Skip or continue.** When a sweep is run again, a job whose config hash (:func:`hlat.track.sweep.config_hash`)
-  matches a FINISHED run of the same MLflow experiment is skipped (its objective is read back from MLflow), and a
-  job whose earlier run died continues from that run's newest checkpoint, into the same MLflow run.
-  ``tracker.skip_finished=false`` runs everything again. Single runs (no ``-m``) are never skipped.
-- **One decision per job, shared by its ranks.** Rank 0 decides and writes ``<job dir>/sweep_job.json``; the other
-  ranks (an external ``torchrun``, Slurm tasks) wait for that file instead of asking MLflow themselves, so they
-  cannot disagree. A restarted job reads its own file back and so keeps its decision.
-- **A failed job does not end the sweep**; a job stopped by a signal does (and a rerun continues it).
-  :class:`hlat.sweep.callback.SweepCallback` fails the sweep at its end if any job failed.
+A job whose config hash (:func:`hlat.track.sweep.config_hash`) matches a FINISHED run of its MLflow experiment is
+skipped; one whose run died continues from that run's newest checkpoint (``tracker.skip_finished=false`` runs all).
+Rank 0 decides and writes ``<job dir>/sweep_job.json``; the other ranks read it, so they cannot disagree. Imports
+``hlat.config``, ``hlat.checkpoint``, ``hlat.track`` and ``hlat.launch.preempt``.
 """
 
 from __future__ import annotations
@@ -167,37 +160,16 @@ def run_job(
         if cfg.train.dry_run:  # a plan, no run: nothing to skip, record or compare
             train(cfg)
             return math.inf
-        decision = decide(cfg, job_dir)
-        if decision.action == "skip":
-            print(
-                f"hlat: skipped {job_dir.name}: this config (hash {decision.config_hash}) already FINISHED as MLflow "
-                f"run {decision.run_id} in experiment {cfg.tracker.experiment!r}; tracker.skip_finished=false runs "
-                "it again"
-            )
-            run_id, status = decision.run_id, "skipped"
-        else:
-            if decision.action == "resume":
-                log.warning(
-                    "continuing MLflow run %s, which did not finish, from its checkpoints in %s",
-                    decision.run_id,
-                    decision.checkpoint_dir,
-                )
-                cfg = dataclasses.replace(
-                    cfg, train=dataclasses.replace(cfg.train, checkpoint_dir=decision.checkpoint_dir)
-                )
-            run_id, losses = train(cfg)
-            status = "finished"
+        run_id, losses, status = _carry_out(cfg, decide(cfg, job_dir), job_dir, train)
     except (PreemptedError, AbortedError, KeyboardInterrupt) as e:
         stopped, status = e, "preempted" if isinstance(e, PreemptedError) else "interrupted"
-        if cfg is not None:
-            run_id = read_job(checkpoint_root(cfg, job_dir)).get("mlflow_run_id")
+        run_id = _recorded_run_id(cfg, job_dir)
     except Exception as e:
         message = explain(e)
         print(message or f"hlat: job {job_dir.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
         if message is None:
             log.exception("job %s failed", job_dir.name)
-        if cfg is not None:
-            run_id = read_job(checkpoint_root(cfg, job_dir)).get("mlflow_run_id")
+        run_id = _recorded_run_id(cfg, job_dir)
     if stopped is not None:
         _stop(job_dir, stopped, run_id, status)
     if rank() != 0:
@@ -206,6 +178,36 @@ def run_job(
     value = objective(uri, run_id, losses) if status != "failed" else math.nan
     finish_job(job_dir, mlflow_run_id=run_id, status=status, objective=value)
     return value if math.isfinite(value) else math.inf
+
+
+def _carry_out(
+    cfg: RunConfig,
+    decision: Decision,
+    job_dir: Path,
+    train: Callable[[RunConfig], tuple[str | None, list[float]]],
+) -> tuple[str | None, list[float], str]:
+    """Skip, continue or train as ``decision`` says: ``(MLflow run id, loss points, status)``."""
+    if decision.action == "skip":
+        print(
+            f"hlat: skipped {job_dir.name}: this config (hash {decision.config_hash}) already FINISHED as MLflow "
+            f"run {decision.run_id} in experiment {cfg.tracker.experiment!r}; tracker.skip_finished=false runs "
+            "it again"
+        )
+        return decision.run_id, [], "skipped"
+    if decision.action == "resume":
+        log.warning(
+            "continuing MLflow run %s, which did not finish, from its checkpoints in %s",
+            decision.run_id,
+            decision.checkpoint_dir,
+        )
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, checkpoint_dir=decision.checkpoint_dir))
+    run_id, losses = train(cfg)
+    return run_id, losses, "finished"
+
+
+def _recorded_run_id(cfg: RunConfig | None, job_dir: Path) -> str | None:
+    """The MLflow run id the job's trainer recorded before it stopped or failed (None before its config loaded)."""
+    return None if cfg is None else read_job(checkpoint_root(cfg, job_dir)).get("mlflow_run_id")
 
 
 def _named(cfg: RunConfig, job_dir: Path) -> RunConfig:

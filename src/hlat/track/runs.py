@@ -216,51 +216,68 @@ def _select(
     client: Any, uri: str, experiment: str | None, run_ids: list[str] | None, sweep_dir: str | None, status: str | None
 ) -> list[RunData]:
     """The body of ``select_runs`` once the arguments are checked and the client is open."""
+    if experiment is not None:
+        runs = _runs_of_experiment(client, uri, experiment, status)
+    elif run_ids is not None:
+        runs = _runs_by_id(client, uri, run_ids, status)
+    else:
+        assert sweep_dir is not None
+        runs = _runs_of_sweep(client, uri, sweep_dir, status)
+    return [_load(client, run) for run in runs]
+
+
+def _status_hint(status: str | None) -> str:
+    """The end of a refusal when runs were left out for their status: how to include them."""
+    return f"; pass status=None (--all-statuses) to include runs that are not {status}" if status else ""
+
+
+def _runs_of_experiment(client: Any, uri: str, experiment: str, status: str | None) -> list[Any]:
+    """The runs of ``experiment`` in ``status``, oldest first."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in _all_experiments(client))
+        raise ValueError(
+            f"no MLflow experiment {experiment!r} at {uri}; existing experiments: "
+            f"{', '.join(names) or '(none)'}. Check --experiment and --uri"
+        )
+    runs = _search_all(client, [exp.experiment_id], f"attributes.status = '{status}'" if status else "")
+    if not runs:
+        total = len(_search_all(client, [exp.experiment_id], ""))
+        state = f"no {status} runs ({total} in other states{_status_hint(status)})" if status and total else "no runs"
+        raise ValueError(f"MLflow experiment {experiment!r} at {uri} has {state}; check --experiment and --uri")
+    return runs
+
+
+def _runs_by_id(client: Any, uri: str, run_ids: list[str], status: str | None) -> list[Any]:
+    """The runs named by ``run_ids``, in the order given (duplicates dropped); all must be in ``status``."""
     from mlflow.exceptions import MlflowException
 
-    status_filter = f"attributes.status = '{status}'" if status else ""
-    status_hint = f"; pass status=None (--all-statuses) to include runs that are not {status}" if status else ""
+    runs, missing = [], []
+    for run_id in dict.fromkeys(run_ids):
+        try:
+            runs.append(client.get_run(run_id))
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            missing.append(run_id)
+    if missing:
+        raise ValueError(
+            f"no MLflow run with id {', '.join(missing)} at {uri}; check the ids (the full 32-character run "
+            "id, as in the MLflow UI) and --uri"
+        )
+    wrong = [f"{r.info.run_id} is {r.info.status}" for r in runs if status and r.info.status != status]
+    if wrong:
+        raise ValueError(f"runs at {uri} not {status}: {', '.join(wrong)}{_status_hint(status)}")
+    return runs
 
-    if experiment is not None:
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            names = sorted(e.name for e in _all_experiments(client))
-            raise ValueError(
-                f"no MLflow experiment {experiment!r} at {uri}; existing experiments: "
-                f"{', '.join(names) or '(none)'}. Check --experiment and --uri"
-            )
-        runs = _search_all(client, [exp.experiment_id], status_filter)
-        if not runs:
-            total = len(_search_all(client, [exp.experiment_id], ""))
-            state = f"no {status} runs ({total} in other states{status_hint})" if status and total else "no runs"
-            raise ValueError(f"MLflow experiment {experiment!r} at {uri} has {state}; check --experiment and --uri")
-        return [_load(client, run) for run in runs]
 
-    if run_ids is not None:
-        runs, missing = [], []
-        for run_id in dict.fromkeys(run_ids):
-            try:
-                runs.append(client.get_run(run_id))
-            except MlflowException as e:
-                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
-                    raise
-                missing.append(run_id)
-        if missing:
-            raise ValueError(
-                f"no MLflow run with id {', '.join(missing)} at {uri}; check the ids (the full 32-character run "
-                "id, as in the MLflow UI) and --uri"
-            )
-        wrong = [f"{r.info.run_id} is {r.info.status}" for r in runs if status and r.info.status != status]
-        if wrong:
-            raise ValueError(f"runs at {uri} not {status}: {', '.join(wrong)}{status_hint}")
-        return [_load(client, run) for run in runs]
+def _runs_of_sweep(client: Any, uri: str, sweep_dir: str, status: str | None) -> list[Any]:
+    """The runs, in any experiment, of the multirun in ``sweep_dir`` and in ``status``, oldest first."""
+    from hlat.track.sweep import recorded_run_ids
 
-    assert sweep_dir is not None
     root = Path(sweep_dir).expanduser().resolve()
     experiment_ids = [e.experiment_id for e in _all_experiments(client)]
     candidates = _search_all(client, experiment_ids, "") if experiment_ids else []
-    from hlat.track.sweep import recorded_run_ids
-
     recorded = set(recorded_run_ids(root))  # skipped jobs point at runs of an earlier sweep
     runs = [
         run
@@ -274,5 +291,5 @@ def _select(
         )
     kept = [run for run in runs if not status or run.info.status == status]
     if not kept:
-        raise ValueError(f"none of the {len(runs)} runs under {root} at {uri} is {status}{status_hint}")
-    return [_load(client, run) for run in kept]
+        raise ValueError(f"none of the {len(runs)} runs under {root} at {uri} is {status}{_status_hint(status)}")
+    return kept

@@ -22,6 +22,20 @@ HISTORY_POINTS = 1000
 """At most this many points of each arm's loss go onto the parent run (evenly spaced, the last one kept)."""
 VIEW_TAG = "mlflow.sharedViewState."
 """The experiment-tag prefix of the MLflow UI's saved views ("Views" on the runs page), up to 3.17 at least."""
+_LINE_CHART: dict[str, Any] = {
+    "lineSmoothness": 0,
+    "xAxisScaleType": "linear",
+    "scaleType": "linear",
+    "range": {},
+    "xAxisKey": "step",
+    "selectedXAxisMetricKey": "",
+    "yAxisKey": "metric",
+    "yAxisExpressions": [],
+    "ignoreOutliers": False,
+    "useGlobalXaxisKey": True,
+    "useGlobalLineSmoothing": True,
+}
+"""The settings of the view's loss chart, as MLflow 3.17's UI writes them."""
 
 
 def metric_label(name: str) -> str:
@@ -118,32 +132,26 @@ def sweep_view(name: str, runs: Sequence[RunData], parent_run_id: str, now_ms: i
     )
     params = differing_keys(runs)[:8]
     section = f"hlat{parent_run_id[:12]}s"
+    charts = _view_charts(parent_run_id, section, max(10, len(ids)), params)
+    state = _view_state(name, where, params, charts, section)
+    return json.dumps({"name": f"sweep {name}", "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(state)})
+
+
+def _view_charts(parent_run_id: str, section: str, compared: int, params: list[str]) -> list[dict[str, Any]]:
+    """The view's charts: every arm's loss, the swept ``params`` against the loss (if any) and each arm's last loss."""
 
     def chart(kind: str, n: int, **fields: Any) -> dict[str, Any]:
         return {
             "uuid": f"hlat{parent_run_id[:12]}c{n}",
             "type": kind,
-            "runsCountToCompare": max(10, len(ids)),
+            "runsCountToCompare": compared,
             "metricSectionId": section,
             "deleted": False,
             "isGenerated": False,
             **fields,
         }
 
-    line = {
-        "lineSmoothness": 0,
-        "xAxisScaleType": "linear",
-        "scaleType": "linear",
-        "range": {},
-        "xAxisKey": "step",
-        "selectedXAxisMetricKey": "",
-        "yAxisKey": "metric",
-        "yAxisExpressions": [],
-        "ignoreOutliers": False,
-        "useGlobalXaxisKey": True,
-        "useGlobalLineSmoothing": True,
-    }
-    charts = [chart("LINE", 0, displayName="train/loss", metricKey="train/loss", **line)]
+    charts = [chart("LINE", 0, displayName="train/loss", metricKey="train/loss", **_LINE_CHART)]
     if params:
         charts.append(
             chart(
@@ -156,7 +164,12 @@ def sweep_view(name: str, runs: Sequence[RunData], parent_run_id: str, now_ms: i
             )
         )
     charts.append(chart("BAR", 2, displayName="last train/loss", metricKey="train/loss"))
-    state = {
+    return charts
+
+
+def _view_state(name: str, where: str, params: list[str], charts: list[dict[str, Any]], section: str) -> dict[str, Any]:
+    """The view's ``state``: the arms matching ``where``, best final loss first, ``params`` and the loss as columns."""
+    return {
         "searchFilter": where,
         "orderByKey": "metrics.`train/loss`",
         "orderByAsc": True,
@@ -189,7 +202,6 @@ def sweep_view(name: str, runs: Sequence[RunData], parent_run_id: str, now_ms: i
         "globalLineChartConfig": {"xAxisKey": "step", "lineSmoothness": 0, "selectedXAxisMetricKey": ""},
         "chartsSearchFilter": "",
     }
-    return json.dumps({"name": f"sweep {name}", "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(state)})
 
 
 def summarize(client: Any, parent_run_id: str, runs: Sequence[RunData], name: str) -> str:
