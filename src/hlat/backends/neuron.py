@@ -51,7 +51,7 @@ from torch import nn
 
 from hlat.backends.base import Env
 from hlat.backends.neuron_graphs import graph_metrics
-from hlat.backends.neuron_model import ModuleInit, NxDLayers, to_neuron
+from hlat.backends.neuron_model import ModuleInit, NeuronTransformer, NxDLayers
 from hlat.backends.neuron_plan import (
     XLA_MODULES,
     NeuronPrecision,
@@ -98,7 +98,7 @@ class _Api:
     nxd: Any
     """``neuronx_distributed`` (config, model, optimizer, checkpoints)."""
     layers: NxDLayers
-    """The parallel layers and loss of ``neuron_model.to_neuron``."""
+    """The parallel layers and loss ``neuron_model.NeuronTransformer`` is built from."""
     manual_seed: Callable[[int], None]
     """``parallel_layers.model_parallel_xla_manual_seed``."""
 
@@ -222,6 +222,10 @@ class NeuronBackend:
     def build_model(
         self, model_fn: Callable[[], nn.Module], dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None
     ) -> nn.Module:
+        """``NeuronTransformer`` of the run's ``model`` config, built and initialized by ``initialize_parallel_model``.
+
+        ``model_fn`` (the torch decoder) is not called: the neuron decoder has its names and arithmetic on NxD's layers.
+        """
         if init_state is not None:
             raise ConfigError(
                 "train.init_from is not built on the neuron backend yet (NxD materializes the sharded model itself): "
@@ -233,7 +237,8 @@ class NeuronBackend:
         # their shard. The host generator is re-seeded anyway for anything NxD itself draws (alone: torch.manual_seed
         # would also reseed the device RNG that model_parallel_xla_manual_seed set per rank).
         torch.default_generator.manual_seed(self.cfg.train.seed)
-        model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: to_neuron(model_fn(), layers, opts))
+        cfg = self.cfg.model  # a closure without arguments: NxD >= 0.10 passes include_buffers positionally after it
+        model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: NeuronTransformer(cfg, layers, opts))
         if self.cpu_mode and dims.pp == 1:  # NxD's CPU mode: initialize_parallel_model moved the
             _move_parameters(model, self.device)  # model to xm.xla_device() whatever NXD_CPU_MODE says
         return model

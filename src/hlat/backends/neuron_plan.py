@@ -34,11 +34,10 @@ from typing import Any
 
 import torch
 
-from hlat.backends.neuron_model import NeuronAttentionCore, NeuronBlock, NeuronModelOptions, TokenLoss
+from hlat.backends.neuron_model import NeuronAttentionCore, NeuronBlock, NeuronModelOptions, NeuronRMSNorm, TokenLoss
 from hlat.config import ParallelismConfig, PrecisionConfig, RunConfig
 from hlat.layouts import check_neuron_precision
 from hlat.layouts import check_neuron_supported as check_supported
-from hlat.model import RMSNorm
 from hlat.parallel import ParallelDims
 
 XLA_MODULES = ("torch_xla", "torch_neuronx", "neuronx_distributed")
@@ -64,8 +63,9 @@ RECOMPUTED: dict[str, type[torch.nn.Module] | None] = {
     "full": NeuronBlock,
     "selective": NeuronAttentionCore,
 }
-"""``activation_checkpoint_config`` per ``parallelism.activation_checkpointing``. Full recompute is the block class,
-not the string ``"full"``: NxD resolves ``"full"`` only for Hugging Face and NxDT models, or with PP."""
+"""``activation_checkpoint_config`` per ``parallelism.activation_checkpointing``: NxD wraps each module of the class in
+its checkpoint wrapper (names unchanged), with PP the blocks whatever the class. ``full`` is the block class, not the
+string ``"full"``, which NxD resolves only for Hugging Face and NxDT models, or with PP."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def pipeline_config(par: ParallelismConfig, num_microbatches: int) -> dict[str, 
 
     The model is traced with torch.fx (``tracer_cls="torch"``: not a Hugging Face model) from its
     ``forward(input_ids, labels)``, with blocks (NxD's default for ``transformer_layer_cls``), norms and the loss as
-    leaves, and cut evenly between blocks (``auto_partition``). The forward returns the loss alone
+    leaves, and cut evenly between blocks (``auto_partition``). Given labels the forward returns the loss alone
     (``output_loss_value_spec=True``); NxD scales each micro-batch's loss by 1/num_microbatches, and
     ``broadcast_and_average_loss`` (as HLAT's 70B script) hands every rank the loss averaged over data parallelism.
     """
@@ -188,7 +188,7 @@ def pipeline_config(par: ParallelismConfig, num_microbatches: int) -> dict[str, 
         "output_loss_value_spec": True,
         "input_names": ["input_ids", "labels"],
         "auto_partition": True,
-        "leaf_module_cls": [RMSNorm.__name__, TokenLoss.__name__],
+        "leaf_module_cls": [NeuronRMSNorm.__name__, TokenLoss.__name__],
         "tracer_cls": "torch",
         "use_zero1_optimizer": par.zero1,
         "use_optimizer_wrapper": True,
@@ -230,7 +230,7 @@ def nxd_config_kwargs(
 
 
 def model_options(cfg: RunConfig, world_size: int | None = None) -> NeuronModelOptions:
-    """The layout and dtypes of ``neuron_model.to_neuron`` for this run."""
+    """The layout and dtypes of this run's ``neuron_model.NeuronTransformer``."""
     par = cfg.parallelism
     dims = ParallelDims.build(par, world_size or cfg.cluster.world_size, cfg.model, cfg.train)
     plan = precision_plan(cfg.precision, par, cfg.train.seed)
