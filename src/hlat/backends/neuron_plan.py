@@ -1,25 +1,9 @@
-"""What a run config becomes on Trainium, as pure functions: environment, NxD config, precision, checkpoint calls.
+"""What a run config becomes on Trainium, as pure functions: environment, precision, NxD config, checkpoint calls.
 
-No ``torch_xla`` / ``neuronx_distributed`` import here (those live in ``hlat.backends.neuron`` only), so the
-mapping is tested exactly on any machine and the launch renderer can export ``neuron_env`` into Slurm, EKS and
-torchrun scripts. Every NxD name and value comes from public sources, named below: NxD 0.17's code and Llama
-examples (github.com/aws-neuron/neuronx-distributed, tag v2.28.0), the Neuron SDK docs and HLAT's scripts
-(github.com/awslabs/HLAT).
-None of this has run on a trn1 host.
-
-Precision on Neuron (NxD's ``trainer/trainer.py`` and Llama example, Neuron SDK docs: PyTorch NeuronX environment
-variables, NxD Training precision types):
-
-- fp32: no XLA variable, SR 0, compiler ``--auto-cast=none``.
-- autocast: no XLA variable, SR 0, ``torch.autocast("xla", bf16)``.
-- bf16: ``XLA_USE_BF16=1``, SR 0.
-- bf16_sr: ``XLA_USE_BF16=1``, SR 1 (seeded by train.seed).
-- master_weights: ``XLA_DOWNCAST_BF16=1``, SR 0, ZeRO-1 required, NxD ``mixed_precision_config`` with
-  ``use_master_weights`` and ``use_fp32_grad_acc``.
-
-Under ``XLA_USE_BF16`` every float *and double* tensor is bf16, so no operation can be kept in fp32: fp32
-softmax/cross-entropy and fp32 reductions are config errors there. Under ``XLA_DOWNCAST_BF16`` doubles become fp32,
-which is how NxD's model code keeps softmax and RMSNorm in fp32 (``.double()``): ``upcast_dtype`` says which to use.
+Imports no ``torch_xla`` / ``neuronx_distributed`` (only ``hlat.backends.neuron`` does), so the mapping is tested
+exactly on any machine and the launch renderer exports ``neuron_env``. Names and values come from NxD 0.17's code and
+Llama examples (github.com/aws-neuron/neuronx-distributed, tag v2.28.0), the Neuron SDK docs and HLAT's scripts
+(github.com/awslabs/HLAT); the precision modes are tabled in docs/precision.md. None of this has run on a trn1 host.
 """
 
 from __future__ import annotations
