@@ -45,12 +45,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even under bf16 autocast: the mean of squares loses precision in bf16.
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
+        return rms_norm(x, self.weight, self.eps)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension, computed in ``dtype`` and returned in ``x``'s dtype."""
+    xf = x.to(dtype)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(dtype)).to(x.dtype)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None):
@@ -124,7 +129,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model: token ids (B, T) -> logits (B, T, vocab)."""
+    """Decoder-only language model: token ids (B, T) -> logits (B, T, vocab).
+
+    The neuron backend's decoder (``hlat.backends.neuron_model.NeuronTransformer``) keeps this contract and takes
+    optional labels on top, for which it returns the mean token loss (NxD's pipeline engine needs it in the model).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -19,8 +19,8 @@ that a test installs (``FakeNeuronApi.install``) and removes afterwards, records
   reduce is the identity), keep NxD's parameter names and ``[S, B, H]`` sequence-parallel layout, and initialize on
   the host only when not on the meta device (``init_weight_cpu`` / ``initialize_weight_biases``);
 - ``initialize_parallel_model`` builds on the meta device (parameters only, as NxD's ``init_on_device``), fills
-  every parameter with NaN, calls the ``param_init_fn`` per module (so a parameter it misses stays NaN), applies
-  activation checkpointing to the configured classes and, with pipeline parallelism, traces the model with
+  every parameter with NaN, calls the ``param_init_fn`` per module (so a parameter it misses stays NaN), wraps the
+  configured classes (with PP the blocks) in a checkpoint wrapper as NxD does and, with PP, traces the model with
   torch.fx as NxD's torch tracer does and runs all stages in this one process (``run_train`` splits the batch into
   micro-batches, scales each loss by 1/num_microbatches);
 - the optimizer wrapper clips inside ``step()`` and exposes the pre-clip ``grad_norm``; it refuses master weights
@@ -48,8 +48,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
-
-from hlat.recompute import recompute
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, CheckpointWrapper
 
 FAKE_PACKAGES = ("torch_xla", "neuronx_distributed")
 WATCHED_ENV = (
@@ -432,6 +431,25 @@ def _reinit(model: nn.Module, param_init_fn: Callable) -> None:
             p.sequence_parallel_enabled = keep[n]
 
 
+class _CheckpointWrapper(CheckpointWrapper):
+    """NxD's ``NxDCheckpointWrapper``: torch's checkpoint wrapper, whose ``named_modules`` drop the wrapper's prefix.
+
+    (NxD recomputes with torch_xla's reentrant checkpoint; the fake with torch's non-reentrant one, on the CPU.)
+    """
+
+    def named_modules(self, *args: Any, **kwargs: Any):
+        for name, module in super().named_modules(*args, **kwargs):
+            yield name.replace(_CHECKPOINT_PREFIX, ""), module
+
+
+def _wrap_children(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
+    """NxD's ``apply_activation_checkpointing``: every module of ``classes`` below ``model`` in a checkpoint wrapper."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, classes):
+                setattr(parent, name, _CheckpointWrapper(child))
+
+
 class _TorchTracer(torch.fx.Tracer):
     """NxD's ``TorchTracerWrapper``: leaf modules by class-name substring, plus the parallel layers."""
 
@@ -584,16 +602,14 @@ class FakeNeuronApi:
         if init["meta_device_init"]:
             _reinit(model, init["param_init_fn"])
         model.to(torch.device("cpu"))
-        ac = nxd_config["activation_checkpoint_config"]
-        if ac == "full" and nxd_config["pipeline_parallel_size"] == 1:
+        ac, pp = nxd_config["activation_checkpoint_config"], nxd_config["pipeline_parallel_size"] > 1
+        if ac == "full" and not pp:
             raise RuntimeError(
                 '`activation_checkpoint_config` "full" is only supported for huggingface transformers or nxdt models.'
             )
-        if ac is not None:
+        if ac is not None:  # with PP NxD wraps the transformer layers, whatever the classes
             classes = tuple(ac) if isinstance(ac, (list, tuple)) else (ac,)
-            for module in list(model.modules()):
-                if isinstance(module, classes):
-                    recompute(module)
+            _wrap_children(model, (nxd_config["pipeline_config"]["transformer_layer_cls"],) if pp else classes)
         return FakeNxDModel(model, nxd_config, self)
 
     def initialize_parallel_optimizer(

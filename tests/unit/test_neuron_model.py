@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hlat import parallel
 from hlat.backends.neuron_model import (
     IGNORE_INDEX,
     ModuleInit,
@@ -21,11 +22,10 @@ from hlat.backends.neuron_model import (
     NeuronModelOptions,
     NeuronTransformer,
     NxDLayers,
-    to_neuron,
 )
-from hlat.backends.neuron_plan import pipeline_config
+from hlat.backends.neuron_plan import RECOMPUTED, pipeline_config
 from hlat.config import ModelConfig, ParallelismConfig
-from hlat.model import AttentionCore, Transformer, rope_tables
+from hlat.model import Transformer, rope_tables
 from hlat.parallel import TP_PLAN
 from tests.fakes.neuron_api import (
     ColumnParallelLinear,
@@ -69,7 +69,7 @@ def reference() -> Transformer:
 @torch.no_grad()
 def twin(ref: Transformer, sp: bool) -> NeuronTransformer:
     """The neuron decoder holding ``ref``'s weights (the fused qkv regrouped from [q.. k v] per group to [q; k; v])."""
-    model = to_neuron(Transformer(CFG), FAKE, options(sp))
+    model = NeuronTransformer(CFG, FAKE, options(sp))
     init = ModuleInit(CFG)
     for m in model.modules():
         init(m)
@@ -105,6 +105,84 @@ def test_same_loss_and_gradients_as_the_reference_decoder(sp: bool) -> None:
         torch.testing.assert_close(model.get_parameter(name).grad, ref.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_without_labels_the_forward_returns_the_reference_logits(sp: bool) -> None:
+    """The contract shared with ``hlat.model.Transformer``: token ids (B, T) -> logits (B, T, V), batch first also
+    under sequence parallelism (tp 1 here, so the vocabulary shard is the whole vocabulary)."""
+    ref = reference()
+    model = twin(ref, sp)
+    x, y = batch()
+    logits = model(x)
+    torch.testing.assert_close(logits, ref(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(x, y), F.cross_entropy(logits.flatten(0, 1), y.flatten()), rtol=1e-6, atol=0)
+
+
+def test_parameter_names_and_order_are_the_torch_models() -> None:
+    """Checkpoints, per-layer metrics, the optimizer's parameter order and the init-by-name key on these names."""
+    theirs = [n.replace("attn.qkv.weight", "attn.qkv.weight_qkv") for n, _ in Transformer(CFG).named_parameters()]
+    assert [n for n, _ in NeuronTransformer(CFG, FAKE, options()).named_parameters()] == theirs
+
+
+@pytest.mark.parametrize(
+    ("entry", "style", "message"),
+    [
+        ("layers.*.mlp.down", None, r"TP_PLAN has no entry for layers\.0\.mlp\.down"),
+        ("embed", "colwise", r"TP_PLAN gives embed colwise, but NxD's ParallelEmbedding is rowwise: make it rowwise"),
+        (
+            "layers.*.attn.qkv",
+            "rowwise",
+            r"gives layers\.0\.attn\.qkv rowwise, but NxD's GQAQKVColumnParallelLinear is colwise",
+        ),
+    ],
+)
+def test_layers_follow_the_tp_plan(monkeypatch, entry: str, style: str | None, message: str) -> None:
+    """``hlat.parallel.TP_PLAN`` picks each NxD layer: a changed entry changes the layer or is refused by name."""
+    plan = {k: v for k, v in parallel.TP_PLAN.items() if k != entry} | ({entry: style} if style else {})
+    monkeypatch.setattr(parallel, "TP_PLAN", plan)
+    monkeypatch.setattr("hlat.backends.neuron_model.TP_PLAN", plan)
+    with pytest.raises(ValueError, match=message):
+        NeuronTransformer(CFG, FAKE, options())
+
+
+def test_a_flipped_tp_plan_entry_flips_the_nxd_layer(monkeypatch) -> None:
+    plan = parallel.TP_PLAN | {"layers.*.mlp.down": "colwise", "lm_head": "rowwise"}
+    monkeypatch.setattr("hlat.backends.neuron_model.TP_PLAN", plan)
+    model = NeuronTransformer(CFG, FAKE, options())
+    assert type(model.layers[1].mlp.down) is ColumnParallelLinear and type(model.lm_head) is RowParallelLinear
+
+
+def grads(ac: type[nn.Module] | None) -> dict[str, torch.Tensor]:
+    """The gradients by name of one forward and backward, built by the fake's NxD with ``activation_checkpoint_config``
+    ``ac``."""
+    nxd_config = {
+        "model_init_config": {"meta_device_init": True, "param_init_fn": ModuleInit(CFG)},
+        "pipeline_parallel_size": 1,
+        "activation_checkpoint_config": ac,
+    }
+    model = FakeNeuronApi().initialize_parallel_model(nxd_config, lambda: NeuronTransformer(CFG, FAKE, options()))
+    x, y = batch()
+    model(x, y).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_nxd_recomputes_the_mapped_modules_with_unchanged_names_and_gradients(monkeypatch, mode: str) -> None:
+    """``RECOMPUTED`` names classes the decoder is built of: NxD wraps each of them (n_layers) and runs it again in
+    the backward pass; names and gradients stay those of the run without recomputation."""
+    ac = RECOMPUTED[mode]
+    assert ac is not None
+    calls: list[int] = []
+    forward = ac.forward
+    monkeypatch.setattr(ac, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    plain = grads(None)
+    once = len(calls)
+    recomputed = grads(ac)
+    assert (once, len(calls) - once) == (CFG.n_layers, 2 * CFG.n_layers)  # forward, and again in the backward pass
+    assert list(recomputed) == list(plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=0, msg=name)
+
+
 def test_ignored_labels_are_masked_by_hand() -> None:
     ref = reference()
     model = twin(ref, sp=False)
@@ -119,9 +197,7 @@ def test_ignored_labels_are_masked_by_hand() -> None:
 def test_attention_core_is_causal_softmax_attention_with_shared_kv() -> None:
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(2, 4, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8)
-    core = AttentionCore(gqa=True)
-    core.__class__ = NeuronAttentionCore
-    core.upcast_dtype = torch.float64
+    core = NeuronAttentionCore(upcast_dtype=torch.float64)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(core(q, k, v), expected, rtol=1e-5, atol=1e-6)
     # Causal: changing the last position's key and value leaves every earlier output unchanged.
@@ -133,7 +209,7 @@ def test_attention_core_is_causal_softmax_attention_with_shared_kv() -> None:
 def test_every_tp_plan_entry_is_an_nxd_layer_with_the_reference_arguments(monkeypatch) -> None:
     api = FakeNeuronApi()
     monkeypatch.setattr(_Recorded, "api", api)
-    model = to_neuron(Transformer(CFG), FAKE, options(sp=True, kv_size_multiplier=2, reduce_dtype=torch.bfloat16))
+    model = NeuronTransformer(CFG, FAKE, options(sp=True, kv_size_multiplier=2, reduce_dtype=torch.bfloat16))
     kinds = {
         "colwise": (ColumnParallelLinear, GQAQKVColumnParallelLinear),
         "rowwise": (RowParallelLinear, ParallelEmbedding),
@@ -174,7 +250,7 @@ def test_param_init_gives_the_torch_models_weights_by_name(seed: int) -> None:
     GQAQKV drew q, k and v apart and the two backends started from different weights (step-1 loss 6.2540 vs 6.2506)."""
     ref = Transformer(CFG)
     ref.init_weights(seed)
-    model = to_neuron(Transformer(CFG), FAKE, options(seed=seed))
+    model = NeuronTransformer(CFG, FAKE, options(seed=seed))
     init = ModuleInit(CFG)
     for m in reversed(list(model.modules())):  # another order than construction: must not matter
         init(m)
@@ -197,7 +273,7 @@ def test_meta_build_and_param_init_fill_every_parameter_and_the_rotary_tables() 
         "pipeline_parallel_size": 1,
         "activation_checkpoint_config": None,
     }
-    model = api.initialize_parallel_model(nxd_config, lambda: to_neuron(Transformer(CFG), FAKE, options()))
+    model = api.initialize_parallel_model(nxd_config, lambda: NeuronTransformer(CFG, FAKE, options()))
     assert all(torch.isfinite(p).all() for p in model.parameters())  # the fake NaN-fills before param_init_fn
     assert model.module.norm.weight.eq(1).all()
     cos, _ = rope_tables(CFG.head_dim, CFG.max_seq_len, CFG.rope_theta)

@@ -94,7 +94,7 @@ def test_hlat_70b_nxd_config() -> None:
             "output_loss_value_spec": True,
             "input_names": ["input_ids", "labels"],
             "auto_partition": True,
-            "leaf_module_cls": ["RMSNorm", "TokenLoss"],
+            "leaf_module_cls": ["NeuronRMSNorm", "TokenLoss"],
             "tracer_cls": "torch",
             "use_zero1_optimizer": True,
             "use_optimizer_wrapper": True,

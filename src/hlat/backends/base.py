@@ -56,7 +56,8 @@ class Backend(Protocol):
 
         ``dims`` (the run's layout) and ``parallelism`` say how: data/tensor parallelism, activation checkpointing,
         ZeRO-1 (for ``build_optimizer``). ``init_state`` (``train.init_from``: whole fp32-layout weights under hlat's
-        names) replaces the initialization before any cast or split.
+        names) replaces the initialization before any cast or split. The neuron backend does not call ``model_fn``: it
+        builds its own decoder from the run's model config, with the same parameter names.
         """
         ...
 

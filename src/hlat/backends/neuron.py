@@ -1,37 +1,9 @@
-"""The Trainium backend: torch-neuronx + neuronx-distributed (NxD 0.17, Neuron SDK 2.28).
+"""The Trainium backend: torch-neuronx + neuronx-distributed (NxD 0.17, Neuron SDK 2.28), as a ``Backend``.
 
-The only module that imports ``torch_xla`` / ``neuronx_distributed``, and only inside ``_import_api`` (called by
-``setup``): those wheels come from the Neuron repository in the Docker image, and importing them reads the
-``XLA_*`` variables once. The pure mapping of the config (environment, NxD config, precision, checkpoint calls)
-is in ``hlat.backends.neuron_plan`` and re-exported here; the decoder on NxD parallel layers is
-``hlat.backends.neuron_model``.
-
-A run on trn1, in order (``run.main`` -> ``loop.fit``):
-
-- ``setup``: validate (``ParallelDims``, ``check_supported``, ``precision_plan``), ``apply_env(neuron_env(cfg))``,
-  import torch_xla and NxD, ``dist.init_process_group("xla")``, ``neuronx_distributed_config(...)`` (which
-  initializes tensor/pipeline parallel state), ``model_parallel_xla_manual_seed(seed)``.
-- ``build_model``: ``initialize_parallel_model(nxd_config, closure)``; the zero-argument closure sidesteps the
-  ``include_buffers`` positional argument of NxD >= 0.10 (``trainer.py``). NxD builds the ``Transformer`` on the meta
-  device, ``to_neuron`` swaps in the parallel layers, NxD wraps it in ``NxDPPModel`` with PP, materializes it with
-  ``ModuleInit`` and applies activation checkpointing.
-- ``build_optimizer``: ``initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, groups, ...)``; ZeRO-1 and
-  master weights come from the NxD config.
-- per step: ``forward_backward`` (micro-batch forward + backward with a ``torch_xla.sync()`` after each, or with PP
-  ``model.run_train`` over all micro-batches at once), ``update`` (``optimizer.step()``: NxD all-reduces sequence-
-  and data-parallel gradients, clips, steps; ``optimizer.grad_norm`` is the norm before clipping), ``step_end``
-  (``torch_xla.sync()``). Metrics leave the device in ``fetch`` through ``xm.add_step_closure``.
-- checkpoints: ``nxd.save_checkpoint`` / ``load_checkpoint`` (xser) into the directory ``hlat.checkpoint`` gives,
-  train state and loader position in ``user_content`` and in one small file per rank.
-
-**Nothing in this module has run on a trn1 host.** It runs against the real NxD 0.17 on CPU in the NxD lane
-(``make test-neuron``, docs/trn1.md): world 1 on torch-xla's CPU device (``cluster=xla_cpu``) and TP / PP across
-processes in NxD's own CPU mode (``cluster=nxd_cpu``: ``NXD_CPU_MODE=1``, the model on the CPU, gloo collectives,
-``dist.barrier`` where NxD's ``xm.rendezvous`` would not synchronize). The recording fake of the main suite
-(``tests/fakes/neuron_api.py``) covers what neither can: multi-rank XLA collectives, sequence parallelism with the
-GQA qkv layer, the environment and launch mapping. Known gaps: per-layer gradient norms (``grad_hooks``) are taken
-before NxD's data-parallel all-reduce (and refused with tp or pp > 1); ``precision=autocast`` with pipeline
-parallelism relies on NxD picking up the ``xla`` autocast state.
+The only module that imports ``torch_xla`` / ``neuronx_distributed``, and only inside ``setup`` (``_import_api``):
+importing them reads the ``XLA_*`` variables once. The config's mapping onto NxD is ``neuron_plan``, the decoder on
+NxD's layers ``neuron_model``; docs/trn1.md says what runs where. **Nothing in this module has run on a trn1 host**:
+it runs against the real NxD 0.17 on CPU in the NxD lane and against the recording fake of the main suite.
 """
 
 from __future__ import annotations
@@ -51,7 +23,7 @@ from torch import nn
 
 from hlat.backends.base import Env
 from hlat.backends.neuron_graphs import graph_metrics
-from hlat.backends.neuron_model import ModuleInit, NxDLayers, to_neuron
+from hlat.backends.neuron_model import ModuleInit, NeuronTransformer, NxDLayers
 from hlat.backends.neuron_plan import (
     XLA_MODULES,
     NeuronPrecision,
@@ -98,7 +70,7 @@ class _Api:
     nxd: Any
     """``neuronx_distributed`` (config, model, optimizer, checkpoints)."""
     layers: NxDLayers
-    """The parallel layers and loss of ``neuron_model.to_neuron``."""
+    """The parallel layers and loss ``neuron_model.NeuronTransformer`` is built from."""
     manual_seed: Callable[[int], None]
     """``parallel_layers.model_parallel_xla_manual_seed``."""
 
@@ -222,6 +194,10 @@ class NeuronBackend:
     def build_model(
         self, model_fn: Callable[[], nn.Module], dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None
     ) -> nn.Module:
+        """``NeuronTransformer`` of the run's ``model`` config, built and initialized by ``initialize_parallel_model``.
+
+        ``model_fn`` (the torch decoder) is not called: the neuron decoder has its names and arithmetic on NxD's layers.
+        """
         if init_state is not None:
             raise ConfigError(
                 "train.init_from is not built on the neuron backend yet (NxD materializes the sharded model itself): "
@@ -233,7 +209,8 @@ class NeuronBackend:
         # their shard. The host generator is re-seeded anyway for anything NxD itself draws (alone: torch.manual_seed
         # would also reseed the device RNG that model_parallel_xla_manual_seed set per rank).
         torch.default_generator.manual_seed(self.cfg.train.seed)
-        model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: to_neuron(model_fn(), layers, opts))
+        cfg = self.cfg.model  # a closure without arguments: NxD >= 0.10 passes include_buffers positionally after it
+        model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: NeuronTransformer(cfg, layers, opts))
         if self.cpu_mode and dims.pp == 1:  # NxD's CPU mode: initialize_parallel_model moved the
             _move_parameters(model, self.device)  # model to xm.xla_device() whatever NXD_CPU_MODE says
         return model

@@ -1,25 +1,9 @@
-"""What a run config becomes on Trainium, as pure functions: environment, NxD config, precision, checkpoint calls.
+"""What a run config becomes on Trainium, as pure functions: environment, precision, NxD config, checkpoint calls.
 
-No ``torch_xla`` / ``neuronx_distributed`` import here (those live in ``hlat.backends.neuron`` only), so the
-mapping is tested exactly on any machine and the launch renderer can export ``neuron_env`` into Slurm, EKS and
-torchrun scripts. Every NxD name and value comes from public sources, named below: NxD 0.17's code and Llama
-examples (github.com/aws-neuron/neuronx-distributed, tag v2.28.0), the Neuron SDK docs and HLAT's scripts
-(github.com/awslabs/HLAT).
-None of this has run on a trn1 host.
-
-Precision on Neuron (NxD's ``trainer/trainer.py`` and Llama example, Neuron SDK docs: PyTorch NeuronX environment
-variables, NxD Training precision types):
-
-- fp32: no XLA variable, SR 0, compiler ``--auto-cast=none``.
-- autocast: no XLA variable, SR 0, ``torch.autocast("xla", bf16)``.
-- bf16: ``XLA_USE_BF16=1``, SR 0.
-- bf16_sr: ``XLA_USE_BF16=1``, SR 1 (seeded by train.seed).
-- master_weights: ``XLA_DOWNCAST_BF16=1``, SR 0, ZeRO-1 required, NxD ``mixed_precision_config`` with
-  ``use_master_weights`` and ``use_fp32_grad_acc``.
-
-Under ``XLA_USE_BF16`` every float *and double* tensor is bf16, so no operation can be kept in fp32: fp32
-softmax/cross-entropy and fp32 reductions are config errors there. Under ``XLA_DOWNCAST_BF16`` doubles become fp32,
-which is how NxD's model code keeps softmax and RMSNorm in fp32 (``.double()``): ``upcast_dtype`` says which to use.
+Imports no ``torch_xla`` / ``neuronx_distributed`` (only ``hlat.backends.neuron`` does), so the mapping is tested
+exactly on any machine and the launch renderer exports ``neuron_env``. Names and values come from NxD 0.17's code and
+Llama examples (github.com/aws-neuron/neuronx-distributed, tag v2.28.0), the Neuron SDK docs and HLAT's scripts
+(github.com/awslabs/HLAT); the precision modes are tabled in docs/precision.md. None of this has run on a trn1 host.
 """
 
 from __future__ import annotations
@@ -34,11 +18,10 @@ from typing import Any
 
 import torch
 
-from hlat.backends.neuron_model import NeuronAttentionCore, NeuronBlock, NeuronModelOptions, TokenLoss
+from hlat.backends.neuron_model import NeuronAttentionCore, NeuronBlock, NeuronModelOptions, NeuronRMSNorm, TokenLoss
 from hlat.config import ParallelismConfig, PrecisionConfig, RunConfig
 from hlat.layouts import check_neuron_precision
 from hlat.layouts import check_neuron_supported as check_supported
-from hlat.model import RMSNorm
 from hlat.parallel import ParallelDims
 
 XLA_MODULES = ("torch_xla", "torch_neuronx", "neuronx_distributed")
@@ -64,8 +47,9 @@ RECOMPUTED: dict[str, type[torch.nn.Module] | None] = {
     "full": NeuronBlock,
     "selective": NeuronAttentionCore,
 }
-"""``activation_checkpoint_config`` per ``parallelism.activation_checkpointing``. Full recompute is the block class,
-not the string ``"full"``: NxD resolves ``"full"`` only for Hugging Face and NxDT models, or with PP."""
+"""``activation_checkpoint_config`` per ``parallelism.activation_checkpointing``: NxD wraps each module of the class in
+its checkpoint wrapper (names unchanged), with PP the blocks whatever the class. ``full`` is the block class, not the
+string ``"full"``, which NxD resolves only for Hugging Face and NxDT models, or with PP."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +162,7 @@ def pipeline_config(par: ParallelismConfig, num_microbatches: int) -> dict[str, 
 
     The model is traced with torch.fx (``tracer_cls="torch"``: not a Hugging Face model) from its
     ``forward(input_ids, labels)``, with blocks (NxD's default for ``transformer_layer_cls``), norms and the loss as
-    leaves, and cut evenly between blocks (``auto_partition``). The forward returns the loss alone
+    leaves, and cut evenly between blocks (``auto_partition``). Given labels the forward returns the loss alone
     (``output_loss_value_spec=True``); NxD scales each micro-batch's loss by 1/num_microbatches, and
     ``broadcast_and_average_loss`` (as HLAT's 70B script) hands every rank the loss averaged over data parallelism.
     """
@@ -188,7 +172,7 @@ def pipeline_config(par: ParallelismConfig, num_microbatches: int) -> dict[str, 
         "output_loss_value_spec": True,
         "input_names": ["input_ids", "labels"],
         "auto_partition": True,
-        "leaf_module_cls": [RMSNorm.__name__, TokenLoss.__name__],
+        "leaf_module_cls": [NeuronRMSNorm.__name__, TokenLoss.__name__],
         "tracer_cls": "torch",
         "use_zero1_optimizer": par.zero1,
         "use_optimizer_wrapper": True,
@@ -230,7 +214,7 @@ def nxd_config_kwargs(
 
 
 def model_options(cfg: RunConfig, world_size: int | None = None) -> NeuronModelOptions:
-    """The layout and dtypes of ``neuron_model.to_neuron`` for this run."""
+    """The layout and dtypes of this run's ``neuron_model.NeuronTransformer``."""
     par = cfg.parallelism
     dims = ParallelDims.build(par, world_size or cfg.cluster.world_size, cfg.model, cfg.train)
     plan = precision_plan(cfg.precision, par, cfg.train.seed)
