@@ -1,9 +1,9 @@
 """The attention core, ``softmax(QK^T / sqrt(D)) V`` without projections: the seam for attention implementations.
 
 ``hlat.model.Attention`` projects, rotates and calls its ``core`` module; what happens between q, k, v and the
-output is the core's. ``hlat.recompute`` recomputes cores in the backward pass, ``hlat.bf16_matmul`` sets their
-kernel, the information-leak experiment (``hlat.experiments.information_leak``) brings a core of its own, and
-generation (``hlat.eval.kv_cache``) swaps in one that reads and extends a KV cache.
+output is the core's. The torch backend recomputes cores in the backward pass (``recompute``) and may set their
+kernel (``bf16_matmul``), the information-leak experiment (``hlat.experiments.information_leak``) brings a core of
+its own, and generation (``hlat.eval.kv_cache``) swaps in one that reads and extends a KV cache.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from torch import nn
 class AttentionCore(nn.Module):
     """Causal attention without projections, ``softmax(QK^T / sqrt(D)) V``; no parameters.
 
-    A module of its own so that ``hlat.recompute`` can recompute just this part in the backward pass (selective
+    A module of its own so that the torch backend can recompute just this part in the backward pass (selective
     activation checkpointing, Korthikanti et al. 2022): a kernel that materializes the (B, H, T, T) softmax keeps
     the only activations that grow with T^2 here, for a small share of the FLOPs.
     """
 
     sdpa = staticmethod(F.scaled_dot_product_attention)
-    """The attention kernel; ``hlat.bf16_matmul`` sets an instance's to its fp32-emulated bf16 version."""
+    """The attention kernel; the torch backend's emulated bf16 matmuls set an instance's to their own."""
 
     def __init__(self, gqa: bool) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """This host, as the measurements cached on it know it: CPU model, usable cores, torch version and threads.
 
 The fingerprint keys every per-host cache (the matmul peak of :mod:`hlat.plan.peak`, the bf16 matmul probe of
-:mod:`hlat.bf16_matmul`), so a cache directory shared between machines never hands one host another's numbers.
+:mod:`hlat.plan.bf16_policy`), so a cache directory shared between machines never hands one host another's numbers.
 """
 
 from __future__ import annotations

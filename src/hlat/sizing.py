@@ -1,7 +1,7 @@
 """Sizes that follow from the configuration alone, without torch: parameters, bytes per parameter, FLOPs per token.
 
 The config-only commands (``hlat summary``, ``hlat plan``) and the planner use these, so that they start without
-importing torch; the trainer uses the same functions (``hlat.precision`` and ``hlat.track.metrics`` re-export them).
+importing torch; the trainer uses the same functions (``hlat.track.metrics`` re-exports ``flops_per_token``).
 """
 
 from __future__ import annotations

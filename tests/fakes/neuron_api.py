@@ -49,7 +49,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from hlat.recompute import recompute
+from hlat.backends.torch.recompute import recompute
 
 FAKE_PACKAGES = ("torch_xla", "neuronx_distributed")
 WATCHED_ENV = (

@@ -365,11 +365,11 @@ def test_activation_checkpointing_modes_train_identically(tmp_path: Path, cache_
     # ... and the backend really applies it: the recomputing subclass sits where the mode says.
     import functools
 
-    from hlat.backends.torch import TorchBackend
+    from hlat.backends.torch.backend import TorchBackend
+    from hlat.backends.torch.recompute import Recomputed
     from hlat.config import ModelConfig, ParallelismConfig
     from hlat.model import Transformer
     from hlat.parallel import ParallelDims
-    from hlat.recompute import Recomputed
 
     for mode, recomputed in (("none", ()), ("full", ("block",)), ("selective", ("core",))):
         par = ParallelismConfig(activation_checkpointing=mode)

@@ -24,10 +24,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hlat import bf16_matmul
-from hlat.bf16_matmul import EmulatedBf16Linear, apply_policy, emulated_linear, emulated_sdpa, resolve_policy
+from hlat.backends.torch.bf16_matmul import EmulatedBf16Linear, apply_policy, emulated_linear, emulated_sdpa
 from hlat.config import ConfigError, ModelConfig, ParallelismConfig, PrecisionConfig
 from hlat.model import Transformer
+from hlat.plan import bf16_policy
+from hlat.plan.bf16_policy import resolve_policy
 
 U = 2.0**-8  # unit roundoff of bf16
 
@@ -181,7 +182,7 @@ def fake_probe(monkeypatch: pytest.MonkeyPatch):
         calls.append(device)
         return dict(rates)
 
-    monkeypatch.setattr(bf16_matmul, "probe", probe)
+    monkeypatch.setattr(bf16_policy, "probe", probe)
     return calls, rates
 
 
@@ -202,7 +203,7 @@ def test_auto_takes_the_faster_measured_kernel_and_caches_it(tmp_path, fake_prob
 
 
 def test_the_probe_measures_three_kernels() -> None:
-    rates = bf16_matmul.probe(n=64, budget_s=0.01)
+    rates = bf16_policy.probe(n=64, budget_s=0.01)
     assert set(rates) == {"float32", "bf16_native", "bf16_emulated"} and all(r > 0 for r in rates.values())
 
 
@@ -228,7 +229,7 @@ def test_stochastic_rounding_stays_unbiased_through_emulated_matmuls() -> None:
     """Updates 40x below half a bf16 step: round-to-nearest never moves the weights, stochastic rounding moves them
     by the fp32 update on average. Weights lie in [1, 2), one bf16 step 2^-7; 50 steps of lr 1e-4 expect a total
     move of 5e-3 per element, and the mean over 16384 elements has a rounding noise of ~4% of that (sd)."""
-    from hlat.precision import PrecisionAdamW
+    from hlat.backends.torch.precision import PrecisionAdamW
 
     moved = {}
     for sr in (False, True):

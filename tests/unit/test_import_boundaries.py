@@ -91,16 +91,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hlat.attention",
         "hlat.experiments",
         "hlat.parallel",
-        "hlat.precision",
+        "hlat.norms",
         "hlat.optim",
         "hlat.sizing",
         "hlat.layouts",
         "hlat.safe_load",
-        "hlat.bf16_matmul",
         "hlat.host",
         "hlat.logs",
         "hlat.state",
-        "hlat.recompute",
     ),
     ("hlat.plan",),
     ("hlat.data", "hlat.backends", "hlat.track"),
@@ -109,11 +107,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.train", "hlat.sweep"),
     ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.plan.command"),
 )
-"""Bottom to top: the config layer; the core (model, layouts, precision, ...); the planner; data, backends and tracking;
-checkpoints (their files, manifests, weights and the Hugging Face layout: training and evaluation both read them); the
-health checks the trainer runs; training and the multirun's jobs, callback and launcher; the commands (evaluation,
-deployment, the command line and ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed
-prefix (a module directly in ``hlat/`` is listed by its own name); imports go down or sideways, never up."""
+"""Bottom to top: the config layer; the core (model, layouts, norms, ...); the planner; data, backends (the torch
+backend's precision, emulated bf16 matmuls and activation checkpointing among them) and tracking; checkpoints (their
+files, manifests, weights and the Hugging Face layout: training and evaluation both read them); the health checks the
+trainer runs; training and the multirun's jobs, callback and launcher; the commands (evaluation, deployment, the command
+line and ``hlat doctor``, ``hlat plan``). A module belongs to the layer of its longest listed prefix (a module directly
+in ``hlat/`` is listed by its own name); imports go down or sideways, never up."""
 
 
 def module_name(path: Path) -> str:

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hlat.backends.torch.recompute import apply_activation_checkpointing
 from hlat.config import ConfigError, ModelConfig
 from hlat.model import AttentionCore, Block, FeedForward, Transformer
-from hlat.recompute import apply_activation_checkpointing
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=128, max_seq_len=64)
 MODES = ("none", "full", "selective")

@@ -14,7 +14,7 @@ Training (``train.init_from``) and evaluation, export and import (``hlat.eval``)
 this module.
 
 May import: ``hlat.config``, the core modules (``hlat.model``, ``hlat.safe_load``), ``hlat.data``,
-``hlat.backends.torch_dist`` and the rest of ``hlat.checkpoint``. Never ``hlat.train``, ``hlat.eval`` or ``hlat.cli``.
+``hlat.backends.torch.dist`` and the rest of ``hlat.checkpoint``. Never ``hlat.train``, ``hlat.eval`` or ``hlat.cli``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hlat import checkpoint as ckpt
 from hlat import safe_load
-from hlat.backends.torch_dist import gate_up_in_model_order
+from hlat.backends.torch.dist import gate_up_in_model_order
 from hlat.checkpoint.hf_layout import (
     Tensors,
     check_tensors,
@@ -168,7 +168,7 @@ def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> T
 
     One process reads the whole model without a process group: tensor- or FSDP-sharded saves are resharded into
     whole tensors, and the fused gate_up rows that a run with ``parallelism.tp`` = t > 1 stored as
-    ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]`` (``backends/torch_dist.py``) are put back as ``[gate; up]``.
+    ``[gate_0; up_0; ..; gate_{t-1}; up_{t-1}]`` (``hlat.backends.torch.dist``) are put back as ``[gate; up]``.
 
     Args:
         path: A checkpoint directory (see :func:`check_torch_backend`).

@@ -157,7 +157,7 @@ class PrecisionConfig(_Frozen):
     """How the torch backend runs bf16 matmuls (linear layers, attention, the LM head): ``native`` bf16 kernels,
     ``emulated`` (bf16 operands upcast, multiplied in fp32, the result rounded to bf16: bf16 semantics at fp32
     speed on CPUs without bf16 instructions), or ``auto``, the faster of the two on this host by a cached probe
-    (``hlat.bf16_matmul``). The neuron backend's bf16 is the hardware's; there only ``auto`` or ``native``."""
+    (``hlat.plan.bf16_policy``). The neuron backend's bf16 is the hardware's; there only ``auto`` or ``native``."""
 
     def __post_init__(self) -> None:
         _check_choice("precision.param_dtype", self.param_dtype, DTYPES)

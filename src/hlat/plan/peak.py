@@ -26,7 +26,7 @@ from hlat.host import DEFAULT_CACHE_DIR, host_fingerprint, host_info
 
 DEFAULT_DTYPES = ("float32", "bfloat16")
 EMULATED = "_emulated"
-"""Suffix of a dtype name measured the ``hlat.bf16_matmul`` emulated way: ``bfloat16_emulated`` times bf16
+"""Suffix of a dtype name measured the emulated bf16 matmuls' way: ``bfloat16_emulated`` times bf16
 operands upcast, multiplied in fp32 and rounded back, the matmul a run with ``bf16_matmul=emulated`` does."""
 
 
@@ -74,7 +74,7 @@ def measure_matmul_flops(
         seconds: Approximate length of each timed window.
         device: Torch device string, e.g. ``"cpu"`` or ``"cuda"``; on CUDA the timing synchronizes the device.
         repeats: Number of timed windows.
-        emulated: Time ``(a.float() @ b.float()).to(dtype)`` instead: the emulated bf16 matmul (``hlat.bf16_matmul``).
+        emulated: Time ``(a.float() @ b.float()).to(dtype)`` instead: the emulated bf16 matmul (``bf16_policy``).
 
     Returns:
         The best window's FLOP/s. A dtype with no fast kernel (fp16 on most CPUs) still gets measured, slowly:
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dtypes = args.dtypes
     if dtypes is None:  # bf16 the way training runs it here: native or emulated, whichever the probe found faster
-        from hlat.bf16_matmul import resolve_policy
+        from hlat.plan.bf16_policy import resolve_policy
 
         policy, why = resolve_policy("auto", torch.device("cpu"), args.cache_dir)
         dtypes = ["float32", peak_key("bfloat16", policy)]

@@ -1,44 +1,23 @@
-"""How bf16 matmuls run on the torch backend: natively, or emulated in fp32 where the host has no fast bf16 kernel.
+"""bf16 matmuls on the torch backend, natively or emulated in fp32 where the host has no fast bf16 kernel.
 
-On a CPU without bf16 matrix instructions (AVX2 only: most laptops, many cloud VMs and CI runners) torch's bf16
-GEMM is a scalar fallback about 100x slower than fp32 (1024x1024 on a 2-core AVX2 EPYC: fp32 177 GFLOP/s, bf16
-0.95). The **emulated** policy runs the matmul-heavy ops (every ``nn.Linear``, so the projections and the LM head
-that makes the loss's logits, and scaled-dot-product attention) on bf16 tensors by upcasting the operands to fp32,
-multiplying in fp32 and rounding the result to bf16, forward and backward. That is what bf16 hardware does: bf16
-inputs are exact in fp32, products are summed in an fp32 accumulator, the output is rounded once to bf16. Results
-agree with the native kernel up to the summation order (at most one bf16 rounding step per element apart).
-
-Nothing else changes: parameters, gradients, AdamW state, stochastic rounding and memory per parameter stay what the
-precision mode says. The custom autograd functions save their *bf16* inputs (upcast again in backward), so saved
-activations are the same size as native bf16 ones; only attention under an explicit mask (decoding, the
-information-leak experiment) falls back to autograd through fp32 copies.
-
-The policy (``precision.bf16_matmul``): ``native``, ``emulated``, or ``auto``, decided by measurement rather than by
-a list of CPU names: ``probe`` times a native bf16 GEMM against the emulated one on the run's device and ``auto``
-takes the faster (``resolve_policy``), cached per host fingerprint (``hlat.host.host_fingerprint``) like the matmul
-peak. The Neuron backend never uses this module: its bf16 is the hardware's (``XLA_USE_BF16``/``XLA_DOWNCAST_BF16``).
+Emulated, the model's linear layers and attention cores multiply bf16 tensors by upcasting them to fp32, summing
+in fp32 and rounding the result once to bf16, forward and backward, as bf16 hardware does; saved tensors stay
+bf16. ``hlat.plan.bf16_policy`` decides which policy is faster here (docs/precision.md). May import: the core, the
+planner.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hlat.host import DEFAULT_CACHE_DIR
 from hlat.model import AttentionCore
+from hlat.plan.bf16_policy import resolve_policy
 
-POLICIES = ("auto", "native", "emulated")
-"""Values of ``precision.bf16_matmul``."""
-PROBE_SIZE = 512
-"""Side of the probe's square GEMMs: large enough to fill a vector unit, small enough that a slow bf16 fallback
-(~1 GFLOP/s) still takes well under a second."""
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -169,7 +148,7 @@ class EmulatedBf16Linear(nn.Linear):
 def apply_policy(model: nn.Module, policy: str) -> int:
     """Make ``model``'s bf16 matmuls follow ``policy`` (``native``: nothing to do; ``emulated``), in place.
 
-    Each plain ``nn.Linear`` becomes an ``EmulatedBf16Linear`` (a class swap, as ``hlat.recompute`` does: no name,
+    Each plain ``nn.Linear`` becomes an ``EmulatedBf16Linear`` (a class swap, as ``recompute`` does: no name,
     parameter or hook changes, and tensor parallelism still sees an ``nn.Linear``), and each ``AttentionCore``
     calls ``emulated_sdpa``. Call before tensor parallelism, activation checkpointing and compilation.
 
@@ -191,89 +170,8 @@ def apply_policy(model: nn.Module, policy: str) -> int:
     return changed
 
 
-def _best_rate(fn: Callable[[], Any], flops: float, device: torch.device, budget_s: float) -> float:
-    """The best FLOP/s of ``fn`` over a warm-up call and timed calls filling ``budget_s`` (at least one)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best, start = 0.0, time.perf_counter()
-    while True:
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = max(best, flops / max(time.perf_counter() - t0, 1e-9))
-        if time.perf_counter() - start > budget_s:
-            return best
-
-
-def probe(device: str | torch.device = "cpu", n: int = PROBE_SIZE, budget_s: float = 0.3) -> dict[str, float]:
-    """GFLOP/s of an ``n×n`` GEMM in fp32, in native bf16 and in emulated bf16 (upcast, fp32 GEMM, round) here.
-
-    Each is the best of repeated calls within ``budget_s``, after a warm-up call; the three are measured in
-    one process back to back, so a busy machine slows all three alike.
-    """
-    dev = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
-    a32, b32 = (torch.randn(n, n, generator=gen).to(dev) for _ in range(2))
-    a16, b16 = a32.bfloat16(), b32.bfloat16()
-    flops = 2.0 * n**3
-    return {
-        "float32": _best_rate(lambda: a32 @ b32, flops, dev, budget_s) / 1e9,
-        "bf16_native": _best_rate(lambda: a16 @ b16, flops, dev, budget_s) / 1e9,
-        "bf16_emulated": _best_rate(lambda: (a16.float() @ b16.float()).bfloat16(), flops, dev, budget_s) / 1e9,
-    }
-
-
-def _cache_file(cache_dir: str | Path, device: torch.device) -> Path:
-    """``<cache_dir>/bf16-matmul-<host fingerprint>[-<gpu name>].json``."""
-    from hlat.host import host_fingerprint
-
-    suffix = ""
-    if device.type == "cuda":
-        suffix = "-" + "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name(device))
-    return Path(cache_dir).expanduser() / f"bf16-matmul-{host_fingerprint()}{suffix}.json"
-
-
-def cached_probe(device: torch.device, cache_dir: str | Path) -> dict[str, float]:
-    """This host's probe figures, measured on first use and cached (a corrupt or foreign cache is measured again)."""
-    path = _cache_file(cache_dir, device)
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        rates = record["gflops"]
-        if all(isinstance(rates.get(k), (int, float)) and rates[k] > 0 for k in ("bf16_native", "bf16_emulated")):
-            return {k: float(v) for k, v in rates.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    rates = probe(device)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"gflops": rates, "size": PROBE_SIZE}, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)  # atomic: ranks probing at once each write a whole file
-    except OSError:
-        pass  # an unwritable cache only costs the probe again next time
-    return rates
-
-
-def resolve_policy(requested: str, device: torch.device, cache_dir: str | Path) -> tuple[str, str]:
-    """The policy to run (``native`` or ``emulated``) and why, for ``precision.bf16_matmul=requested``.
-
-    ``auto`` takes whichever of the native and the emulated bf16 GEMM the (cached) probe found faster.
-    """
-    if requested not in POLICIES:
-        raise ValueError(f"precision.bf16_matmul={requested!r} is not one of {', '.join(POLICIES)}")
-    if requested != "auto":
-        return requested, f"precision.bf16_matmul={requested}"
-    rates = cached_probe(device, cache_dir)
-    native, emulated = rates["bf16_native"], rates["bf16_emulated"]
-    policy = "native" if native >= emulated else "emulated"
-    return policy, f"auto: bf16 GEMM native {native:.1f} vs emulated {emulated:.1f} GFLOP/s on this host"
-
-
 def apply_auto_policy(model: nn.Module, device: torch.device) -> str:
     """``apply_policy`` with this host's ``auto`` choice (cache in hlat's default cache directory); returns it."""
-    from hlat.host import DEFAULT_CACHE_DIR
-
     policy = resolve_policy("auto", device, DEFAULT_CACHE_DIR)[0]
     apply_policy(model, policy)
     return policy
