@@ -7,7 +7,8 @@ applied from outside by ``hlat.backends``.
 
 Attention's ``core`` module (``hlat.attention``) is the seam for attention implementations: experiments bring
 their own (``attention_core``) and generation swaps in a cached one (``hlat.eval.kv_cache``); this file has no KV
-cache and no mask.
+cache and no mask. Blocks and attention cores compute through a function they hold (``run``), which the torch
+backend's activation checkpointing sets.
 
 Build on the meta device, materialize, then initialize::
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hlat.attention import AttentionCore
+from hlat.attention import AttentionCore, run_directly
 from hlat.config import ModelConfig
 
 
@@ -110,6 +111,10 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block; ``layer_id`` is 1-based (it sets the scaled init)."""
 
+    run = staticmethod(run_directly)
+    """How ``forward`` runs ``compute``; the torch backend's full activation checkpointing sets a recomputing one
+    (inside ``forward``, so hooks on the block, e.g. FSDP2's, run once, outside the recomputation)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -119,6 +124,11 @@ class Block(nn.Module):
         self.mlp = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, dim) at the positions of ``cos``/``sin`` (T, D) -> (B, T, dim)."""
+        return self.run(self.compute, x, cos, sin)
+
+    def compute(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The block itself, the part ``forward`` runs (and activation checkpointing recomputes)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -31,6 +31,7 @@ that a test installs (``FakeNeuronApi.install``) and removes afterwards, records
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import inspect
@@ -48,8 +49,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
-
-from hlat.backends.torch.recompute import recompute
+from torch.utils.checkpoint import checkpoint
 
 FAKE_PACKAGES = ("torch_xla", "neuronx_distributed")
 WATCHED_ENV = (
@@ -432,6 +432,15 @@ def _reinit(model: nn.Module, param_init_fn: Callable) -> None:
             p.sequence_parallel_enabled = keep[n]
 
 
+def _recompute(module: nn.Module) -> None:
+    """NxD's activation checkpointing of ``module``: its forward runs under torch's non-reentrant ``checkpoint``.
+
+    Set on the instance, so the module keeps its class, hooks outside the recomputation, and parameter names.
+    """
+    forward = module.forward
+    module.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+
+
 class _TorchTracer(torch.fx.Tracer):
     """NxD's ``TorchTracerWrapper``: leaf modules by class-name substring, plus the parallel layers."""
 
@@ -593,7 +602,7 @@ class FakeNeuronApi:
             classes = tuple(ac) if isinstance(ac, (list, tuple)) else (ac,)
             for module in list(model.modules()):
                 if isinstance(module, classes):
-                    recompute(module)
+                    _recompute(module)
         return FakeNxDModel(model, nxd_config, self)
 
     def initialize_parallel_optimizer(

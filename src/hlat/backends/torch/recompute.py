@@ -1,29 +1,15 @@
-"""Activation checkpointing: trade recomputation in the backward pass for activation memory.
+"""Activation checkpointing on the torch backend: what the forward pass keeps for the backward pass.
 
-``parallelism.activation_checkpointing`` picks what the forward pass keeps for the backward pass:
-
-- ``none``: everything autograd saves;
-- ``full``: only each ``Block``'s inputs; the whole block runs again when its gradient is needed;
-- ``selective``: the attention core's (``AttentionCore``, softmax(QK^T)V) inputs instead of what it saves; only the
-  core runs again (Korthikanti et al. 2022; the HLAT paper's choice: a little more memory than ``full``, less
-  recomputation). It pays off only with an attention kernel that materializes the (B, H, T, T) softmax; a flash
-  kernel keeps little more than those inputs, so there it costs time for no memory
-  (``experiments/activation_checkpointing/``).
-
-The recomputation is PyTorch's own non-reentrant ``torch.utils.checkpoint.checkpoint``, the one torch recommends and
-the one that composes with hooks, autocast and FSDP2. It is applied by swapping the class of each chosen module for a
-subclass whose ``forward`` runs the original under ``checkpoint``, as FSDP2's ``fully_shard`` does, rather than
-wrapping it in another module (``checkpoint_wrapper``): a wrapper inserts ``_checkpoint_wrapped_module.`` into every
-parameter name that ``named_parameters()`` yields, and per-layer metrics, checkpoints and tests key on those names.
-Here no name, parameter or buffer changes. The recomputation replays autocast and the RNG state but no other context:
-a context such as ``sdpa_kernel`` must be held over the backward pass too. As with FSDP2, the subclasses are made
-at run time, so a whole model cannot be pickled (its state dict can, and checkpoints hold only that). Example::
-
-    apply_activation_checkpointing(model, cfg.parallelism.activation_checkpointing)
+``none`` keeps everything; ``full`` only each ``Block``'s inputs (the block runs again in the backward pass);
+``selective`` the ``AttentionCore``'s inputs (only softmax(QK^T)V runs again: Korthikanti et al. 2022, the paper's
+choice). Each such module runs its computation through its ``run``, set here to torch's non-reentrant checkpoint;
+not ``checkpoint_wrapper``, which renames every parameter that checkpoints and per-layer metrics key on
+(docs/parallelism.md). May import: ``hlat.config`` and the core.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -36,29 +22,12 @@ MODES: dict[str, type[nn.Module] | None] = {"none": None, "full": Block, "select
 """Each mode and the module type it recomputes (``None``: nothing)."""
 
 
-class Recomputed(nn.Module):
-    """Mixin placed before a module's own class: its forward saves only the inputs and runs again in backward."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # super().forward is the original class's forward. It is called directly, not through __call__: hooks on
-        # this module (e.g. FSDP2's all-gather) run once around the checkpointed forward, never again in the
-        # recomputation, as with torch's checkpoint_wrapper placed inside them. Submodules' hooks do run again.
-        # preserve_rng_state stays on (the default): the model has no dropout today, but a random op added later
-        # must draw the same numbers in the recomputation or the gradients would be silently wrong.
-        return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
-
-
-_SUBCLASSES: dict[type[nn.Module], type[nn.Module]] = {}
-
-
-def recompute(module: nn.Module) -> None:
-    """Make ``module`` recompute its forward in the backward pass, in place; a no-op if it already does."""
-    cls = type(module)
-    if issubclass(cls, Recomputed):
-        return
-    if cls not in _SUBCLASSES:  # one subclass per class, so modules of one type keep sharing a type
-        _SUBCLASSES[cls] = type(f"Recomputed{cls.__name__}", (Recomputed, cls), {"__module__": cls.__module__})
-    module.__class__ = _SUBCLASSES[cls]
+def run_recomputed(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` keeping only ``args`` for the backward pass, where ``fn`` runs again (a module's ``run``)."""
+    # preserve_rng_state stays on (the default): the model has no dropout today, but a random op added later must
+    # draw the same numbers in the recomputation or the gradients would be silently wrong. The recomputation
+    # replays autocast and the RNG state but no other context: hold a context such as sdpa_kernel over backward too.
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
@@ -66,7 +35,7 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 
     Parameters, buffers and their names are untouched, so it may be called on the meta device before ``to_empty``
     and ``init_weights`` or on a materialized model, before or after tensor parallelism (whose hooks sit on the
-    Linear layers inside), and before FSDP2's ``fully_shard`` (the order torchtitan uses). Call it once.
+    Linear layers inside), and before FSDP2's ``fully_shard`` and compilation (torchtitan's order).
 
     Args:
         model: The decoder (or any module containing ``Block``/``AttentionCore`` submodules).
@@ -85,4 +54,4 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         return
     for module in model.modules():
         if isinstance(module, target):
-            recompute(module)
+            module.run = run_recomputed
