@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hlat.backends.torch.bf16_matmul import EmulatedBf16Linear, apply_policy, emulated_linear, emulated_sdpa
+from hlat.backends.torch.bf16_matmul import apply_policy, emulated_linear, emulated_sdpa
 from hlat.config import ConfigError, ModelConfig, ParallelismConfig, PrecisionConfig
-from hlat.model import Transformer
+from hlat.model import Linear, Transformer
 from hlat.plan import bf16_policy
 from hlat.plan.bf16_policy import resolve_policy
 
@@ -165,7 +165,7 @@ def test_apply_policy_keeps_names_and_state_dict() -> None:
     keys = list(model.state_dict())
     apply_policy(model, "emulated")
     assert list(model.state_dict()) == keys
-    assert isinstance(model.lm_head, EmulatedBf16Linear) and isinstance(model.lm_head, torch.nn.Linear)
+    assert model.lm_head.linear is emulated_linear and type(model.lm_head) is Linear
     assert model.layers[0].attn.core.sdpa is emulated_sdpa
     assert apply_policy(Transformer(TINY), "native") == 0
     with pytest.raises(ValueError, match="resolved policy"):
@@ -233,12 +233,11 @@ def test_stochastic_rounding_stays_unbiased_through_emulated_matmuls() -> None:
 
     moved = {}
     for sr in (False, True):
-        lin = torch.nn.Linear(256, 64, bias=False)
+        lin = Linear(256, 64, bias=False)
         with torch.no_grad():
             lin.weight.copy_(1.25 + 0.5 * torch.rand(64, 256, generator=torch.Generator().manual_seed(0)))
         lin.to(torch.bfloat16)
-        apply_policy(lin, "emulated")
-        assert isinstance(lin, EmulatedBf16Linear)
+        assert apply_policy(lin, "emulated") == 1 and lin.linear is emulated_linear
         start = lin.weight.detach().float().clone()
         opt = PrecisionAdamW(
             lin.parameters(),

@@ -117,7 +117,7 @@ class TorchBackend:
         # its micro-batches into fp32 main_grad and forward_backward averages those once per step (Megatron's way).
         self.fp32_accum, self.fp32_dp = fp32_accum, fp32_accum and dims.dp > 1
         self.zero1 = par.zero1 and dims.dp > 1 and dims.tp == 1  # with TP, FSDP2 shards the AdamW state anyway
-        if p.compute_dtype == "bfloat16":  # class swaps, names unchanged: before TP wraps the linears' parameters
+        if p.compute_dtype == "bfloat16":  # the functions the linears and cores call; names unchanged
             apply_policy(model, self.bf16_matmul)
         apply_activation_checkpointing(model, par.activation_checkpointing)  # names unchanged: before TP and DP
         mesh = device_mesh(self.device, dims.dp, dims.tp) if dims.tp > 1 else None

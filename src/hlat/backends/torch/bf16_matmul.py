@@ -1,9 +1,9 @@
 """bf16 matmuls on the torch backend, natively or emulated in fp32 where the host has no fast bf16 kernel.
 
-Emulated, the model's linear layers and attention cores multiply bf16 tensors by upcasting them to fp32, summing
-in fp32 and rounding the result once to bf16, forward and backward, as bf16 hardware does; saved tensors stay
-bf16. ``hlat.plan.bf16_policy`` decides which policy is faster here (docs/precision.md). May import: the core, the
-planner.
+Emulated, the model's ``Linear`` layers and attention cores multiply bf16 tensors by upcasting them to fp32,
+summing in fp32 and rounding the result once to bf16, forward and backward, as bf16 hardware does; saved tensors
+stay bf16. ``apply_policy`` sets the functions they call (``Linear.linear``, ``AttentionCore.sdpa``);
+``hlat.plan.bf16_policy`` decides which policy is faster here (docs/precision.md). May import: the core, the planner.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hlat.host import DEFAULT_CACHE_DIR
-from hlat.model import AttentionCore
+from hlat.model import AttentionCore, Linear
 from hlat.plan.bf16_policy import resolve_policy
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -138,19 +138,11 @@ def emulated_sdpa(
         return out.to(bf16)
 
 
-class EmulatedBf16Linear(nn.Linear):
-    """An ``nn.Linear`` whose bf16 matmuls run in fp32 (``emulated_linear``); made by ``apply_policy``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return emulated_linear(x, self.weight, self.bias)
-
-
 def apply_policy(model: nn.Module, policy: str) -> int:
     """Make ``model``'s bf16 matmuls follow ``policy`` (``native``: nothing to do; ``emulated``), in place.
 
-    Each plain ``nn.Linear`` becomes an ``EmulatedBf16Linear`` (a class swap, as ``recompute`` does: no name,
-    parameter or hook changes, and tensor parallelism still sees an ``nn.Linear``), and each ``AttentionCore``
-    calls ``emulated_sdpa``. Call before tensor parallelism, activation checkpointing and compilation.
+    Each ``hlat.model.Linear`` multiplies through ``emulated_linear`` and each ``AttentionCore`` attends through
+    ``emulated_sdpa``: no name, parameter or hook changes. Call before compilation.
 
     Returns:
         The number of modules changed.
@@ -161,8 +153,8 @@ def apply_policy(model: nn.Module, policy: str) -> int:
         return 0
     changed = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = EmulatedBf16Linear
+        if isinstance(module, Linear):
+            module.linear = emulated_linear
             changed += 1
         elif isinstance(module, AttentionCore):
             module.sdpa = emulated_sdpa
