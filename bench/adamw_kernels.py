@@ -3,11 +3,11 @@
     python bench/adamw_kernels.py                  # model=small's parameters (83.4M), 6 timed steps, 2 rounds
     python bench/adamw_kernels.py --model tiny
 
-hlat's fp32 mode steps ``torch.optim.AdamW`` and its bf16 modes step ``hlat.precision.PrecisionAdamW``, which runs
-torch's functional AdamW on fp32 copies and rounds them back to bf16. Each row builds the model's parameters with a
-random gradient and times ``optimizer.step()`` alone (median of the timed steps; rounds interleaved, median over
-rounds). "foreach" and "fused" are the ``torch.optim.adamw.adamw`` implementations; hlat uses fused since this
-benchmark (``hlat.precision.optimizer_spec``).
+hlat's fp32 mode steps ``torch.optim.AdamW`` and its bf16 modes step ``hlat.backends.torch.precision.PrecisionAdamW``,
+which runs torch's functional AdamW on fp32 copies and rounds them back to bf16. Each row builds the model's parameters
+with a random gradient and times ``optimizer.step()`` alone (median of the timed steps; rounds interleaved, median over
+rounds). "foreach" and "fused" are the ``torch.optim.adamw.adamw`` implementations; hlat uses fused since this benchmark
+(``hlat.backends.torch.precision.optimizer_spec``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-import hlat.precision as precision
+import hlat.backends.torch.precision as precision
+from hlat.backends.torch.precision import PrecisionAdamW
 from hlat.config import ModelConfig
 from hlat.host import host_info
 from hlat.model import Transformer
-from hlat.precision import PrecisionAdamW
 
 KW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SHAPES = {

@@ -26,13 +26,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hlat.backends.torch import TorchBackend
-from hlat.bf16_matmul import probe, resolve_policy
+from hlat.backends.torch.backend import TorchBackend
 from hlat.config import register_configs
 from hlat.host import DEFAULT_CACHE_DIR
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
+from hlat.plan.bf16_policy import probe, resolve_policy
 
 CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
 EMULATED = (("fp32", "native"), ("bf16", "emulated"), ("bf16_sr", "emulated"), ("master_weights", "emulated"))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
 from hlat.checkpoint import Checkpointer
 from hlat.config import ModelConfig, OptimizerConfig, RunConfig, TrainConfig
 from hlat.model import Transformer

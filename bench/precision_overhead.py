@@ -23,12 +23,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
+from hlat.backends.torch.precision import stochastic_round_bf16
 from hlat.config import register_configs
 from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
-from hlat.precision import stochastic_round_bf16
 
 CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
 MODES = ("fp32", "bf16", "bf16_sr", "master_weights")

@@ -79,7 +79,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
+from hlat.backends.torch.precision import DTYPE
 from hlat.config import RunConfig, register_configs
 from hlat.data import build_loader
 from hlat.host import host_info
@@ -87,7 +88,6 @@ from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan.peak import cached_peak, measure_and_cache
-from hlat.precision import DTYPE
 from hlat.state import StepOutput, TrainState
 from hlat.track.metrics import flops_per_token, resolve_peak_flops
 from hlat.train.loop import fit

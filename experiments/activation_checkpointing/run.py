@@ -5,9 +5,10 @@
     python experiments/activation_checkpointing/run.py --report        # the tables of the saved results.json, and
                                                                          # comparison.png (memory against time)
 
-The model is ``conf/model/small.yaml``, built on the meta device, given ``hlat.recompute`` and materialized (the
-order the torch backend uses), trained in fp32 on the CPU on one fixed random batch of ``--batch`` x ``--seq``
-tokens. No optimizer step: activation checkpointing does not touch it. Per SDPA kernel:
+The model is ``conf/model/small.yaml``, built on the meta device, given activation checkpointing
+(``hlat.backends.torch.recompute``) and materialized (the order the torch backend uses), trained in fp32 on the CPU on
+one fixed random batch of ``--batch`` x ``--seq`` tokens. No optimizer step: activation checkpointing does not touch it.
+Per SDPA kernel:
 
 - memory, each mode in a fresh Python process, so that one's peak cannot hide another's (``--repeats`` processes
   per mode, interleaved):
@@ -49,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hlat.backends.torch.recompute import apply_activation_checkpointing
 from hlat.config import ModelConfig
 from hlat.model import AttentionCore, Block, Transformer
-from hlat.recompute import apply_activation_checkpointing
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

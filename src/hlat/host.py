@@ -1,6 +1,6 @@
 """This host's fingerprint (CPU model, usable cores, torch version and threads), the key of every per-host cache.
 
-A cache directory shared between machines (:mod:`hlat.plan.peak`, :mod:`hlat.bf16_matmul`) thus never hands one
+A cache directory shared between machines (:mod:`hlat.plan.peak`, :mod:`hlat.plan.bf16_policy`) thus never hands one
 host another's numbers.
 """
 

@@ -7,7 +7,8 @@ applied from outside by ``hlat.backends``.
 
 Attention's ``core`` module (``hlat.attention``) is the seam for attention implementations: experiments bring
 their own (``attention_core``) and generation swaps in a cached one (``hlat.eval.kv_cache``); this file has no KV
-cache and no mask.
+cache and no mask. Blocks, cores and ``Linear`` layers compute through functions they hold (``run``, ``sdpa``,
+``linear``), which the torch backend sets for activation checkpointing and emulated bf16 matmuls.
 
 Build on the meta device, materialize, then initialize::
 
@@ -31,8 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hlat.attention import AttentionCore
+from hlat.attention import AttentionCore, run_directly
 from hlat.config import ModelConfig
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that multiplies through its ``linear`` function; names, parameters and hooks are nn.Linear's."""
+
+    linear = staticmethod(F.linear)
+    """``F.linear``; the torch backend's emulated bf16 matmuls set an instance's to their own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -81,9 +92,9 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per kv head
-        self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
+        self.qkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
         self.core = attention_core(cfg, gqa=self.n_rep > 1)  # q, k, v -> y: replaceable (hlat.attention)
-        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.o_proj = Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` (B, T, dim) at the positions of ``cos``/``sin`` (T, D) -> (B, T, dim)."""
@@ -103,8 +114,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
-        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gate_up = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.down = Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Rows are [gate; up], so a column-wise TP split must interleave them (done by the backend).
@@ -115,6 +126,10 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block; ``layer_id`` is 1-based (it sets the scaled init)."""
 
+    run = staticmethod(run_directly)
+    """How ``forward`` runs ``compute``; the torch backend's full activation checkpointing sets a recomputing one
+    (inside ``forward``, so hooks on the block, e.g. FSDP2's, run once, outside the recomputation)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -124,6 +139,11 @@ class Block(nn.Module):
         self.mlp = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, dim) at the positions of ``cos``/``sin`` (T, D) -> (B, T, dim)."""
+        return self.run(self.compute, x, cos, sin)
+
+    def compute(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The block itself, the part ``forward`` runs (and activation checkpointing recomputes)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -141,7 +161,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i + 1) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Derived from the config, so not saved in checkpoints; filled by init_weights().
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
 from hlat.config import ClusterConfig, ModelConfig, OptimizerConfig, ParallelismConfig, PrecisionConfig
 from hlat.model import Transformer
 from hlat.optim import param_groups

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
 from hlat.config import to_run_config
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hlat.backends.torch import TorchBackend
-from hlat.backends.torch_dist import gate_up_in_model_order
+from hlat.backends.torch.backend import TorchBackend
+from hlat.backends.torch.dist import gate_up_in_model_order
 from hlat.config import ClusterConfig, ParallelismConfig, PrecisionConfig
 from hlat.model import Transformer
 from hlat.parallel import ParallelDims

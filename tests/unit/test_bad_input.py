@@ -119,7 +119,7 @@ def test_a_failed_save_never_calls_a_damaged_checkpoint_intact(tmp_path: Path) -
 
     import torch
 
-    from hlat.backends.torch import TorchBackend
+    from hlat.backends.torch.backend import TorchBackend
 
     fake_checkpoint(tmp_path, 1)
     fake_checkpoint(tmp_path, 2, {"files": "w.bin"})

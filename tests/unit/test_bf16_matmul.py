@@ -24,10 +24,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hlat import bf16_matmul
-from hlat.bf16_matmul import EmulatedBf16Linear, apply_policy, emulated_linear, emulated_sdpa, resolve_policy
+from hlat.backends.torch.bf16_matmul import apply_policy, emulated_linear, emulated_sdpa
 from hlat.config import ConfigError, ModelConfig, ParallelismConfig, PrecisionConfig
-from hlat.model import Transformer
+from hlat.model import Linear, Transformer
+from hlat.plan import bf16_policy
+from hlat.plan.bf16_policy import resolve_policy
 
 U = 2.0**-8  # unit roundoff of bf16
 
@@ -164,7 +165,7 @@ def test_apply_policy_keeps_names_and_state_dict() -> None:
     keys = list(model.state_dict())
     apply_policy(model, "emulated")
     assert list(model.state_dict()) == keys
-    assert isinstance(model.lm_head, EmulatedBf16Linear) and isinstance(model.lm_head, torch.nn.Linear)
+    assert model.lm_head.linear is emulated_linear and type(model.lm_head) is Linear
     assert model.layers[0].attn.core.sdpa is emulated_sdpa
     assert apply_policy(Transformer(TINY), "native") == 0
     with pytest.raises(ValueError, match="resolved policy"):
@@ -181,7 +182,7 @@ def fake_probe(monkeypatch: pytest.MonkeyPatch):
         calls.append(device)
         return dict(rates)
 
-    monkeypatch.setattr(bf16_matmul, "probe", probe)
+    monkeypatch.setattr(bf16_policy, "probe", probe)
     return calls, rates
 
 
@@ -202,7 +203,7 @@ def test_auto_takes_the_faster_measured_kernel_and_caches_it(tmp_path, fake_prob
 
 
 def test_the_probe_measures_three_kernels() -> None:
-    rates = bf16_matmul.probe(n=64, budget_s=0.01)
+    rates = bf16_policy.probe(n=64, budget_s=0.01)
     assert set(rates) == {"float32", "bf16_native", "bf16_emulated"} and all(r > 0 for r in rates.values())
 
 
@@ -228,16 +229,15 @@ def test_stochastic_rounding_stays_unbiased_through_emulated_matmuls() -> None:
     """Updates 40x below half a bf16 step: round-to-nearest never moves the weights, stochastic rounding moves them
     by the fp32 update on average. Weights lie in [1, 2), one bf16 step 2^-7; 50 steps of lr 1e-4 expect a total
     move of 5e-3 per element, and the mean over 16384 elements has a rounding noise of ~4% of that (sd)."""
-    from hlat.precision import PrecisionAdamW
+    from hlat.backends.torch.precision import PrecisionAdamW
 
     moved = {}
     for sr in (False, True):
-        lin = torch.nn.Linear(256, 64, bias=False)
+        lin = Linear(256, 64, bias=False)
         with torch.no_grad():
             lin.weight.copy_(1.25 + 0.5 * torch.rand(64, 256, generator=torch.Generator().manual_seed(0)))
         lin.to(torch.bfloat16)
-        apply_policy(lin, "emulated")
-        assert isinstance(lin, EmulatedBf16Linear)
+        assert apply_policy(lin, "emulated") == 1 and lin.linear is emulated_linear
         start = lin.weight.detach().float().clone()
         opt = PrecisionAdamW(
             lin.parameters(),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hlat import checkpoint
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
 from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError
 from hlat.state import TrainState

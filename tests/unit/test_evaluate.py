@@ -403,7 +403,7 @@ def save_weights(step: Path, state: dict[str, torch.Tensor], meta: dict) -> None
 
 
 def test_tensor_parallel_gate_up_layout_is_undone(run_dir: Path, tmp_path: Path) -> None:
-    from hlat.backends.torch_dist import _interleave_gate_up
+    from hlat.backends.torch.dist import _interleave_gate_up
 
     ref = load(run_dir)
     state = {k: v.clone() for k, v in ref.model.state_dict().items()}
@@ -436,10 +436,10 @@ def test_weights_only_checkpoints_bring_their_tokenizer(run_dir: Path, tmp_path:
 
 @pytest.mark.parametrize("policy", ["native", "emulated"])
 def test_bf16_inference_runs_the_hosts_bf16_matmul_policy(run_dir: Path, monkeypatch, policy: str) -> None:
-    """``dtype=bfloat16`` evaluation multiplies as training does on this host (hlat.bf16_matmul's ``auto``), and
+    """``dtype=bfloat16`` evaluation multiplies as training does on this host (``precision.bf16_matmul=auto``), and
     both policies score a text alike (within bf16 rounding of the fp32 model's logits)."""
-    from hlat import bf16_matmul
-    from hlat.bf16_matmul import EmulatedBf16Linear
+    from hlat.backends.torch import bf16_matmul
+    from hlat.backends.torch.bf16_matmul import emulated_linear
     from hlat.checkpoint.weights import find_checkpoint, model_config
     from hlat.eval.inference import load_weights
 
@@ -447,7 +447,7 @@ def test_bf16_inference_runs_the_hosts_bf16_matmul_policy(run_dir: Path, monkeyp
     path = find_checkpoint(run_dir / "checkpoints")
     cfg = model_config(path)
     bf16, fp32 = load_weights(path, cfg, dtype="bfloat16"), load_weights(path, cfg)
-    assert isinstance(bf16.lm_head, EmulatedBf16Linear) is (policy == "emulated")
+    assert (bf16.lm_head.linear is emulated_linear) is (policy == "emulated")
     tokens = torch.arange(1, 33)[None] % cfg.vocab_size
     with torch.no_grad():
         got, ref = bf16(tokens).float(), fp32(tokens)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hlat.backends.base import Env
-from hlat.backends.torch_dist import Ranks, data_parallel, init_process_group
+from hlat.backends.torch.dist import Ranks, data_parallel, init_process_group
 from hlat.config import ClusterConfig, FaultConfig, HealthConfig, OptimizerConfig, RunConfig
 from hlat.health.heartbeat import FileBoard, Heartbeat, PhaseMarks
 from hlat.health.preflight import preflight

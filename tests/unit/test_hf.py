@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlat import checkpoint
-from hlat.backends.torch import TorchBackend
-from hlat.backends.torch_dist import _interleave_gate_up
+from hlat.backends.torch.backend import TorchBackend
+from hlat.backends.torch.dist import _interleave_gate_up
 from hlat.checkpoint import hf_layout, weights
 from hlat.config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, ParallelismConfig, RunConfig, TrainConfig
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer

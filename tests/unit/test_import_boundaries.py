@@ -90,16 +90,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hlat.attention",
         "hlat.experiments",
         "hlat.parallel",
-        "hlat.precision",
+        "hlat.norms",
         "hlat.optim",
         "hlat.sizing",
         "hlat.layouts",
         "hlat.safe_load",
-        "hlat.bf16_matmul",
         "hlat.host",
         "hlat.logs",
         "hlat.state",
-        "hlat.recompute",
     ),
     ("hlat.launch",),
     ("hlat.plan",),
@@ -109,7 +107,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.train", "hlat.sweep"),
     ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.plan.command"),
 )
-"""Bottom to top: the config layer; the core (model, layouts, precision, ...); launching (torch elastic supervision,
+"""Bottom to top: the config layer; the core (model, layouts, norms, ...); launching (torch elastic supervision,
 the rendezvous, restart attempts, preemption: the backends, checkpoints, health checks and the trainer use them); the
 planner; data, backends and tracking; checkpoints (their files, manifests, weights and the Hugging Face layout:
 training and evaluation both read them); the health checks the trainer runs; training and the multirun's jobs,

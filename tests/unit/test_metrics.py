@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
 from hlat.state import StepOutput, TrainState
 from hlat.track.metrics import MetricsLogger
 from tests.conftest import backend_config

@@ -218,7 +218,7 @@ def test_every_tp_plan_entry_is_an_nxd_layer_with_the_reference_arguments(monkey
     for pattern, kind in TP_PLAN.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         assert hits and all(isinstance(names[n], kinds[kind]) for n in hits), pattern
-    assert not [n for n, m in names.items() if type(m) in (nn.Linear, nn.Embedding)]
+    assert not [n for n, m in names.items() if isinstance(m, (nn.Linear, nn.Embedding))]
     common = {"bias": False, "dtype": torch.float32, "sequence_parallel_enabled": True, "reduce_dtype": torch.bfloat16}
     qkv = api.first("GQAQKVColumnParallelLinear").kwargs
     assert qkv == common | {

@@ -8,12 +8,14 @@ import functools
 import pytest
 import torch
 
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
+from hlat.backends.torch.precision import PrecisionAdamW, stochastic_round_bf16
 from hlat.config import ClusterConfig, ConfigError, ModelConfig, OptimizerConfig, PrecisionConfig
 from hlat.model import Transformer
+from hlat.norms import grad_of
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
-from hlat.precision import PrecisionAdamW, bytes_per_param, grad_of, stochastic_round_bf16
+from hlat.sizing import bytes_per_param
 from tests.conftest import backend_config, compose_cfg
 
 MODES = ("fp32", "autocast", "bf16", "bf16_sr", "master_weights")

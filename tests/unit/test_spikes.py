@@ -16,7 +16,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from hlat.backends.torch import TorchBackend
+from hlat.backends.torch.backend import TorchBackend
 from hlat.state import StepOutput, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector
 from tests.conftest import backend_config

@@ -1,9 +1,10 @@
 """Backends: the one place where the platform is chosen.
 
-Owns ``base`` (the ``Backend`` protocol and its ``Env``), ``torch`` / ``torch_dist`` (plain PyTorch: CPU, CUDA,
-DDP / ZeRO-1, tensor parallelism) and ``neuron*`` (torch-neuronx + NeuronX Distributed; the only modules that
-import them, and only inside functions). May import: ``hlat.config``, the core modules, ``hlat.launch`` (the
-restart attempt) and ``hlat.plan``.
+Owns ``base`` (the ``Backend`` protocol and its ``Env``), the ``torch`` package (plain PyTorch: CPU, CUDA,
+DDP / ZeRO-1, tensor parallelism, and the mechanisms only it applies to the model: precision, emulated bf16
+matmuls, activation checkpointing) and ``neuron*`` (torch-neuronx + NeuronX Distributed; the only modules that
+import them, and only inside functions). May import: ``hlat.config``, the core modules, ``hlat.launch`` (the restart
+attempt) and ``hlat.plan``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def get_backend(cfg: RunConfig) -> Backend:
     """
     name = cfg.cluster.backend
     if name == "torch":
-        from hlat.backends.torch import TorchBackend
+        from hlat.backends.torch.backend import TorchBackend
 
         return TorchBackend(cfg)
     if name == "neuron":

@@ -29,8 +29,8 @@ class Env:
     memory_budget_bytes: int
     """Memory this rank's device can give the run (free memory x cluster.memory_fraction)."""
     bf16_matmul: str | None = None
-    """How bf16 matmuls run (``native`` or ``emulated``, ``hlat.bf16_matmul``) when the run computes in bf16 on the
-    torch backend; None where the platform decides (Neuron) or nothing computes in bf16."""
+    """How bf16 matmuls run (``native`` or ``emulated``, ``hlat.plan.bf16_policy``) when the run computes in bf16
+    on the torch backend; None where the platform decides (Neuron) or nothing computes in bf16."""
     bf16_matmul_reason: str = ""
     """Why that policy: the forcing config value, or the probe's figures."""
 

@@ -35,7 +35,7 @@ from hlat.backends.neuron_plan import (
     nxd_config_kwargs,
     precision_plan,
 )
-from hlat.backends.torch_dist import Ranks
+from hlat.backends.torch.dist import Ranks
 from hlat.config import ConfigError, RunConfig
 from hlat.parallel import ParallelDims
 from hlat.plan.memory import planned_budget

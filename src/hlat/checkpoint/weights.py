@@ -2,7 +2,7 @@
 
 Finding a checkpoint, its recorded config, its weights (one process, resharded to the tp=1 layout), the tokenizer
 it trained with, and the weights of ``train.init_from``; evaluation, export and import read checkpoints here too.
-May import: ``hlat.config``, the core, ``hlat.data``, ``hlat.backends.torch_dist``, the rest of ``hlat.checkpoint``.
+May import: ``hlat.config``, the core, ``hlat.data``, ``hlat.backends.torch.dist``, the rest of ``hlat.checkpoint``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hlat import checkpoint as ckpt
 from hlat import safe_load
-from hlat.backends.torch_dist import gate_up_in_model_order
+from hlat.backends.torch.dist import gate_up_in_model_order
 from hlat.checkpoint.hf_layout import (
     Tensors,
     check_tensors,

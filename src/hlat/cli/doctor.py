@@ -182,7 +182,7 @@ def _worker(overrides: list[str], configure_logging: bool = True) -> HealthRepor
     import torch.distributed as dist
 
     from hlat.backends import get_backend
-    from hlat.backends.torch_dist import Ranks
+    from hlat.backends.torch.dist import Ranks
     from hlat.config.compose import compose_run_config
     from hlat.health.preflight import run_checks
     from hlat.launch.elastic import LOG_FORMAT

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hlat import checkpoint as ckpt
-from hlat.bf16_matmul import apply_auto_policy
+from hlat.backends.torch.bf16_matmul import apply_auto_policy
 from hlat.checkpoint.weights import (
     check_torch_backend,
     find_checkpoint,

@@ -22,10 +22,10 @@ class LeakyAttentionCore(AttentionCore):
         self.leak = leak
         """Future keys each query sees; 0 is the causal core's own attention (``held_out.py`` scores both)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` (B, H, T, D), ``k`` and ``v`` (B, G, T, D) with G dividing H -> (B, H, T, D)."""
         if not self.leak:
-            return super().forward(q, k, v)
+            return super().attend(q, k, v)
         T = q.shape[2]
         leaky = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(self.leak)
         return self.sdpa(q, k, v, attn_mask=leaky, enable_gqa=self.gqa)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hlat.backends.base import Env
-from hlat.backends.torch_dist import Ranks
+from hlat.backends.torch.dist import Ranks
 from hlat.config import DTYPES, ClusterConfig, ConfigError, RunConfig
 from hlat.health.checks import (
     Sync,

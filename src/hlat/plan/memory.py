@@ -42,7 +42,7 @@ class MemoryEstimate:
 def estimate_memory(cfg: RunConfig, dims: ParallelDims) -> tuple[int, MemoryEstimate]:
     """Parameter count and a per-rank memory estimate for training ``cfg``.
 
-    Bytes per parameter come from the precision mode (``hlat.precision.bytes_per_param``). Weights and gradients
+    Bytes per parameter come from the precision mode (``hlat.sizing.bytes_per_param``). Weights and gradients
     are sharded by tp*pp; AdamW's moments and the master copy by tp*pp, and also by dp with ZeRO-1. Activations:
     ``activation_bytes``, plus the fp32 logits and their gradient (the cross-entropy keeps both), split over tp.
     """

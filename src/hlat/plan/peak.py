@@ -3,7 +3,7 @@
 A CPU has no datasheet peak worth trusting, so it is measured (square matmuls per dtype, best of several windows)
 and cached in ``<cache_dir>/peak-<fingerprint>.json``, keyed by everything that changes the answer (CPU model,
 usable cores, torch version and threads). ``python -m hlat.plan.peak`` runs it. Imports ``hlat.host`` (and, in
-``main``, ``hlat.bf16_matmul``).
+``main``, ``hlat.backends.torch.bf16_matmul``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hlat.host import DEFAULT_CACHE_DIR, host_fingerprint, host_info
 
 DEFAULT_DTYPES = ("float32", "bfloat16")
 EMULATED = "_emulated"
-"""Suffix of a dtype name measured the ``hlat.bf16_matmul`` emulated way: ``bfloat16_emulated`` times bf16
+"""Suffix of a dtype name measured the emulated bf16 matmuls' way: ``bfloat16_emulated`` times bf16
 operands upcast, multiplied in fp32 and rounded back, the matmul a run with ``bf16_matmul=emulated`` does."""
 
 
@@ -73,7 +73,7 @@ def measure_matmul_flops(
         seconds: Approximate length of each timed window.
         device: Torch device string, e.g. ``"cpu"`` or ``"cuda"``; on CUDA the timing synchronizes the device.
         repeats: Number of timed windows.
-        emulated: Time ``(a.float() @ b.float()).to(dtype)`` instead: the emulated bf16 matmul (``hlat.bf16_matmul``).
+        emulated: Time ``(a.float() @ b.float()).to(dtype)`` instead: the emulated bf16 matmul (``bf16_policy``).
 
     Returns:
         The best window's FLOP/s. A dtype with no fast kernel (fp16 on most CPUs) still gets measured, slowly:
@@ -101,7 +101,7 @@ def measure_matmul_flops(
 
 
 def _emulated_matmul(n: int, dev: torch.device) -> Callable[..., None]:
-    """The emulated bf16 matmul (``hlat.bf16_matmul``): upcast, multiply in fp32, round back into ``out``."""
+    """The emulated bf16 matmul (``hlat.backends.torch.bf16_matmul``): upcast, multiply in fp32, round back into ``out``."""
     c32 = torch.empty(n, n, device=dev)
 
     def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dtypes = args.dtypes
     if dtypes is None:  # bf16 the way training runs it here: native or emulated, whichever the probe found faster
-        from hlat.bf16_matmul import resolve_policy
+        from hlat.plan.bf16_policy import resolve_policy
 
         policy, why = resolve_policy("auto", torch.device("cpu"), args.cache_dir)
         dtypes = ["float32", peak_key("bfloat16", policy)]

@@ -18,7 +18,7 @@ from torch import nn
 
 from hlat.backends.base import Backend
 from hlat.config import ClusterConfig
-from hlat.precision import global_norm, grad_of
+from hlat.norms import global_norm, grad_of
 from hlat.sizing import flops_per_token  # noqa: F401  (defined torch-free for the planner; re-exported)
 from hlat.state import PHASES, NullTimer, StepOutput, StepTimer, TrainState
 

@@ -1,11 +1,8 @@
-"""Precision policies on the torch backend: stochastic rounding, fp32 grad accumulation, a low-precision AdamW.
+"""Precision modes on the torch backend: stochastic rounding, fp32 gradient accumulation, a low-precision AdamW.
 
-Also the memory each mode costs per parameter (``bytes_per_param``, defined in the torch-free ``hlat.sizing``).
-
-Trainium rounds fp32 -> bf16 stochastically in hardware (``NEURON_RT_STOCHASTIC_ROUNDING_EN=1``); no GPU or CPU does.
-Here the optimizer computes its update in fp32 and writes each bf16 tensor it owns through ``round_to_bf16_``, with
-round-to-nearest-even (``precision=bf16``) or stochastic rounding (``precision=bf16_sr``), so the three bf16 modes
-differ only in where the update lands and how it is rounded: forward and backward are the same bf16 code.
+Trainium rounds stochastically in hardware; here the optimizer computes its update in fp32 and writes each bf16
+tensor it owns through ``round_to_bf16_`` (to nearest, or stochastically), so the bf16 modes differ only in where
+the update lands and how it is rounded (docs/precision.md). May import: ``hlat.config`` and the core.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from torch import nn
 from torch.optim.adamw import adamw as functional_adamw  # torch.optim deletes the submodule name
 
 from hlat.config import OptimizerConfig, PrecisionConfig
-from hlat.sizing import BYTES, BytesPerParam, bytes_per_param  # noqa: F401  (torch-free, for the planner)
+from hlat.norms import grad_of
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _LOW16 = 0xFFFF
@@ -60,30 +57,9 @@ def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Genera
     dst.copy_(stochastic_round_bf16(src, generator) if generator is not None else src)
 
 
-def grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient the optimizer uses: the fp32 accumulation buffer when there is one, else ``p.grad``."""
-    main = getattr(p, "main_grad", None)
-    return main if main is not None else p.grad
-
-
-def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over all ``tensors`` as a 0-d fp32 device tensor, accumulated in fp32 also for bf16 inputs.
-
-    Tensor-parallel (DTensor) inputs count whole: a sharded tensor's norm is reduced over its ranks.
-    """
-    return torch.linalg.vector_norm(
-        torch.stack([_whole(torch.linalg.vector_norm(t, dtype=torch.float32)) for t in tensors])
-    )
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor, or ``t`` itself."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: a DTensor (e.g. the partial norm of a sharded weight) gathered to its full value."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def attach_fp32_grad_accum(model: nn.Module) -> None:

@@ -1,6 +1,6 @@
-"""The PyTorch backend for CPU and CUDA (single process for now).
+"""The PyTorch backend for CPU and CUDA: one process, or many under torchrun (DDP, ZeRO-1, TP, FSDP2).
 
-Precision (``hlat.precision``): bf16 parameters are a cast of the fp32 initialization, updated by
+Precision (``precision``): bf16 parameters are a cast of the fp32 initialization, updated by
 ``PrecisionAdamW`` (fp32 math, round-to-nearest or stochastic writes, optional fp32 master copy); fp32 parameters
 with bf16 compute use autocast; ``fp32_grad_accum`` accumulates bf16 gradients into fp32 buffers;
 ``fp32_softmax_ce`` runs the cross-entropy on fp32 logits. ``fp32_reduce`` needs no action in a single process.
@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hlat import layouts, safe_load
 from hlat.backends.base import Env
-from hlat.backends.torch_dist import (
+from hlat.backends.torch.bf16_matmul import apply_policy
+from hlat.backends.torch.dist import (
     Ranks,
     average_over_ranks,
     broadcast_parameters,
@@ -36,11 +37,12 @@ from hlat.backends.torch_dist import (
     mean_over_ranks,
     tensor_parallel,
 )
-from hlat.bf16_matmul import apply_policy, resolve_policy
+from hlat.backends.torch.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, optimizer_spec
+from hlat.backends.torch.recompute import apply_activation_checkpointing
 from hlat.config import ConfigError, RunConfig
+from hlat.norms import global_norm, grad_of
 from hlat.parallel import ParallelDims
-from hlat.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, global_norm, grad_of, optimizer_spec
-from hlat.recompute import apply_activation_checkpointing
+from hlat.plan.bf16_policy import resolve_policy
 from hlat.state import NULL_TIMER
 
 
@@ -115,7 +117,7 @@ class TorchBackend:
         # its micro-batches into fp32 main_grad and forward_backward averages those once per step (Megatron's way).
         self.fp32_accum, self.fp32_dp = fp32_accum, fp32_accum and dims.dp > 1
         self.zero1 = par.zero1 and dims.dp > 1 and dims.tp == 1  # with TP, FSDP2 shards the AdamW state anyway
-        if p.compute_dtype == "bfloat16":  # class swaps, names unchanged: before TP wraps the linears' parameters
+        if p.compute_dtype == "bfloat16":  # the functions the linears and cores call; names unchanged
             apply_policy(model, self.bf16_matmul)
         apply_activation_checkpointing(model, par.activation_checkpointing)  # names unchanged: before TP and DP
         mesh = device_mesh(self.device, dims.dp, dims.tp) if dims.tp > 1 else None
