@@ -101,7 +101,7 @@ def measure_matmul_flops(
 
 
 def _emulated_matmul(n: int, dev: torch.device) -> Callable[..., None]:
-    """The emulated bf16 matmul (``hlat.backends.torch.bf16_matmul``): upcast, multiply in fp32, round back into ``out``."""
+    """The emulated bf16 matmul (``hlat.backends.torch.bf16_matmul``): upcast, multiply in fp32, round into ``out``."""
     c32 = torch.empty(n, n, device=dev)
 
     def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
