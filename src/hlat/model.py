@@ -1,25 +1,10 @@
-"""The HLAT decoder: a LLaMA-style transformer as single-device code.
+"""The HLAT decoder: a LLaMA-style transformer as single-device code (arXiv 2404.10630 §3.1, §3.5).
 
-Pre-norm RMSNorm, rotary position embeddings, grouped-query attention with ONE fused qkv projection,
-SwiGLU with ONE fused gate_up projection, causal attention without a mask tensor, untied LM head
-(arXiv 2404.10630 §3.1, §3.5). Nothing here is distributed or backend-specific: parallelism and precision are
-applied from outside by ``hlat.backends``.
-
-Attention's ``core`` module (``hlat.attention``) is the seam for attention implementations: experiments bring
-their own (``attention_core``) and generation swaps in a cached one (``hlat.eval.kv_cache``); this file has no KV
-cache and no mask. Blocks, cores and ``Linear`` layers compute through functions they hold (``run``, ``sdpa``,
-``linear``), which the torch backend sets for activation checkpointing and emulated bf16 matmuls.
-
-Build on the meta device, materialize, then initialize::
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-
-The fused qkv weight is laid out in key/value *groups*: rows ``[q_0 .. q_{r-1}, k, v]`` for each kv head,
-r = n_heads / n_kv_heads (Megatron's layout). Splitting it column-wise over tensor-parallel ranks then
-hands each rank whole groups, and ``forward`` infers the local head count with ``-1`` views.
+Pre-norm RMSNorm, rotary embeddings, GQA with one fused qkv (rows in kv groups ``[q_0 .. q_{r-1}, k, v]``, so a
+column split hands each TP rank whole groups), SwiGLU with one fused gate_up, no mask tensor, untied LM head.
+Blocks, attention cores and ``Linear`` layers compute through functions they hold (``run``, ``sdpa``, ``linear``),
+which the torch backend sets; the attention core is the seam experiments and generation use. Imports only the
+config, ``hlat.attention`` and the experiments' cores. Build on the meta device, ``to_empty``, then ``init_weights``.
 """
 
 from __future__ import annotations

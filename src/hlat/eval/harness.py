@@ -1,12 +1,8 @@
 """lm-evaluation-harness on hlat checkpoints: the ``hlat`` model class, the local tasks and ``evaluate``.
 
-lm-eval 0.4.13 has no plugin discovery: a model is known once the module registering it is imported. So::
-
-    python -m hlat.eval.harness --model hlat --model_args checkpoint=runs/x/checkpoints --tasks hlat_local
-
-is lm-eval's own command line with ``hlat`` registered and the local tasks on ``--include_path``; in Python,
-``import hlat.eval.harness`` before ``lm_eval.simple_evaluate(model="hlat", ...)``, or call ``evaluate``. Imports
-lm-eval and ``hlat.eval``.
+lm-eval has no plugin discovery, so ``python -m hlat.eval.harness --model hlat --model_args checkpoint=<dir>
+--tasks hlat_local`` is lm-eval's own command line with ``hlat`` registered (in Python: import this module before
+``lm_eval.simple_evaluate(model="hlat", ...)``, or call ``evaluate``). Imports lm-eval and ``hlat.eval``.
 """
 
 from __future__ import annotations
