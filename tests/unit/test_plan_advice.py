@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hlat import layouts
-from hlat.backends import torch as torch_backend
+from hlat.backends.torch import backend as torch_backend
 from hlat.cli import main as hlat_main
 from hlat.config import ConfigError, RunConfig
 from hlat.layouts import check_layout
