@@ -31,6 +31,8 @@ TINY = (
     "train.micro_batch_size=2",
 )
 """Appended to a command that trains (a key the command sets itself is not appended)."""
+RAN_BEFORE = "the same command, under the same policy, ran at "
+"""Why a command is skipped that an earlier file runs as written (:meth:`Plan.of`)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,20 @@ class Plan:
 
     @classmethod
     def of(cls, files: list[Path] | None = None) -> Plan:
-        """Every command of ``files`` (default: :func:`sources`) but the activation line, with its policy."""
-        cmds = [c for path in (files or sources()) for c in commands(path)]
-        return cls([(c, policy(c)) for c in cmds if c.text != ACTIVATE])
+        """Every command of ``files`` (default: :func:`sources`) but the activation line, with its policy.
+
+        A command that an earlier file runs as written, under the same policy, is skipped here: the lane proves it
+        once (README.md and docs/sweeps.md give the same ablation, docs/deploy.md and docs/trn1.md the same
+        renders). A file's repeat of its own command still runs: its context may differ.
+        """
+        items: list[tuple[Command, Policy]] = []
+        first: dict[tuple[str, Policy], Command] = {}
+        for c in (c for path in (files or sources()) for c in commands(path)):
+            if c.text == ACTIVATE:
+                continue
+            found = policy(c)
+            earlier = first.setdefault((c.text, found), c)
+            if found.action != "skip" and earlier.file != c.file:
+                found = Policy("skip", f"{RAN_BEFORE}{earlier.where}")
+            items.append((c, found))
+        return cls(items)
