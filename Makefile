@@ -36,15 +36,20 @@ demo: install
 	$(PY) train.py $(ARGS)
 	@echo "next: source $(VENV)/bin/activate   # once per shell: python, hlat and mlflow in the README are the project's"
 
-# `make test` is the fast suite (-m "not slow", ~6 min on 2 quiet cores); `make test-slow` runs the end-to-end variants
-# marked slow (multi-process training, recovery, preemption, sweeps, the MLflow UI); CI (.ci/run) runs both. A wall-clock
-# limit in a test is only a hang guard (tests/timeouts.py): HLAT_TEST_TIMEOUT_FACTOR=3 make test triples every one
-# of them for a slower machine; no test asserts on speed.
+# `make test` is the fast suite (-m "not slow"); `make test-slow` runs the end-to-end variants marked slow (multi-process
+# training, recovery, preemption, sweeps, the MLflow UI); CI (.ci/run) runs both. A wall-clock limit in a test is only a
+# hang guard (tests/timeouts.py): HLAT_TEST_TIMEOUT_FACTOR=3 make test triples every one of them for a slower machine;
+# no test asserts on speed. The suites and the README lane run on WORKERS pytest-xdist workers (one pytest process
+# keeps one core busy, and many tests wait on processes they start); each doc's README lane commands, and the tests of
+# a module with a costly shared fixture, are one unit of work (xdist_group in tests/conftest.py). WORKERS=0: no xdist.
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadgroup
+
 test: install-dev
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(ARGS)
 
 test-slow: install-dev
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PY) -m pytest -q -m slow $(XDIST) $(ARGS)
 
 # The NxD lane: the neuron backend against the real NeuronX Distributed 0.17 on torch-xla's CPU device, in its own
 # environment (.venv-neuron: torch 2.9 + torch-xla 2.9 from PyPI, ~4 GB, ~5 min the first time; reused after), NxD
@@ -63,7 +68,7 @@ test-cluster: install-dev
 # The README lane: every command of README.md and docs/*.md, run as written in a fresh shell after `make demo` (tiny
 # overrides where a command trains; tests/readme/commands.py lists the few that cannot run here and why).
 test-readme: install-dev
-	HLAT_README_LANE=1 $(PY) -m pytest -q -p no:cacheprovider tests/readme $(ARGS)
+	HLAT_README_LANE=1 $(PY) -m pytest -q -p no:cacheprovider tests/readme $(XDIST) $(ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check .

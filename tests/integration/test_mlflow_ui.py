@@ -73,7 +73,11 @@ def test_the_addresses_hlat_prints_open_the_training_runs(ui, page) -> None:
     arm = sweep.arms[ARMS[0]]
     printed = f"http://127.0.0.1:5000/#/experiments/{sweep.experiment_id}/runs/{arm}?workflowType=machine_learning"
     assert printed in sweep.stdout  # each job's "MLflow run ... Open it with: ..." line
-    text = open_page(page, printed.replace("http://127.0.0.1:5000", base), "Parent run", ARMS[0])
+    # The parent run's name comes with a request of its own, after "Parent run": wait for it too, not only on a
+    # quiet machine (under load the page was read before it came).
+    text = open_page(
+        page, printed.replace("http://127.0.0.1:5000", base), "Parent run", ARMS[0], f"sweep {sweep.dir.name}"
+    )
     assert f"sweep {sweep.dir.name}" in text and "train/loss" in text
 
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,13 +50,32 @@ def cli(*args: str, cwd: Path, timeout: float | None = None) -> subprocess.Compl
     )
 
 
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Path, Any]:
+    """One 80-step run with MLflow and every telemetry option on, shared by the two tests below (the options only
+    measure: they change no number of the training)."""
+    tmp = tmp_path_factory.mktemp("short-run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp)
+        cfg = run_config(
+            *SMALL_RUN,
+            f"data.cache_dir={cache_dir}",
+            "tracker.flush_every_s=0",
+            "tracker.spike_window=4",
+            "tracker.spike_threshold=0.02",
+            "tracker.spike_summary_every=20",
+            "cluster.peak_tflops=0.5",
+            "cluster.price_per_hour=2.0",
+            "tracker.layer_grad_norms_every=20",
+        )
+        return tmp, main(cfg, run_dir=tmp / "run")
+
+
 @pytest.mark.slow
-def test_short_run_loss_falls_and_lands_in_mlflow(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+def test_short_run_loss_falls_and_lands_in_mlflow(short_run: tuple[Path, Any]) -> None:
     from mlflow import MlflowClient
 
-    monkeypatch.chdir(tmp_path)
-    cfg = run_config(*SMALL_RUN, f"data.cache_dir={cache_dir}", "tracker.flush_every_s=0")
-    result = main(cfg, run_dir=tmp_path / "run")
+    tmp_path, result = short_run
     assert result.state is not None and result.state.step == 80
     assert result.state.tokens_seen == 80 * 16 * 64
 
@@ -90,7 +110,7 @@ def test_short_run_loss_falls_and_lands_in_mlflow(tmp_path: Path, cache_dir: Pat
 
 
 @pytest.mark.slow
-def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(short_run: tuple[Path, Any]) -> None:
     """Spike metrics agree with a brute-force recomputation from the logged grad norms; MFU and cost are logged."""
     import json
 
@@ -98,20 +118,7 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
 
     from tests.unit.test_telemetry import brute_force_spikes
 
-    monkeypatch.chdir(tmp_path)
-    cfg = run_config(
-        *SMALL_RUN,
-        f"data.cache_dir={cache_dir}",
-        "tracker.flush_every_s=0",
-        "train.steps=60",
-        "tracker.spike_window=4",
-        "tracker.spike_threshold=0.02",
-        "tracker.spike_summary_every=20",
-        "cluster.peak_tflops=0.5",
-        "cluster.price_per_hour=2.0",
-        "tracker.layer_grad_norms_every=20",
-    )
-    result = main(cfg, run_dir=tmp_path / "run")
+    tmp_path, result = short_run
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     rid = result.mlflow_run_id
 
@@ -121,22 +128,22 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
     norms = [v for _, v in sorted(hist("train/grad_norm").items())]
     active, durations = brute_force_spikes(norms, 4, 0.02)
     logged = hist("spike/active")
-    assert [bool(logged[s]) for s in range(5, 61)] == active[4:]  # detection starts after the window
-    assert hist("spike/count")[60] == len(durations) > 0
+    assert [bool(logged[s]) for s in range(5, 81)] == active[4:]  # detection starts after the window
+    assert hist("spike/count")[80] == len(durations) > 0
     summary = hist("spike/single_step_fraction")
-    assert set(summary) == {20, 40, 60}  # every spike_summary_every steps and at the end
-    assert summary[60] == pytest.approx(durations.count(1) / len(durations))
-    assert hist("spike/longest")[60] == max(durations)
+    assert set(summary) == {20, 40, 60, 80}  # every spike_summary_every steps and at the end
+    assert summary[80] == pytest.approx(durations.count(1) / len(durations))
+    assert hist("spike/longest")[80] == max(durations)
     spikes = json.loads((tmp_path / "run" / "plots" / "spikes.json").read_text())
     assert spikes["count"] == len(durations)
 
     tokens_per_s, mfu = hist("perf/tokens_per_s"), hist("perf/mfu")
-    assert set(mfu) == {10, 20, 30, 40, 50, 60}
+    assert set(mfu) == set(range(10, 81, 10))
     ftok = float(client.get_run(rid).data.params["perf.flops_per_token"])
-    assert mfu[60] == pytest.approx(tokens_per_s[60] * ftok / 0.5e12)
-    assert hist("perf/cost_per_4m_tokens")[60] == pytest.approx(2.0 * 4e6 / tokens_per_s[60] / 3600)
-    assert 0.05 < hist("sys/peak_rss_gib")[60] < 20
-    assert hist("perf/sequences_per_s")[60] == pytest.approx(tokens_per_s[60] / 64)
+    assert mfu[80] == pytest.approx(tokens_per_s[80] * ftok / 0.5e12)
+    assert hist("perf/cost_per_4m_tokens")[80] == pytest.approx(2.0 * 4e6 / tokens_per_s[80] / 3600)
+    assert 0.05 < hist("sys/peak_rss_gib")[80] < 20
+    assert hist("perf/sequences_per_s")[80] == pytest.approx(tokens_per_s[80] / 64)
     # Per-layer gradient norms every 20 steps; their squares add up to the (pre-clip) global norm's square.
     layers = [k for k in client.get_run(rid).data.metrics if k.startswith("grad_norm/")]
     assert sorted(layers) == [
@@ -146,10 +153,10 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(tmp_path: Path, cache_di
         "grad_norm/lm_head",
         "grad_norm/norm",
     ]
-    for step in (20, 40, 60):
+    for step in (20, 40, 60, 80):
         total = sum(hist(k)[step] ** 2 for k in layers)
         assert total == pytest.approx(hist("train/grad_norm")[step] ** 2, rel=1e-4)
-    assert set(hist("grad_norm/layers.0")) == {20, 40, 60}
+    assert set(hist("grad_norm/layers.0")) == {20, 40, 60, 80}
 
 
 def test_7b_is_refused_before_allocation(tmp_path: Path, monkeypatch) -> None:
@@ -272,47 +279,6 @@ def test_precision_ablation_sweep_composes_every_arm(tmp_path: Path) -> None:
             overrides=[f"hydra.searchpath=[file://{ROOT / 'conf'}]", "+precision_arm=bf16_sr_beta2_0.99"],
         )
     assert (job.precision.name, job.optimizer.beta2, job.train.steps) == ("bf16_sr", 0.99, 600)
-
-
-@pytest.mark.slow
-def test_a_restarted_job_continues_its_mlflow_run_and_counts_uptime(
-    tmp_path: Path, cache_dir: Path, monkeypatch
-) -> None:
-    from mlflow import MlflowClient
-
-    monkeypatch.chdir(tmp_path)
-    common = [
-        *SMALL_RUN,
-        "train.log_every=1",
-        "optimizer.warmup_steps=2",
-        "optimizer.decay_steps=4",
-        f"data.cache_dir={cache_dir}",
-        "tracker.flush_every_s=0",
-        "tracker.plots=false",
-    ]
-    first = main(run_config(*common, "train.steps=3"), run_dir=tmp_path / "first")
-    second = main(
-        run_config(*common, "train.steps=6", f"train.resume={tmp_path / 'first' / 'checkpoints'}"),
-        run_dir=tmp_path / "second",
-    )
-    assert second.mlflow_run_id == first.mlflow_run_id  # one MLflow run for the whole job
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = client.get_run(first.mlflow_run_id)
-    assert run.info.status == "FINISHED" and len(client.search_runs([run.info.experiment_id])) == 1
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4, 5, 6]
-    assert run.data.tags["restart.changed.train.steps"] == "3 -> 6"  # MLflow params cannot change: a tag says so
-    assert run.data.tags["resumed_from"].endswith("step_00000003")
-
-    def last(key: str) -> float:
-        return max(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp)).value
-
-    assert last("uptime/restarts") == 1.0
-    wall, productive, lost = last("uptime/wall_s"), last("uptime/productive_s"), last("uptime/lost_s")
-    assert wall == pytest.approx(productive + lost) and 0 < productive < wall
-    assert last("uptime/pct") == pytest.approx(100 * productive / wall)
-    # The job started with the first launch: its wall time covers both processes.
-    first_wall = max(m.value for m in client.get_metric_history(run.info.run_id, "uptime/wall_s") if m.step == 3)
-    assert wall > first_wall
 
 
 @pytest.mark.slow

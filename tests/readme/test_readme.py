@@ -5,6 +5,9 @@ README's ``source .venv/bin/activate``, in order, each file's commands in a copy
 The shell starts from an empty environment (``env -i``: only ``PATH=/usr/local/bin:/usr/bin:/bin``, a fresh
 ``HOME`` that the files share, as one user's machine would, ``LANG``), so a command that works only with the
 developer's activated venv, exported variables or caches fails here.
+
+Files are independent, so ``make test-readme`` runs them on two pytest-xdist workers: each file's commands are one
+unit of work, run in order on one worker (``tests/conftest.py``'s ``xdist_group``); a worker's files share its HOME.
 """
 
 from __future__ import annotations
