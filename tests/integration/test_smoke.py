@@ -43,7 +43,7 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(
     tmp_path: Path, cache_dir: Path, monkeypatch
 ) -> None:
     """Fast cover of test_train.py's slow short-run and resume tests (and of the determinism test it replaces: the
-    first leg's losses are the full run's); the only test of a restarted job's MLflow run and uptime accounting."""
+    first leg's losses are the full run's); the one check of a restarted job's uptime (wall = productive + lost)."""
     from mlflow import MlflowClient
 
     monkeypatch.chdir(tmp_path)

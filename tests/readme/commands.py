@@ -81,7 +81,7 @@ class Policy:
 EXCEPTIONS: dict[str, Policy] = {
     "make demo": Policy("make_tiny", "the first command: the lane runs it with tiny ARGS (the venv exists already)"),
     "make test": Policy("skip", "the main suite: .ci/run runs it before this lane"),
-    "make test-neuron": Policy("skip", "the NxD lane: .ci/run runs it before this lane (it builds .venv-neuron)"),
+    "make test-neuron": Policy("skip", "the NxD lane: .ci/run runs it beside this lane, .venv-neuron built before"),
     "make test-slow": Policy("skip", "the slow suite: .ci/run runs it before this lane"),
     "make test-cluster": Policy(
         "skip", "the cluster lane: .ci/run runs it before this lane (root, network namespaces)"
@@ -152,7 +152,7 @@ def _default(text: str) -> Policy | None:
     if trains and not any(w.startswith("train.dry_run=true") for w in words):
         return Policy("tiny")
     if words[:2] == [".venv-neuron/bin/python", "train.py"]:
-        return Policy("run", "the NxD lane's environment, built by `make test-neuron` before this lane")
+        return Policy("run", "the NxD lane's environment (tests/neuron/setup_venv.sh), built before this lane")
     if trains or words[0] == "hlat" or (words[:2] == ["python", "-m"] and words[2].startswith("hlat.")):
         return Policy("run")
     return None

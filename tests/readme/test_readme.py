@@ -12,6 +12,7 @@ unit of work, run in order on one worker (``tests/conftest.py``'s ``xdist_group`
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,19 @@ def workdirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str
         return made[file]
 
     yield workdir
+
+
+@contextmanager
+def _venv_held(exclusive: bool) -> Iterator[None]:
+    """The checkout's venv, held shared by a command, or alone by one that reinstalls into it (``checkout``: ``pip
+    install -e .``), so that no command of another file, on another xdist worker, starts Python while pip swaps
+    hlat's files."""
+    with (ROOT / ".venv" / ".readme-lane.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _env(work: Path) -> dict[str, str]:
@@ -163,7 +178,8 @@ def test_readme_command(command: Command, policy: Policy, workdirs: Callable[[st
     if policy.setup:
         SETUPS[policy.setup](workdir)
     if policy.action == "serve":
-        listing = _serve(command.text, policy, workdir, log)
+        with _venv_held(exclusive=False):
+            listing = _serve(command.text, policy, workdir, log)
         assert policy.probe in listing, listing[:3000]
         return
     text, cwd = command.text, workdir
@@ -174,7 +190,8 @@ def test_readme_command(command: Command, policy: Policy, workdirs: Callable[[st
     elif policy.action == "checkout":
         cwd = ROOT
     t0 = time.monotonic()
-    done = _shell(text, cwd, workdir, log)
+    with _venv_held(exclusive=policy.action == "checkout"):
+        done = _shell(text, cwd, workdir, log)
     output = log.read_text(errors="replace")
     print(f"{command.where} ({time.monotonic() - t0:.0f} s): {text}")
     assert done.returncode == policy.returncode, (
