@@ -16,7 +16,6 @@ capability and the policy probe's figures, then a markdown table to paste into b
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import statistics
@@ -29,7 +28,6 @@ from omegaconf import OmegaConf
 from hlat.backends.torch.backend import TorchBackend
 from hlat.config import register_configs
 from hlat.host import DEFAULT_CACHE_DIR
-from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan.bf16_policy import probe, resolve_policy
@@ -47,7 +45,7 @@ def build(model: str, mode: str, policy: str):
     backend = TorchBackend(cfg)
     env = backend.setup()
     assert env.bf16_matmul in (None, policy), (env.bf16_matmul, policy)
-    net = backend.build_model(functools.partial(Transformer, cfg.model), ParallelDims(1, 1, 1, 1))
+    net = backend.build_model(ParallelDims(1, 1, 1, 1))
     opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer))
     return backend, net, opt
 

@@ -15,7 +15,6 @@ optimizer state dicts (nanoGPT's way), which blocks for the whole write.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import tempfile
 import time
@@ -27,7 +26,6 @@ import yaml
 from hlat.backends.torch.backend import TorchBackend
 from hlat.checkpoint import Checkpointer
 from hlat.config import ModelConfig, OptimizerConfig, RunConfig, TrainConfig
-from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from hlat.state import TrainState
@@ -43,9 +41,9 @@ def preset(name: str) -> ModelConfig:
 def build(model_cfg: ModelConfig) -> tuple[TorchBackend, torch.nn.Module, torch.optim.Optimizer]:
     """The torch backend's fp32 model and AdamW, as a run builds them."""
     optimizer = OptimizerConfig(warmup_steps=0)  # the schema's AdamW; a run of the default 200 steps warms up less
-    backend = TorchBackend(RunConfig(optimizer=optimizer, train=TrainConfig(seed=0)))
+    backend = TorchBackend(RunConfig(model=model_cfg, optimizer=optimizer, train=TrainConfig(seed=0)))
     backend.setup()
-    model = backend.build_model(functools.partial(Transformer, model_cfg), ParallelDims(1, 1, 1, 1))
+    model = backend.build_model(ParallelDims(1, 1, 1, 1))
     opt = backend.build_optimizer(model, param_groups(model, optimizer))
     return backend, model, opt
 

@@ -13,7 +13,6 @@ report is a markdown table to paste into bench/README.md.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import statistics
@@ -26,7 +25,6 @@ from omegaconf import OmegaConf
 from hlat.backends.torch.backend import TorchBackend
 from hlat.backends.torch.precision import stochastic_round_bf16
 from hlat.config import register_configs
-from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 
@@ -40,7 +38,7 @@ def build(mode: str, model: str):
         cfg = OmegaConf.to_object(compose(config_name="config", overrides=[f"model={model}", f"precision={mode}"]))
     backend = TorchBackend(cfg)
     backend.setup()
-    net = backend.build_model(functools.partial(Transformer, cfg.model), ParallelDims(1, 1, 1, 1))
+    net = backend.build_model(ParallelDims(1, 1, 1, 1))
     opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer))
     return cfg, backend, net, opt
 

@@ -84,7 +84,6 @@ from hlat.backends.torch.precision import DTYPE
 from hlat.config import RunConfig, register_configs
 from hlat.data import build_loader
 from hlat.host import host_info
-from hlat.model import Transformer
 from hlat.optim import lr_at, param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan.peak import cached_peak, measure_and_cache
@@ -168,7 +167,7 @@ def build_hlat(cfg: RunConfig) -> Contender:
     backend = TorchBackend(cfg)
     env = backend.setup()
     dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, cfg.train)
-    net = backend.build_model(functools.partial(Transformer, cfg.model), dims)
+    net = backend.build_model(dims)
     opt = backend.build_optimizer(net, param_groups(net, cfg.optimizer))
     state = TrainState()
     t = cfg.train

@@ -47,8 +47,10 @@ def run_config(*overrides: str) -> RunConfig:
 
 def backend_config(*, seed: int = 0, **groups: Any) -> RunConfig:
     """The run config of a backend built by hand: the schema's defaults with ``groups`` (``cluster=``, ``precision=``,
-    ``parallelism=``, ``optimizer=`` ...) and ``train.seed``; no warm-up unless ``optimizer`` says otherwise."""
-    return RunConfig(**{"train": TrainConfig(seed=seed), "optimizer": OptimizerConfig(warmup_steps=0), **groups})
+    ``parallelism=``, ``optimizer=``, ``model=`` ...) and ``train.seed``; no warm-up unless ``optimizer`` says
+    otherwise. A small ``model`` gets its ``max_seq_len`` as ``train.seq_len`` (the tests feed their own batches)."""
+    train = TrainConfig(seed=seed, seq_len=groups["model"].max_seq_len) if "model" in groups else TrainConfig(seed=seed)
+    return RunConfig(**{"train": train, "optimizer": OptimizerConfig(warmup_steps=0), **groups})
 
 
 @pytest.fixture(autouse=True)

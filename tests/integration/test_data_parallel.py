@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 from pathlib import Path
@@ -13,7 +12,6 @@ import torch.multiprocessing as mp
 
 from hlat.backends.torch.backend import TorchBackend
 from hlat.config import ClusterConfig, ModelConfig, OptimizerConfig, ParallelismConfig, PrecisionConfig
-from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from tests.conftest import backend_config
@@ -37,6 +35,7 @@ def train(rank: int, world: int, zero1: bool, precision: PrecisionConfig) -> dic
     """
     backend = TorchBackend(
         backend_config(
+            model=TINY,
             cluster=ClusterConfig(num_threads=1),
             precision=precision,
             parallelism=ParallelismConfig(zero1=zero1),
@@ -45,7 +44,7 @@ def train(rank: int, world: int, zero1: bool, precision: PrecisionConfig) -> dic
     )
     backend.setup()
     dims = ParallelDims(world_size=world, tp=1, pp=1, dp=world)
-    model = backend.build_model(functools.partial(Transformer, TINY), dims)
+    model = backend.build_model(dims)
     opt = backend.build_optimizer(model, param_groups(model, OPT))
     grads = {}
     for step in range(STEPS):
@@ -221,6 +220,7 @@ def train_accumulating(rank: int, world: int, zero1: bool) -> dict[str, torch.Te
     global batch is 2 micro-batches of 2 sequences: both on one rank, or one on each of two ranks."""
     backend = TorchBackend(
         backend_config(
+            model=TINY,
             cluster=ClusterConfig(num_threads=1),
             precision=MASTER,
             parallelism=ParallelismConfig(zero1=zero1),
@@ -229,7 +229,7 @@ def train_accumulating(rank: int, world: int, zero1: bool) -> dict[str, torch.Te
     )
     backend.setup()
     dims = ParallelDims(world_size=world, tp=1, pp=1, dp=world)
-    model = backend.build_model(functools.partial(Transformer, TINY), dims)
+    model = backend.build_model(dims)
     opt = backend.build_optimizer(model, param_groups(model, OPT))
     for step in range(STEPS):
         micro = batches(step).chunk(2)[rank::world]

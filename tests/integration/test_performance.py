@@ -8,7 +8,6 @@ eager blocks compute (same parameter names, same loss and gradients within float
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ import torch
 
 from hlat.backends.torch.backend import TorchBackend
 from hlat.config import to_run_config
-from hlat.model import Transformer
 from hlat.parallel import ParallelDims
 from hlat.state import PHASES
 from hlat.train.run import main
@@ -72,7 +70,7 @@ def test_compiled_blocks_compute_what_eager_blocks_compute() -> None:
         backend = TorchBackend(c)
         backend.setup()  # the same seed: the same initial weights
         dims = ParallelDims.build(c.parallelism, 1, c.model, c.train)
-        models[compiled] = (backend, backend.build_model(functools.partial(Transformer, c.model), dims))
+        models[compiled] = (backend, backend.build_model(dims))
     (eager_backend, eager), (_, compiled) = models[False], models[True]
     assert list(compiled.state_dict()) == list(eager.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), compiled.parameters(), strict=True))

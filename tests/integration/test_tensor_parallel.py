@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import torch.multiprocessing as mp
 from hlat.backends.torch.backend import TorchBackend
 from hlat.backends.torch.dist import gate_up_in_model_order
 from hlat.config import ClusterConfig, ParallelismConfig, PrecisionConfig
-from hlat.model import Transformer
 from hlat.parallel import ParallelDims
 from tests.conftest import backend_config
 from tests.integration.test_data_parallel import TINY, batches, free_port
@@ -25,9 +23,9 @@ pytestmark = pytest.mark.slow
 def forward_backward(tp: int, sp: bool) -> dict[str, torch.Tensor]:
     """Logits, loss and every gradient (gathered whole, gate_up rows in the model's [gate; up] order)."""
     par = ParallelismConfig(tp=tp, sequence_parallel=sp)
-    backend = TorchBackend(backend_config(cluster=ClusterConfig(num_threads=1), parallelism=par))
+    backend = TorchBackend(backend_config(model=TINY, cluster=ClusterConfig(num_threads=1), parallelism=par))
     backend.setup()
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(tp, tp, 1, 1))
+    model = backend.build_model(ParallelDims(tp, tp, 1, 1))
     b = batches(0)
     logits = model(b[:, :-1])
     loss = backend.loss(model, b[:, :-1], b[:, 1:])
@@ -126,10 +124,12 @@ def train_tp(tp: int, precision: PrecisionConfig, sp: bool = True) -> dict[str, 
 
     par = ParallelismConfig(tp=tp, sequence_parallel=sp and tp > 1)
     backend = TorchBackend(
-        backend_config(cluster=ClusterConfig(num_threads=1), precision=precision, parallelism=par, optimizer=OPT)
+        backend_config(
+            model=TINY, cluster=ClusterConfig(num_threads=1), precision=precision, parallelism=par, optimizer=OPT
+        )
     )
     backend.setup()
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(tp, tp, 1, 1))
+    model = backend.build_model(ParallelDims(tp, tp, 1, 1))
     opt = backend.build_optimizer(model, param_groups(model, OPT))
     losses = []
     for step in range(STEPS):
@@ -218,9 +218,11 @@ def _tp_dp_worker(rank: int, port: int, out: str) -> None:
         }
     )
     par = ParallelismConfig(tp=2, sequence_parallel=True, zero1=True)
-    backend = TorchBackend(backend_config(cluster=ClusterConfig(num_threads=1), parallelism=par, optimizer=OPT))
+    backend = TorchBackend(
+        backend_config(model=TINY, cluster=ClusterConfig(num_threads=1), parallelism=par, optimizer=OPT)
+    )
     backend.setup()
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(4, 2, 1, 2))
+    model = backend.build_model(ParallelDims(4, 2, 1, 2))
     opt = backend.build_optimizer(model, param_groups(model, OPT))
     losses = []
     for step in range(STEPS):

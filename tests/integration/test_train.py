@@ -329,17 +329,15 @@ def test_activation_checkpointing_modes_train_identically(tmp_path: Path, cache_
     }
     assert losses["full"] == losses["none"] and losses["selective"] == losses["none"]
     # ... and the backend really applies it: the recomputing call sits where the mode says.
-    import functools
-
     from hlat.backends.torch.backend import TorchBackend
     from hlat.backends.torch.recompute import run_recomputed
     from hlat.config import ModelConfig, ParallelismConfig
-    from hlat.model import Transformer
     from hlat.parallel import ParallelDims
 
     for mode, recomputed in (("none", ()), ("full", ("block",)), ("selective", ("core",))):
         par = ParallelismConfig(activation_checkpointing=mode)
-        build = functools.partial(Transformer, ModelConfig(n_layers=1))
-        m = TorchBackend(backend_config(parallelism=par)).build_model(build, ParallelDims(1, 1, 1, 1))
+        m = TorchBackend(backend_config(model=ModelConfig(n_layers=1), parallelism=par)).build_model(
+            ParallelDims(1, 1, 1, 1)
+        )
         found = {"block": m.layers[0].run is run_recomputed, "core": m.layers[0].attn.core.run is run_recomputed}
         assert {k for k, v in found.items() if v} == set(recomputed), mode

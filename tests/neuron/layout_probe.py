@@ -41,7 +41,7 @@ def main(overrides: list[str]) -> None:
     env = backend.setup()  # sets NXD_CPU_MODE & co., imports NxD
     from neuronx_distributed.parallel_layers import parallel_state
 
-    model = backend.build_model(lambda: Transformer(cfg.model), backend.dims)
+    model = backend.build_model(backend.dims)
     flat = Transformer(cfg.model)
     flat.init_weights(cfg.train.seed)
     ref = dict(flat.named_parameters())

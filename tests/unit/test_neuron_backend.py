@@ -7,7 +7,6 @@ with the right arguments in the right order; what NxD then does on trn1 is not t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import os
 
@@ -27,7 +26,6 @@ from hlat.config import (
     RunConfig,
     TrainConfig,
 )
-from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from hlat.state import TrainState
@@ -89,7 +87,7 @@ def train(cfg: RunConfig, root, *, until: int, resume: bool = False):
     backend = get_backend(cfg)
     env = backend.setup()
     dims = ParallelDims.build(cfg.parallelism, env.world_size, cfg.model, cfg.train)
-    model = backend.build_model(functools.partial(Transformer, cfg.model), dims)
+    model = backend.build_model(dims)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer))
     state = TrainState()
     if resume:

@@ -6,7 +6,6 @@ calls, or the neuron checks its ``setup`` calls), decides for the trainer, the a
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from hlat.backends.torch import backend as torch_backend
 from hlat.cli import main as hlat_main
 from hlat.config import ConfigError, RunConfig
 from hlat.layouts import check_layout
-from hlat.model import Transformer
 from hlat.parallel import ParallelDims
 from hlat.plan.clusters import can_add_nodes
 from hlat.plan.memory import GiB, check_fits, check_world, estimate_memory, planned_budget, suggest_fixes
@@ -177,16 +175,15 @@ def test_trainer_advice_and_launch_share_one_predicate(
 ) -> None:
     """``hlat.layouts.check_torch_layout`` is what build_model, the advice and hlat launch all ask."""
     cfg = compose("model=tiny")
-    build = functools.partial(Transformer, cfg.model)
     with pytest.raises(ConfigError, match=r"pipeline parallelism \(parallelism.pp=2\)"):  # before materializing
-        torch_backend.TorchBackend(cfg).build_model(build, ParallelDims(world_size=2, tp=1, pp=2, dp=1))
+        torch_backend.TorchBackend(cfg).build_model(ParallelDims(world_size=2, tp=1, pp=2, dp=1))
 
     def refuse(dims: ParallelDims, *_: object) -> None:
         raise ConfigError(f"refused tp={dims.tp}")
 
     monkeypatch.setattr(layouts, "check_torch_layout", refuse)
     with pytest.raises(ConfigError, match="refused tp=1"):
-        torch_backend.TorchBackend(cfg).build_model(build, ParallelDims(world_size=1, tp=1, pp=1, dp=1))
+        torch_backend.TorchBackend(cfg).build_model(ParallelDims(world_size=1, tp=1, pp=1, dp=1))
     assert advice("model=small", "cluster.device_memory_gib=2.5") == []  # fits with full checkpointing otherwise
     code, _, err = hlat(capsys, "launch", "--target", "torchrun", "model=tiny")
     assert code == 2 and "hlat: configuration error: refused tp=1" in err

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import torch
 from hlat.backends.torch.backend import TorchBackend
 from hlat.backends.torch.precision import PrecisionAdamW, stochastic_round_bf16
 from hlat.config import ClusterConfig, ConfigError, ModelConfig, OptimizerConfig, PrecisionConfig
-from hlat.model import Transformer
 from hlat.norms import grad_of
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
@@ -196,9 +194,9 @@ EXPECTED = {  # mode: (params, grads, moments, master)
 def test_each_mode_trains_with_its_dtypes(mode: str) -> None:
     prec = precision(mode)
     opt_cfg = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=0)
-    backend = TorchBackend(backend_config(cluster=ClusterConfig(), precision=prec, optimizer=opt_cfg))
+    backend = TorchBackend(backend_config(model=TINY, cluster=ClusterConfig(), precision=prec, optimizer=opt_cfg))
     backend.setup()
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(world_size=1, tp=1, pp=1, dp=1))
+    model = backend.build_model(ParallelDims(world_size=1, tp=1, pp=1, dp=1))
     opt = backend.build_optimizer(model, param_groups(model, opt_cfg))
     p_dtype, g_dtype, m_dtype, master = EXPECTED[mode]
     assert model.rope_cos.dtype == torch.float32  # the rotary tables stay fp32 in every mode
@@ -225,9 +223,9 @@ def test_each_mode_trains_with_its_dtypes(mode: str) -> None:
 
 
 def test_fp32_softmax_ce_is_honoured() -> None:
-    backend = TorchBackend(backend_config(cluster=ClusterConfig(), precision=precision("bf16")))
+    backend = TorchBackend(backend_config(model=TINY, cluster=ClusterConfig(), precision=precision("bf16")))
     backend.setup()
-    model = backend.build_model(functools.partial(Transformer, TINY), ParallelDims(world_size=1, tp=1, pp=1, dp=1))
+    model = backend.build_model(ParallelDims(world_size=1, tp=1, pp=1, dp=1))
     tokens = torch.randint(0, TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(tokens[:, :-1]).flatten(0, 1)

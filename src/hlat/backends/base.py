@@ -49,15 +49,13 @@ class Backend(Protocol):
         """Initialize the process (distributed group, device, seeds, threads); refuse what it cannot honour."""
         ...
 
-    def build_model(
-        self, model_fn: Callable[[], nn.Module], dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None
-    ) -> nn.Module:
-        """Build with ``model_fn`` on the meta device, parallelize, materialize on the device, ``init_weights()``.
+    def build_model(self, dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """Build the decoder of the run's ``model`` config: parallelize, materialize on the device, ``init_weights()``.
 
         ``dims`` (the run's layout) and ``parallelism`` say how: data/tensor parallelism, activation checkpointing,
         ZeRO-1 (for ``build_optimizer``). ``init_state`` (``train.init_from``: whole fp32-layout weights under hlat's
-        names) replaces the initialization before any cast or split. The neuron backend does not call ``model_fn``: it
-        builds its own decoder from the run's model config, with the same parameter names.
+        names) replaces the initialization before any cast or split. Each backend builds its own decoder (``hlat.model``
+        on torch, NxD's layers on neuron) with the same parameter names.
         """
         ...
 

@@ -191,12 +191,10 @@ class NeuronBackend:
             memory_budget_bytes=planned_budget(cluster),
         )
 
-    def build_model(
-        self, model_fn: Callable[[], nn.Module], dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None
-    ) -> nn.Module:
+    def build_model(self, dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
         """``NeuronTransformer`` of the run's ``model`` config, built and initialized by ``initialize_parallel_model``.
 
-        ``model_fn`` (the torch decoder) is not called: the neuron decoder has its names and arithmetic on NxD's layers.
+        Its parameter names are the torch decoder's; its arithmetic is on NxD's layers.
         """
         if init_state is not None:
             raise ConfigError(

@@ -8,7 +8,6 @@ restarts) is the entry's (:mod:`hlat.train.entry`), which also turns Hydra's con
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,6 @@ from hlat.config import RunConfig
 from hlat.data import build_loader
 from hlat.experiments.information_leak import warn_mask_leak
 from hlat.health.preflight import preflight
-from hlat.model import Transformer
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from hlat.plan.memory import check_run, check_world, summary_text
@@ -72,7 +70,7 @@ def main(cfg: RunConfig, run_dir: Path) -> RunResult:
         dp_size=dims.dp,
     )
     init_state = initial_weights(cfg) if job.resume_from is None and t.init_from else None
-    model = backend.build_model(functools.partial(Transformer, cfg.model), dims, init_state)
+    model = backend.build_model(dims, init_state)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer))
     spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
     state, uptime, run_id = resume.resume_job(job, backend, model, optimizer, data, spikes)  # new job: step 0

@@ -40,6 +40,7 @@ from hlat.backends.torch.dist import (
 from hlat.backends.torch.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, optimizer_spec
 from hlat.backends.torch.recompute import apply_activation_checkpointing
 from hlat.config import ConfigError, RunConfig
+from hlat.model import Transformer
 from hlat.norms import global_norm, grad_of
 from hlat.parallel import ParallelDims
 from hlat.plan.bf16_policy import resolve_policy
@@ -97,12 +98,10 @@ class TorchBackend:
             bf16_matmul_reason=why,
         )
 
-    def build_model(
-        self, model_fn: Callable[[], nn.Module], dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None
-    ) -> nn.Module:
+    def build_model(self, dims: ParallelDims, init_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
         par = self.cfg.parallelism
         with torch.device("meta"):
-            model = model_fn()
+            model = Transformer(self.cfg.model)
         layouts.check_torch_layout(dims, model.cfg, self.precision)  # before anything is materialized
         model.to_empty(device=self.device)
         model.init_weights(self.seed)  # fp32, keyed by seed and name: every precision and layout starts alike
