@@ -114,7 +114,7 @@ def _open_data(cfg: DataConfig, vocab_size: int) -> tuple[TextSource, Tokenizer]
     cache_dir = Path(cfg.cache_dir).expanduser()
     tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer is not None else None
     path, column = (builtin_corpus_path(cache_dir), "text") if cfg.path is None else (Path(cfg.path), cfg.text_column)
-    source = TextSource(path, column)
+    source = TextSource(path, column, cache_dir)
     if tokenizer is None:
         tokenizer = _train_tokenizer(cfg, source, vocab_size, cache_dir)
     log.info(

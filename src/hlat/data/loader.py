@@ -16,6 +16,7 @@ import numpy as np
 
 from hlat.config import ConfigError
 from hlat.config.base import show
+from hlat.data.identity import describe_change
 from hlat.data.order import Permutation
 from hlat.data.packing import Packer
 from hlat.data.sources import TextSource
@@ -76,7 +77,9 @@ def check_identity(
         if old == new or (key == "dp_rank" and saved.get("dp_size") != current["dp_size"]):
             continue
         if key == "data":
-            changes.append(describe_change(old, new))
+            if (change := describe_change(old, new)) is None:  # an older hlat's sizes-only identity, matched
+                continue
+            changes.append(change)
             restore.append("the data as it was")
         elif key == "tokenizer":
             changes.append(
@@ -102,33 +105,6 @@ def check_identity(
             f"the checkpoint's data loader state has version {saved.get('version')}, this hlat reads version "
             f"{version}: resume with the hlat that wrote it, or {new_run}"
         )
-
-
-def describe_change(saved: str | None, current: str) -> str:
-    """How the data of fingerprint ``saved`` (:attr:`TextSource.fingerprint`) differs from ``current``, in words."""
-    try:
-        (old_rows, old_files), (new_rows, new_files) = _parse_fingerprint(saved or ""), _parse_fingerprint(current)
-    except ValueError:  # not a fingerprint of this format: show both as they are
-        return f"the data (data.path) was {saved!r} when the checkpoint was saved but is {current!r} now"
-    changes = [f"{name} is gone" for name in old_files if name not in new_files]
-    changes += [f"{name} is new" for name in new_files if name not in old_files]
-    for name, size in new_files.items():
-        if old_files.get(name, size) != size:
-            changes.append(f"{name} has {size:,} bytes now, {old_files[name]:,} then")
-    if len(changes) > 3:
-        changes = [*changes[:3], f"{len(changes) - 3} more files differ"]
-    if new_rows != old_rows:
-        changes.append(f"{new_rows:,} rows now, {old_rows:,} then")
-    return "the data (data.path) changed since the checkpoint was saved: " + ", ".join(changes or ["its files"])
-
-
-def _parse_fingerprint(fingerprint: str) -> tuple[int, dict[str, int]]:
-    rows, *parts = fingerprint.split("|")
-    files = {}
-    for part in parts:
-        name, _, size = part.rpartition(":")
-        files[name] = int(size)
-    return int(rows), files
 
 
 def rows_per_rank(num_rows: int, dp_rank: int, dp_size: int) -> int:

@@ -7,6 +7,7 @@ or model is built, with a :class:`~hlat.config.ConfigError` naming the ``data.*`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -208,15 +209,17 @@ class TextSource:
     """Random access to the documents of one or more files, by global row index (files in path order).
 
     Arrow IPC is memory-mapped; Parquet and JSONL are decoded into memory. Rows that are null, blank or not valid
-    UTF-8 read as None (the loader counts and skips them).
+    UTF-8 read as None (the loader counts and skips them). ``cache_dir`` (``data.cache_dir``) caches the file digests
+    of :attr:`fingerprint`; None digests without a cache.
 
     Raises:
         ConfigError: See :func:`resolve_files` and :func:`read_text_column`; or every row is null.
     """
 
-    def __init__(self, path: Path | str, text_column: str = "text") -> None:
+    def __init__(self, path: Path | str, text_column: str = "text", cache_dir: Path | str | None = None) -> None:
         self.path = Path(path).expanduser()
         self.text_column = text_column
+        self.cache_dir = cache_dir
         self.files = resolve_files(self.path)
         chunks = [read_text_column(f, text_column) for f in self.files]
         self._binary = any(pa.types.is_binary(c.type) or pa.types.is_large_binary(c.type) for c in chunks)
@@ -235,11 +238,17 @@ class TextSource:
     def __len__(self) -> int:
         return len(self.column)
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
-        """Identity of the data for resume checks, ``<rows>|<file name>:<bytes>|...`` (not a content hash)."""
-        parts = [f"{f.name}:{f.stat().st_size}" for f in self.files]
-        return f"{len(self)}|" + "|".join(parts)
+        """Identity of the data for resume checks: rows, and each file's name, size and content digest.
+
+        See :mod:`hlat.data.identity`; computed on first use (it reads the files that are not in the cache).
+        """
+        from hlat.data.identity import data_fingerprint  # it imports this module
+
+        directory = self.path.is_dir()
+        names = {f.relative_to(self.path).as_posix() if directory else f.name: f for f in self.files}
+        return data_fingerprint(len(self), names, self.cache_dir)
 
     def get(self, rows: np.ndarray | list[int]) -> list[str | None]:
         """The documents at ``rows`` (global indices), in that order; None for skipped rows."""
