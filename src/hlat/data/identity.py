@@ -11,6 +11,9 @@ lock, taken without waiting first), so a file is read once per cache, not once p
   epoch of I/O) are hashed on ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK_BYTES`` at evenly spaced offsets, the first
   and last included (whole when smaller): a shuffle, a rewrite or a cut changes them; an edit of the same length that
   falls between the blocks does not.
+
+SHA-256 rather than BLAKE2b: OpenSSL's SHA-256 uses the CPU's SHA instructions (x86 SHA-NI, Arm SHA2) and hashed
+~1.0 GB/s on one core against BLAKE2b's ~0.55 GB/s where this was measured.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ log = logging.getLogger(__name__)
 VERSION = "v2"
 """First field of a content fingerprint; older hlat wrote ``<rows>|<name>:<bytes>|...`` (sizes only)."""
 SAMPLE_BLOCKS = 32
-SAMPLE_BLOCK_BYTES = 32 * 1024
+SAMPLE_BLOCK_BYTES = 4096  # 128 KiB a file: ~2 GB for 7 TB of 450 MB shards
 _SCHEME = f"sha256/whole,arrow:{SAMPLE_BLOCKS}x{SAMPLE_BLOCK_BYTES}"
 """Recorded in each cache entry: changing how digests are computed invalidates the cache."""
 _READ_BYTES = 8 * 1024 * 1024
