@@ -71,7 +71,8 @@ def test_tp2_gives_the_logits_loss_and_gradients_of_one_process(tmp_path: Path, 
 
 def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path: Path, cache_dir: Path) -> None:
     """``cluster=cpu_x2 parallelism=tp2``: both ranks read the same data, so the loss per step is one process's
-    (up to fp32 reduction order), also across a checkpoint of DTensor shards and a resume."""
+    (up to fp32 reduction order), also across a checkpoint of DTensor shards resumed by one process at TP 1 (the
+    weights and AdamW state resharded), which the same MLflow run records as ``restart.changed.parallelism.tp``."""
     from mlflow import MlflowClient
 
     from hlat.train.run import main
@@ -93,19 +94,15 @@ def test_python_train_py_tp2_sp_trains_resumes_and_matches_one_process(tmp_path:
         "health=off",
     ]
     db, run_dir = tmp_path / "mlflow.db", tmp_path / "tp2"
-    tp2 = [
-        *common,
-        "cluster=cpu_x2",
-        "parallelism=tp2",
-        "parallelism.sequence_parallel=true",
-        f"tracker.uri=sqlite:///{db}",
-        f"hydra.run.dir={run_dir}",
-    ]
-    for steps in (4, 8):  # the second leg resumes from the first one's checkpoint
-        r = cli(*tp2, f"train.steps={steps}", cwd=tmp_path, timeout=hang_guard(900))
+    here = [f"tracker.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]
+    tp2 = [*common, *here, "cluster=cpu_x2", "parallelism=tp2", "parallelism.sequence_parallel=true"]
+    # The second leg resumes the first one's checkpoint in one process, without TP.
+    for leg in ([*tp2, "train.steps=4"], [*common, *here, "train.steps=8"]):
+        r = cli(*leg, cwd=tmp_path, timeout=hang_guard(900))
         assert r.returncode == 0, r.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.data.tags["restart.changed.parallelism.tp"] == "2 -> 1"
     tp_loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     one = dict(
         main(run_config(*common, "train.steps=8", "tracker=console"), run_dir=tmp_path / "one").history.series(

@@ -182,14 +182,56 @@ def test_an_incompatible_config_is_refused_naming_every_key(tmp_path: Path, capl
         checkpoint.check_compatible(path, changed)
     assert "model.dim=256 in the checkpoint but 128 now" in str(e.value)
     assert "precision.param_dtype='float32' in the checkpoint but 'bfloat16' now (the weights" in str(e.value)
-    with pytest.raises(ConfigError, match=r"parallelism\.tp=1 in the checkpoint but 2 now \(.*sharded"):
-        checkpoint.check_compatible(path, {**config, "parallelism": {"tp": 2}})
     with caplog.at_level("INFO", logger="hlat.checkpoint"):  # not a shape or layout: allowed, and logged
-        checkpoint.check_compatible(
+        changed = checkpoint.check_compatible(
             path, {**config, "model": {**config["model"], "name": "x", "init_std": 0.01}, "train": {"steps": 20}}
         )
     assert "model.init_std=0.02 in the checkpoint but 0.01 now" in caplog.text
     assert "train.steps=10 in the checkpoint but 20 now" in caplog.text
+    assert changed == {"model.init_std": "0.02 -> 0.01", "train.steps": "10 -> 20"}  # the restart.changed.* tags
+
+
+def test_layout_and_precision_changes_are_loaded_where_defined_and_refused_naming_the_key(
+    tmp_path: Path, caplog
+) -> None:
+    """The torch backend reshards a TP change and starts fp32 masters from bf16 weights; the neuron backend's
+    checkpoints reshard nothing here, and no backend drops master weights or changes the parameter dtype."""
+    model, opt = model_and_opt()
+    config = {
+        "cluster": {"backend": "torch"},
+        "parallelism": {"tp": 2, "zero1": False},
+        "precision": {"param_dtype": "bfloat16", "master_weights": False},
+    }
+    torch_ckpt = save(tmp_path / "torch", model, opt, 1, meta={"config": config})
+    with caplog.at_level("INFO", logger="hlat.checkpoint"):
+        changed = checkpoint.check_compatible(
+            torch_ckpt,
+            {
+                **config,
+                "parallelism": {"tp": 1, "zero1": True},
+                "precision": {**config["precision"], "master_weights": True},
+            },
+        )
+    assert changed == {
+        "parallelism.tp": "2 -> 1",
+        "parallelism.zero1": "False -> True",
+        "precision.master_weights": "False -> True",
+    }
+    assert "parallelism.tp=2 in the checkpoint but 1 now: the weights and AdamW state are resharded" in caplog.text
+    assert "master_weights=False in the checkpoint but True now: the fp32 master weights start as" in caplog.text
+
+    masters = save(
+        tmp_path / "masters", model, opt, 1, meta={"config": {**config, "precision": {"master_weights": True}}}
+    )
+    with pytest.raises(ConfigError) as e:
+        checkpoint.check_compatible(masters, {**config, "precision": {"master_weights": False}})
+    assert "precision.master_weights=True in the checkpoint but False now (" in str(e.value)
+    assert f"train.init_from={masters}" in str(e.value) and "\n" not in str(e.value)  # one line, with the fixes
+
+    neuron = {**config, "cluster": {"backend": "neuron"}}
+    neuron_ckpt = save(tmp_path / "neuron", model, opt, 1, meta={"config": neuron})
+    with pytest.raises(ConfigError, match=r"parallelism\.tp=2 in the checkpoint but 1 now \(.*sharded"):
+        checkpoint.check_compatible(neuron_ckpt, {**neuron, "parallelism": {"tp": 1, "zero1": False}})
 
 
 def test_disk_space_is_checked_before_work(tmp_path: Path) -> None:

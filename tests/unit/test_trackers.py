@@ -119,3 +119,22 @@ def test_the_progress_bar_shows_the_loss_and_ignores_rows_without_one() -> None:
     bar.log_metrics([(1, {"train/loss": 9.0}), (2, {"train/loss": 8.5, "perf/tokens_per_s": 1234.0})])
     assert "loss=8.500" in bar.bar.postfix and "tok_s=1,234" in bar.bar.postfix
     bar.finish()
+
+
+def test_a_restart_tags_what_changed_since_its_checkpoint_over_the_first_params(tmp_path: Path) -> None:
+    """``restart.changed.<key>`` says what the restart itself changed (checkpoint -> now, given as a tag), not the
+    first leg's param; a param that changed without such a tag is still recorded against the first value."""
+    from mlflow import MlflowClient
+
+    cfg = TrackerConfig(uri=f"sqlite:///{tmp_path}/m.db", flush_every_s=3600)
+    tracker, ml = build_tracker(cfg, rank=0, run_name="r", tags={}, extra=[])
+    tracker.log_params({"train.steps": 4, "model.init_std": 0.02})
+    tracker.finish()
+    tags = {"restart.changed.train.steps": "8 -> 12"}  # the second leg ran to 8; this third one to 12
+    tracker, again = build_tracker(cfg, rank=0, run_name="r", tags=tags, extra=[], run_id=ml.run_id)
+    tracker.log_params({"train.steps": 12, "model.init_std": 0.01})
+    tracker.finish()
+    run = MlflowClient(tracking_uri=cfg.uri).get_run(ml.run_id)
+    assert again.run_id == ml.run_id
+    assert run.data.tags["restart.changed.train.steps"] == "8 -> 12"
+    assert run.data.tags["restart.changed.model.init_std"] == "0.02 -> 0.01"

@@ -106,18 +106,45 @@ SHAPE_KEYS = tuple(f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_he
 
 
 LAYOUT_KEYS = {
-    "parallelism.tp": "the weights are saved sharded by tensor-parallel rank",
+    "parallelism.tp": "the weights are saved sharded by tensor-parallel rank; only the torch backend reshards them",
     "parallelism.pp": "the layers are saved by pipeline stage",
     "precision.param_dtype": "the weights and optimizer moments are stored in that dtype",
-    "precision.master_weights": "the optimizer state holds (or lacks) the fp32 master copy",
+    "precision.master_weights": (
+        "the optimizer state holds or lacks the fp32 master copy: the torch backend starts one from the bf16 "
+        "weights (false -> true) but never drops it"
+    ),
 }
-"""Other keys whose change makes the saved state unloadable, and why (there is no resharding or conversion)."""
+"""Keys whose change the saved state may not survive, and why; :data:`RESHARDED` lists the changes that are loaded."""
+
+RESHARDED: dict[tuple[str, str, Any, Any], str] = {
+    ("torch", "parallelism.tp", None, None): "the weights and AdamW state are resharded as they are read",
+    ("torch", "precision.master_weights", False, True): (
+        "the fp32 master weights start as the checkpoint's bf16 weights, exactly; its bf16 AdamW moments continue "
+        "in fp32"
+    ),
+}
+"""(backend, key, old, new; None: any value) -> what resuming across that change does. Changes of other keys that
+only say how the state is spread over the ranks (parallelism.zero1, sequence_parallel, the DP degree) need nothing:
+DCP reads every tensor into whatever layout loads it."""
 
 
-def check_compatible(path: Path, config: dict[str, Any]) -> None:
+def _resharding(backend: str, key: str, old: Any, new: Any) -> str | None:
+    """What resuming across ``key``: ``old`` -> ``new`` does on ``backend`` (None: it cannot be loaded)."""
+    for (b, k, o, n), what in RESHARDED.items():
+        if (b, k) == (backend, key) and o in (None, old) and n in (None, new):
+            return what
+    return None
+
+
+def check_compatible(path: Path, config: dict[str, Any]) -> dict[str, str]:
     """Refuse, before anything is built, to resume a checkpoint whose saved state ``config`` cannot load.
 
-    A change of model shape, layout or storage dtype is a ConfigError naming each key; other changes are logged.
+    A change of model shape, or of a layout or storage dtype that :data:`RESHARDED` does not convert, is a
+    ConfigError naming each key; other changes are logged.
+
+    Returns:
+        Each changed key (but ``train.resume`` and ``fault.*``): ``"old -> new"``, for the run's
+        ``restart.changed.<key>`` tags.
     """
     meta = manifest(path) or {}
     if "config" in meta:
@@ -125,22 +152,30 @@ def check_compatible(path: Path, config: dict[str, Any]) -> None:
     elif "model" in meta:  # written before the whole config was recorded
         saved, now = flatten({"model": meta["model"]}), flatten({"model": config.get("model", {})})
     else:
-        return
+        return {}
     changed = [k for k in sorted(set(saved) | set(now)) if not k.endswith(".name") and saved.get(k) != now.get(k)]
     diff = {k: f"{k}={saved.get(k)!r} in the checkpoint but {now.get(k)!r} now" for k in changed}
+    backend = saved.get("cluster.backend", "torch")
+    what = {k: _resharding(backend, k, saved.get(k), now.get(k)) for k in changed if k in LAYOUT_KEYS}
+    if now.get("cluster.backend", backend) != backend:
+        what = dict.fromkeys(what)  # the backend's own reader converts nothing
     breaking = [
         diff[k] + (f" ({LAYOUT_KEYS[k]})" if k in LAYOUT_KEYS else "")
         for k in changed
-        if k in SHAPE_KEYS or k in LAYOUT_KEYS
+        if k in SHAPE_KEYS or (k in LAYOUT_KEYS and what[k] is None)
     ]
     if breaking:
         raise ConfigError(
             f"cannot resume {path}: {'; '.join(breaking)}. Resume with the checkpoint's settings for these keys, "
-            "or start a new run (train.resume=never with another train.checkpoint_dir)"
+            f"start a new run from its weights alone (train.init_from={path}), or start a new run "
+            "(train.resume=never with another train.checkpoint_dir)"
         )
+    out = {}
     for k in changed:
         if not k.startswith(("train.resume", "fault.")):
-            log.info("resuming with a changed setting: %s", diff[k])
+            log.info("resuming with a changed setting: %s%s", diff[k], f": {what[k]}" if what.get(k) else "")
+            out[k] = f"{saved.get(k)} -> {now.get(k)}"
+    return out
 
 
 def checkpoint_bytes(path: Path | None) -> int | None:

@@ -37,6 +37,8 @@ Rows = list[tuple[int, dict[str, float]]]
 
 # MLflow REST limits per log_batch request.
 _MAX_METRICS, _MAX_PARAMS, _MAX_PARAM_LEN = 1000, 100, 6000
+CHANGED_TAG = "restart.changed."
+"""Prefix of the tags of a setting a restart changed: ``restart.changed.<key>`` = ``"old -> new"``."""
 
 
 class Tracker(Protocol):
@@ -169,6 +171,8 @@ class MLflowTracker(NoopTracker):
         self.uri = cfg.uri or default_uri()
         self.client = MlflowClient(tracking_uri=self.uri)
         tags = {**tags, "host": socket.gethostname()}
+        self._restart_tags = {k for k in tags if k.startswith(CHANGED_TAG)}
+        """The changes the restart itself tagged (since its checkpoint): not overwritten from the first params."""
         self.existing_params: dict[str, str] | None = None
         """The params of a run continued after a restart; None for a new run."""
         previous = self._find(run_id) if run_id else None
@@ -222,8 +226,8 @@ class MLflowTracker(NoopTracker):
             # MLflow refuses to change a logged param: a restart that changed one records it as a tag instead.
             for key, value in values.items():
                 old = self.existing_params.get(key)
-                if old is not None and old != value:
-                    self.client.set_tag(self.run_id, f"restart.changed.{key}", f"{old} -> {value}"[:5000])
+                if old is not None and old != value and CHANGED_TAG + key not in self._restart_tags:
+                    self.client.set_tag(self.run_id, CHANGED_TAG + key, f"{old} -> {value}"[:5000])
             values = {k: v for k, v in values.items() if k not in self.existing_params}
         items = [Param(k, v) for k, v in values.items()]
         for i in range(0, len(items), _MAX_PARAMS):

@@ -43,6 +43,8 @@ class JobStart:
     """When this process started (the job's start, unless its record says it started earlier)."""
     lock: IO | None = None
     """The trainer lock on ``root`` (rank 0), released when the run ends."""
+    changed: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The settings changed since the checkpoint this start restores: key -> ``"old -> new"``."""
 
 
 def begin(cfg: RunConfig, run_dir: Path) -> float:
@@ -80,12 +82,13 @@ def open_job(cfg: RunConfig, run_dir: Path, new_bytes: int, launched: float, ran
     root = checkpoint.checkpoint_root(cfg, run_dir)
     resume = checkpoint.restart_resume(cfg.train.resume, root)
     resume_from = checkpoint.find_resume(resume, root)
+    changed = {}
     if resume_from is not None:  # before anything is built, or any directory made
-        checkpoint.check_compatible(resume_from, dataclasses.asdict(cfg))
+        changed = checkpoint.check_compatible(resume_from, dataclasses.asdict(cfg))
     checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or new_bytes)
     record_start(root, cfg.train.resume, launched, create=True)  # a new job: the read-only checks made no directory
     lock = checkpoint.hold_lock(root) if rank == 0 else None
-    return JobStart(root, resume, resume_from, launched, lock)
+    return JobStart(root, resume, resume_from, launched, lock, changed)
 
 
 def resume_job(

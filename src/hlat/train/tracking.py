@@ -22,7 +22,7 @@ from hlat.track import sweep
 from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
-from hlat.track.trackers import History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
+from hlat.track.trackers import CHANGED_TAG, History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train.resume import JobStart
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ def _tags(cfg: RunConfig, run_dir: Path, job: JobStart, backend: str, bf16_matmu
     }
     if job.resume_from is not None:
         tags["resumed_from"] = str(job.resume_from)
+        # What this restart changed since its checkpoint (a new TP degree, precision.master_weights ...).
+        tags |= {f"{CHANGED_TAG}{k}": v[:5000] for k, v in job.changed.items()}
     elif cfg.train.init_from:
         tags["init_from"] = str(cfg.train.init_from)
     return tags

@@ -8,6 +8,8 @@ with bf16 compute use autocast; ``fp32_grad_accum`` accumulates bf16 gradients i
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hlat import layouts, safe_load
 from hlat.backends.base import Env
+from hlat.backends.torch import reshard
 from hlat.backends.torch.bf16_matmul import apply_policy
 from hlat.backends.torch.dist import (
     Ranks,
@@ -37,7 +40,13 @@ from hlat.backends.torch.dist import (
     mean_over_ranks,
     tensor_parallel,
 )
-from hlat.backends.torch.precision import DTYPE, attach_fp32_grad_accum, build_optimizer, optimizer_spec
+from hlat.backends.torch.precision import (
+    DTYPE,
+    PrecisionAdamW,
+    attach_fp32_grad_accum,
+    build_optimizer,
+    optimizer_spec,
+)
 from hlat.backends.torch.recompute import apply_activation_checkpointing
 from hlat.config import ConfigError, RunConfig
 from hlat.model import Transformer
@@ -45,6 +54,8 @@ from hlat.norms import global_norm, grad_of
 from hlat.parallel import ParallelDims
 from hlat.plan.bf16_policy import resolve_policy
 from hlat.state import NULL_TIMER
+
+log = logging.getLogger(__name__)
 
 
 class TorchBackend:
@@ -61,6 +72,8 @@ class TorchBackend:
         self.ranks = Ranks(0, 1, 0, 1)
         self.ckpt_group: dist.ProcessGroup | None = None
         self.zero1 = False
+        self.tp = 1
+        """The TP degree of the model ``build_model`` built (a checkpoint of another degree is resharded on load)."""
         self.fp32_accum = self.fp32_dp = False
         self.bf16_matmul = "native"
         """The resolved ``precision.bf16_matmul`` policy that ``build_model`` applies."""
@@ -115,6 +128,7 @@ class TorchBackend:
         # fp32 accumulation under DP: no DDP (it reduces the bf16 .grad of every micro-batch); each rank accumulates
         # its micro-batches into fp32 main_grad and forward_backward averages those once per step (Megatron's way).
         self.fp32_accum, self.fp32_dp = fp32_accum, fp32_accum and dims.dp > 1
+        self.tp = dims.tp
         self.zero1 = par.zero1 and dims.dp > 1 and dims.tp == 1  # with TP, FSDP2 shards the AdamW state anyway
         if p.compute_dtype == "bfloat16":  # the functions the linears and cores call; names unchanged
             apply_policy(model, self.bf16_matmul)
@@ -211,8 +225,20 @@ class TorchBackend:
         state = {"model": model.state_dict(), "optimizer": self._optim_state(model, optimizer)}
         _quiet_single_process_dcp()
         # Not dcp.load: DCP's own reader unpickles .metadata, and non-tensor items, unrestricted (hlat.safe_load).
-        safe_load.load(state, path, process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
-        set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        load = functools.partial(
+            safe_load.load, path=path, process_group=self.ckpt_group, no_dist=self.ckpt_group is None
+        )
+        no_master = reshard.load_state(state, path, self.tp, load)  # from whatever TP / DP / ZeRO-1 layout saved it
+        inner = _inner(optimizer)
+        set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if no_master and isinstance(inner, PrecisionAdamW):  # a bf16_sr checkpoint resumed with master_weights
+            inner.init_missing_masters()
+            if self.ranks.rank == 0:
+                log.info(
+                    "%s has no fp32 master weights (precision.master_weights=false when it was written): they start "
+                    "as its bf16 weights, exactly, and its bf16 AdamW moments continue in fp32",
+                    path,
+                )
         # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
         return torch.load(path / EXTRA.format(rank=self.ranks.rank), map_location="cpu", weights_only=True)
 

@@ -187,9 +187,14 @@ def _interleave_gate_up(weight: torch.Tensor, tp: int) -> None:
     A contiguous split over ``tp`` ranks then hands each one matching gate and up rows, so the model's
     ``chunk(2)`` works per rank.
     """
-    gate, up = weight.chunk(2)
     with torch.no_grad():
-        weight.copy_(torch.cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair]))
+        weight.copy_(gate_up_interleaved(weight, tp))
+
+
+def gate_up_interleaved(weight: torch.Tensor, tp: int) -> torch.Tensor:
+    """Rows [gate; up] as ``tp`` ranks hold them, [gate_0; up_0; gate_1; up_1; ...] (a new tensor)."""
+    gate, up = weight.chunk(2)
+    return torch.cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair])
 
 
 def _fp32_rowwise(**kwargs):

@@ -206,6 +206,22 @@ class PrecisionAdamW(torch.optim.Optimizer):
                         round_to_bf16_(st["exp_avg"], m32, gen)
                         round_to_bf16_(st["exp_avg_sq"], v32, gen)
 
+    def init_missing_masters(self) -> int:
+        """Give each parameter whose state lacks an fp32 master one equal to its bf16 weight; returns how many.
+
+        For a checkpoint written without master weights and resumed with them (``bf16_sr`` -> ``master_weights``,
+        as HLAT-70B trains: arXiv 2404.10630 §3.5): the bf16 value is exact in fp32, so the masters start where the
+        weights are, and the first update's rounding to nearest writes them back unchanged where nothing moved.
+        """
+        count = 0
+        for group in self.param_groups if self.master_weights else ():
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "master" not in st:
+                    st["master"] = p.detach().to(torch.float32, copy=True)
+                    count += 1
+        return count
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` and the fp32 accumulation buffers."""
         super().zero_grad(set_to_none=set_to_none)
