@@ -158,3 +158,11 @@ def test_an_older_sizes_only_fingerprint_resumes_on_the_same_sizes_and_names_a_c
     corpus.write_text("".join(_lines(31)))
     with pytest.raises(ConfigError, match=r"corpus\.jsonl has [\d,]+ bytes now, [\d,]+ then, 31 rows now, 30 then"):
         check_identity({**STREAM, "data": older}, {**STREAM, "data": TextSource(corpus).fingerprint})
+
+
+def test_the_sampled_formats_are_the_memory_mapped_ones() -> None:
+    """identity.py keeps its own copy of the Arrow suffixes (it sits below sources.py): the two lists agree."""
+    from hlat.data.identity import SAMPLED_SUFFIXES
+    from hlat.data.sources import ARROW_SUFFIXES
+
+    assert SAMPLED_SUFFIXES == ARROW_SUFFIXES

@@ -28,8 +28,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hlat.data.sources import ARROW_SUFFIXES
-
 log = logging.getLogger(__name__)
 
 VERSION = "v2"
@@ -39,6 +37,9 @@ SAMPLE_BLOCK_BYTES = 4096  # 128 KiB a file: ~2 GB for 7 TB of 450 MB shards
 _SCHEME = f"sha256/whole,arrow:{SAMPLE_BLOCKS}x{SAMPLE_BLOCK_BYTES}"
 """Recorded in each cache entry: changing how digests are computed invalidates the cache."""
 _READ_BYTES = 8 * 1024 * 1024
+SAMPLED_SUFFIXES = (".arrow", ".feather", ".ipc")
+"""Memory-mapped Arrow IPC, the format of corpora larger than RAM: digested on sampled blocks (sources' ARROW_SUFFIXES;
+this module is below ``hlat.data.sources``, which imports it)."""
 
 
 def data_fingerprint(rows: int, files: dict[str, Path], cache_dir: Path | str | None) -> str:
@@ -57,7 +58,7 @@ def content_digest(path: Path) -> str:
     size = path.stat().st_size
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as fh:
-        if path.suffix.lower() in ARROW_SUFFIXES and size > SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+        if path.suffix.lower() in SAMPLED_SUFFIXES and size > SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
             for i in range(SAMPLE_BLOCKS):
                 fh.seek((size - SAMPLE_BLOCK_BYTES) * i // (SAMPLE_BLOCKS - 1))
                 digest.update(fh.read(SAMPLE_BLOCK_BYTES))

@@ -17,6 +17,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from hlat.config import ConfigError
+from hlat.data.identity import data_fingerprint
 
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 PARQUET_SUFFIXES = (".parquet",)
@@ -244,8 +245,6 @@ class TextSource:
 
         See :mod:`hlat.data.identity`; computed on first use (it reads the files that are not in the cache).
         """
-        from hlat.data.identity import data_fingerprint  # it imports this module
-
         directory = self.path.is_dir()
         names = {f.relative_to(self.path).as_posix() if directory else f.name: f for f in self.files}
         return data_fingerprint(len(self), names, self.cache_dir)
