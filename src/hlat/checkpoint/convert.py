@@ -29,9 +29,12 @@ def is_hf_dir(path: Path) -> bool:
 
 
 def source_dir(src: str | Path) -> Path:
-    """The directory ``src`` names: a HF model directory, an hlat step directory, or the newest intact one under it."""
+    """The directory ``src`` names: a HF model directory, an hlat step directory, or the newest intact one under it.
+
+    A step directory is verified by its reader (checksums are read once).
+    """
     p = Path(src).expanduser()
-    return p if is_hf_dir(p) else find_checkpoint(p)
+    return p if is_hf_dir(p) or ckpt.manifest(p) is not None else find_checkpoint(p)
 
 
 def open_checkpoint(path: Path) -> Reader:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -301,7 +302,10 @@ def write_torch(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         writer = FileSystemWriter(out, thread_count=1, sync_files=True)
-        dcp.save(state, storage_writer=writer, planner=_StreamingSavePlanner(reader.read), no_dist=True)
+        try:
+            dcp.save(state, storage_writer=writer, planner=_StreamingSavePlanner(reader.read), no_dist=True)
+        except CheckpointException as e:  # the reader's or the disk's error, not DCP's wrapper (a BaseException)
+            raise next(exc for exc, _ in e.failures.values()) from None
     config = torch_config(reader.config) if optimizer else {"model": dataclasses.asdict(reader.config.model)}
     extra = reader.extra()
     if extra:
