@@ -58,7 +58,7 @@ commands:
   export    `hlat export CHECKPOINT --out DIR`: the Hugging Face LLaMA layout (config.json, safetensors, tokenizer)
   import    `hlat import HF_DIR --out DIR`: a weights-only hlat checkpoint to start a run from (train.init_from)
   convert   `hlat convert SRC DST --to torch|neuron|hf`: between the backends' checkpoints and the Hugging Face
-            layout, tensor by tensor, carrying the optimizer state where the target holds it (docs/checkpoints.md)
+            layout, tensor by tensor, carrying the optimizer state where the target holds it (docs/evaluation.md)
   launch    render a cluster launch: `hlat launch --target torchrun|slurm|eks [--out DIR] [--image IMG] overrides...`
   compile   ahead-of-time Neuron compile of the run: `hlat compile [--steps N] [--target torchrun|slurm] [--run]
             overrides...` (see `hlat launch --help`, `hlat compile --help`)
