@@ -33,16 +33,17 @@ from hlat.config import ModelConfig, OptimizerConfig, RunConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from hlat.eval import hf
 
-def rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def rss(key):  # VmRSS: now, VmHWM: the peak (ru_maxrss would carry the parent's peak over fork and exec)
+    line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
 
 import safetensors.torch, sentencepiece  # noqa: E401  imports out of the timings: only the conversion is timed
 from hlat.checkpoint import convert, portable  # noqa: F401
-before, writing = rss(), {}
+before, writing = rss("VmRSS"), {}
 for name in ("write_torch", "write_hf_weights"):  # time the writing apart from the verification before it
     def timed(*a, _f=getattr(hf, name), **k):
         writing["start"] = time.perf_counter()
@@ -51,7 +52,7 @@ for name in ("write_torch", "write_hf_weights"):  # time the writing apart from 
 start = time.perf_counter()
 hf.convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], tokenizer=Path(sys.argv[4]))
 end = time.perf_counter()
-print(json.dumps({"rss_before": before, "rss_peak": rss(), "verify_s": writing["start"] - start,
+print(json.dumps({"rss_before": before, "rss_peak": rss("VmHWM"), "verify_s": writing["start"] - start,
                   "write_s": end - writing["start"], "total_s": end - start}))
 """
 

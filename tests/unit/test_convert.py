@@ -313,3 +313,30 @@ def test_a_converted_checkpoint_resumes_as_its_source(tmp_path, cache_dir) -> No
     got = everything(checkpoint.latest(tmp_path / "from_converted" / "checkpoints"))
     assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert checkpoint.manifest(checkpoint.latest(tmp_path / "from_converted" / "checkpoints"))["step"] == 3
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_at_a_tiny_size(tmp_path) -> None:
+    """bench/convert_checkpoint.py end to end on a tiny model: a row per target, and it removes what it wrote."""
+    shape = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"]
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "convert_checkpoint.py"),
+            "--dir",
+            str(tmp_path),
+            *shape,
+            "--disk-gb",
+            "0.01",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=hang_guard(900),
+    ).stdout
+    assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "GB" not in line] == [
+        "hf",
+        "torch",
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # the tokenizer's cache only

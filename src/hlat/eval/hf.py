@@ -95,6 +95,7 @@ def convert(
         raise ConfigError(f"--to {to}: convert to one of {', '.join(TARGETS)}")
     if dtype is not None and (to != "hf" or dtype not in DTYPES):
         raise ConfigError(f"--dtype {dtype}: only --to hf takes a dtype, one of {list(DTYPES)}")
+    write_neuron = _neuron_writer() if to == "neuron" else None  # before the source is read
     src_dir, dst = source_dir(src), Path(dst).expanduser()
     check_destination(src_dir, dst, overwrite=overwrite)
     reader = open_checkpoint(src_dir)
@@ -109,8 +110,9 @@ def convert(
     meta["source"] = {"format": kind, "path": str(src_dir.resolve())}
     spm = _source_tokenizer(src_dir, tokenizer, source, hf_source, needed=to == "hf")
     if to == "hf":
-        _spm_prefix(spm)  # refuse a unigram tokenizer before anything is written
+        _spm_prefix(spm)  # refuse a unigram tokenizer, and a model LlamaForCausalLM cannot compute, before writing
         target = DTYPES[dtype] if dtype else reader.tensors()["model.embed.weight"][1]
+        hf_config(reader.config.model, target, None, None)
         needed = sum(map(safetensors_io.nbytes, hf_specs(reader, target).values()))
     else:
         needed = sum(map(safetensors_io.nbytes, reader.tensors().values()))
@@ -123,7 +125,7 @@ def convert(
                 reader, tmp, optimizer=optimizer, meta=meta | ({"tokenizer": SPM} if files else {}), files=files
             )
         else:
-            _neuron_writer()(reader, tmp)
+            write_neuron(reader, tmp)
     log.info("converted %s to %s (%s%s)", src_dir, dst, to, "" if optimizer or to == "hf" else ", weights only")
     return dst
 
