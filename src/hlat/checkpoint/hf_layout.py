@@ -40,56 +40,80 @@ REQUIRED = (
 # ------------------------------------------------------------------------------------------------ weight mapping
 
 
-def to_hf(cfg: ModelConfig, sd: Tensors) -> Tensors:
-    """Map hlat's state dict (fused qkv and gate_up, in the tp=1 layout) -> HF ``LlamaForCausalLM`` tensor names."""
+_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm.weight": ("input_layernorm.weight",),
+    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attn.o_proj.weight": ("self_attn.o_proj.weight",),
+    "mlp_norm.weight": ("post_attention_layernorm.weight",),
+    "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.down.weight": ("mlp.down_proj.weight",),
+}
+"""hlat's tensor names -> the HF ``LlamaForCausalLM`` tensors each is made of (top level, and per layer)."""
+
+
+def hlat_names(cfg: ModelConfig) -> list[str]:
+    """Every tensor name of hlat's state dict, in the order the HF names of :func:`hf_names` follow."""
+    layers = [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in _LAYER]
+    return ["embed.weight", *layers, "norm.weight", "lm_head.weight"]
+
+
+def hf_names(name: str) -> tuple[str, ...]:
+    """The HF tensor names one hlat tensor maps to (KeyError: not a tensor of hlat's model)."""
+    if name in _TOP:
+        return (_TOP[name],)
+    layers, i, rest = name.split(".", 2)
+    if layers != "layers" or rest not in _LAYER:
+        raise KeyError(name)
+    return tuple(f"model.layers.{i}.{n}" for n in _LAYER[rest])
+
+
+def to_hf_one(cfg: ModelConfig, name: str, t: torch.Tensor) -> Tensors:
+    """One hlat tensor (tp=1 layout) -> its HF tensors: fused qkv and gate_up are split, the rest renamed."""
     # No rotary permutation: hlat's RoPE is HF's rotate-half already (HF's convert script permutes Meta's layout).
     G, r, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
-    out = {
-        "model.embed_tokens.weight": sd["embed.weight"],
-        "model.norm.weight": sd["norm.weight"],
-        "lm_head.weight": sd["lm_head.weight"],
-    }
-    for i in range(cfg.n_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        qkv = sd[p + "attn.qkv.weight"].view(G, r + 2, D, cfg.dim)  # per kv group: r query heads, k, v
-        gate, up = sd[p + "mlp.gate_up.weight"].chunk(2)
-        # The splits are copies: safetensors refuses tensors that share storage (views of one fused weight).
-        out |= {
-            h + "input_layernorm.weight": sd[p + "attn_norm.weight"],
-            h + "self_attn.q_proj.weight": qkv[:, :r].reshape(cfg.n_heads * D, cfg.dim).clone(),
-            h + "self_attn.k_proj.weight": qkv[:, r].reshape(G * D, cfg.dim).clone(),
-            h + "self_attn.v_proj.weight": qkv[:, r + 1].reshape(G * D, cfg.dim).clone(),
-            h + "self_attn.o_proj.weight": sd[p + "attn.o_proj.weight"],
-            h + "post_attention_layernorm.weight": sd[p + "mlp_norm.weight"],
-            h + "mlp.gate_proj.weight": gate.clone(),
-            h + "mlp.up_proj.weight": up.clone(),
-            h + "mlp.down_proj.weight": sd[p + "mlp.down.weight"],
-        }
-    return {k: v.detach().contiguous() for k, v in out.items()}
+    if name.endswith("attn.qkv.weight"):
+        qkv = t.view(G, r + 2, D, cfg.dim)  # per kv group: r query heads, k, v
+        parts = [
+            qkv[:, :r].reshape(cfg.n_heads * D, cfg.dim),
+            qkv[:, r].reshape(G * D, cfg.dim),
+            qkv[:, r + 1].reshape(G * D, cfg.dim),
+        ]
+    elif name.endswith("mlp.gate_up.weight"):
+        parts = list(t.chunk(2))
+    else:
+        return {hf_names(name)[0]: t.detach().contiguous()}
+    # The splits are copies: safetensors refuses tensors that share storage (views of one fused weight).
+    return {n: p.detach().clone().contiguous() for n, p in zip(hf_names(name), parts, strict=True)}
+
+
+def from_hf_one(cfg: ModelConfig, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One hlat tensor from the HF tensors of :func:`hf_names` (in that order): the inverse of :func:`to_hf_one`."""
+    G, r, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
+    if name.endswith("attn.qkv.weight"):
+        q, k, v = parts
+        qkv = [q.reshape(G, r, D, cfg.dim), k.reshape(G, 1, D, cfg.dim), v.reshape(G, 1, D, cfg.dim)]
+        return torch.cat(qkv, dim=1).reshape(-1, cfg.dim)
+    if name.endswith("mlp.gate_up.weight"):
+        return torch.cat(parts)
+    return parts[0].contiguous()
+
+
+def to_hf(cfg: ModelConfig, sd: Tensors) -> Tensors:
+    """Map hlat's state dict (fused qkv and gate_up, in the tp=1 layout) -> HF ``LlamaForCausalLM`` tensor names."""
+    out: Tensors = {}
+    for name in hlat_names(cfg):
+        out |= to_hf_one(cfg, name, sd[name])
+    return out
 
 
 def from_hf(cfg: ModelConfig, hf: Tensors) -> Tensors:
     """HF ``LlamaForCausalLM`` tensors -> hlat's state dict (the inverse of :func:`to_hf`)."""
-    G, r, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
-    sd = {
-        "embed.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-        "lm_head.weight": hf["lm_head.weight"],
-    }
-    for i in range(cfg.n_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        q = hf[h + "self_attn.q_proj.weight"].reshape(G, r, D, cfg.dim)
-        k = hf[h + "self_attn.k_proj.weight"].reshape(G, 1, D, cfg.dim)
-        v = hf[h + "self_attn.v_proj.weight"].reshape(G, 1, D, cfg.dim)
-        sd |= {
-            p + "attn_norm.weight": hf[h + "input_layernorm.weight"],
-            p + "attn.qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, cfg.dim),
-            p + "attn.o_proj.weight": hf[h + "self_attn.o_proj.weight"],
-            p + "mlp_norm.weight": hf[h + "post_attention_layernorm.weight"],
-            p + "mlp.gate_up.weight": torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]),
-            p + "mlp.down.weight": hf[h + "mlp.down_proj.weight"],
-        }
-    return {k: v.contiguous() for k, v in sd.items()}
+    return {name: from_hf_one(cfg, name, [hf[n] for n in hf_names(name)]) for name in hlat_names(cfg)}
 
 
 # ------------------------------------------------------------------------------------------------ config.json

@@ -31,6 +31,7 @@ COMMANDS = (
     "eval",
     "export",
     "import",
+    "convert",
     "launch",
     "compile",
 )
@@ -56,6 +57,8 @@ commands:
   eval      lm-evaluation-harness on checkpoints: `hlat eval checkpoint=PATH tasks=local|hlat_suite|truthfulness`
   export    `hlat export CHECKPOINT --out DIR`: the Hugging Face LLaMA layout (config.json, safetensors, tokenizer)
   import    `hlat import HF_DIR --out DIR`: a weights-only hlat checkpoint to start a run from (train.init_from)
+  convert   `hlat convert SRC DST --to torch|neuron|hf`: between the backends' checkpoints and the Hugging Face
+            layout, tensor by tensor, carrying the optimizer state where the target holds it (docs/evaluation.md)
   launch    render a cluster launch: `hlat launch --target torchrun|slurm|eks [--out DIR] [--image IMG] overrides...`
   compile   ahead-of-time Neuron compile of the run: `hlat compile [--steps N] [--target torchrun|slurm] [--run]
             overrides...` (see `hlat launch --help`, `hlat compile --help`)
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         from hlat.deploy.commands import main as deploy_main
 
         raise SystemExit(deploy_main(argv))
-    if argv and argv[0] in ("export", "import"):
+    if argv and argv[0] in ("export", "import", "convert"):
         from hlat.eval.hf import main as hf_main
 
         raise SystemExit(hf_main(argv))

@@ -18,11 +18,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 from hlat import checkpoint
-from hlat.checkpoint.hf_layout import DTYPES, SPM, WEIGHTS, hf_config, import_hf, model_overrides, to_hf
-from hlat.checkpoint.weights import checkpoint_tokenizer, load_checkpoint_weights
+from hlat.checkpoint import safetensors_io
+from hlat.checkpoint.convert import atomic_dir, check_destination, open_checkpoint, source_dir
+from hlat.checkpoint.hf_layout import DTYPES, SPM, hf_config, import_hf, model_overrides
+from hlat.checkpoint.portable import HFCheckpoint, Reader, check_canonical, hf_specs, write_hf_weights, write_torch
+from hlat.checkpoint.weights import checkpoint_tokenizer
 from hlat.config import ConfigError, ModelConfig
 from hlat.eval.hf_tokenizer import write_tokenizer
 
@@ -61,6 +65,103 @@ def _write_tokenizer(spm_path: Path, out: Path, max_len: int) -> int:
     return ids["eos_token"]
 
 
+TARGETS = ("torch", "neuron", "hf")
+SHARD_BYTES = 5 * 10**9
+"""Largest safetensors file of a HF export (transformers' ``max_shard_size`` default, 5GB); past it, shards + index."""
+KEPT = ("files", "step", "config", "config_hash", "weights_only", "tokenizer", "source")
+"""Manifest keys a conversion writes anew; the source's other keys are carried."""
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: str,
+    *,
+    tokenizer: Path | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = SHARD_BYTES,
+) -> Path:
+    """Convert the checkpoint ``src`` into the new directory ``dst`` in the format ``to``, one tensor at a time.
+
+    ``src``: an hlat step directory (or a checkpoints root: its newest intact one) or a HF model directory.
+    ``to``: ``torch`` (a step directory with the optimizer state, or weights only), ``neuron``, or ``hf`` (weights,
+    config and tokenizer; ``dtype`` default: as stored). The source is verified whole before anything is written.
+
+    Raises:
+        ConfigError: A damaged or partial source, tensors that do not fit its config, an existing ``dst``, ...
+    """
+    if to not in TARGETS:
+        raise ConfigError(f"--to {to}: convert to one of {', '.join(TARGETS)}")
+    if dtype is not None and (to != "hf" or dtype not in DTYPES):
+        raise ConfigError(f"--dtype {dtype}: only --to hf takes a dtype, one of {list(DTYPES)}")
+    write_neuron = _neuron_writer() if to == "neuron" else None  # before the source is read
+    src_dir, dst = source_dir(src), Path(dst).expanduser()
+    check_destination(src_dir, dst, overwrite=overwrite)
+    reader = open_checkpoint(src_dir)
+    hf_source = isinstance(reader, HFCheckpoint)
+    if hf_source and to == "hf":
+        raise ConfigError(f"{src_dir} is a Hugging Face directory already; convert it --to torch (or hlat import)")
+    optimizer = check_canonical(reader, f"checkpoint {src_dir}", dtypes=to == "torch")
+    source = checkpoint.manifest(src_dir) or {}
+    meta = {k: v for k, v in source.items() if k not in KEPT}
+    backend = (source.get("config") or {}).get("cluster", {}).get("backend", "torch")
+    kind = "hf-llama" if hf_source else {"torch": "torch-dcp", "neuron": "neuron-xser"}.get(backend, backend)
+    meta["source"] = {"format": kind, "path": str(src_dir.resolve())}
+    spm = _source_tokenizer(src_dir, tokenizer, source, hf_source, needed=to == "hf")
+    if to == "hf":
+        _spm_prefix(spm)  # refuse a unigram tokenizer, and a model LlamaForCausalLM cannot compute, before writing
+        target = DTYPES[dtype] if dtype else reader.tensors()["model.embed.weight"][1]
+        hf_config(reader.config.model, target, None, None)
+        needed = sum(map(safetensors_io.nbytes, hf_specs(reader, target).values()))
+    else:
+        needed = sum(map(safetensors_io.nbytes, reader.tensors().values()))
+    with atomic_dir(dst, needed=needed) as tmp:
+        if to == "hf":
+            _write_hf_dir(reader, tmp, spm, target, max_shard_bytes)
+        elif to == "torch":
+            files = {SPM: spm} if spm is not None and not optimizer else {}
+            write_torch(
+                reader, tmp, optimizer=optimizer, meta=meta | ({"tokenizer": SPM} if files else {}), files=files
+            )
+        else:
+            write_neuron(reader, tmp)
+    log.info("converted %s to %s (%s%s)", src_dir, dst, to, "" if optimizer or to == "hf" else ", weights only")
+    return dst
+
+
+def _source_tokenizer(
+    src: Path, explicit: Path | None, manifest: dict, hf_source: bool, *, needed: bool
+) -> Path | None:
+    """The sentencepiece model that travels with the conversion (``needed``: a HF export must have one)."""
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    if hf_source:
+        return src / SPM if (src / SPM).is_file() else None
+    if needed:
+        return checkpoint_tokenizer(src)
+    return src / manifest["tokenizer"] if manifest.get("tokenizer") else None
+
+
+def _write_hf_dir(reader: Reader, out: Path, spm: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """Weights, ``config.json``, ``generation_config.json`` and the tokenizer files of a HF export."""
+    cfg = reader.config.model
+    write_hf_weights(reader, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    eos = _write_tokenizer(spm, out, cfg.max_seq_len)
+    _dump(out / "config.json", hf_config(cfg, dtype, eos, eos))  # EOS starts a sequence too (hlat's packing)
+    _dump(out / "generation_config.json", {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos})
+
+
+def _neuron_writer() -> Any:
+    try:
+        from hlat.checkpoint.xser import write_neuron_checkpoint  # type: ignore[import-not-found]
+    except ImportError:
+        raise ConfigError(
+            "--to neuron: this build has no writer of neuron checkpoints (hlat.checkpoint.xser); convert --to torch"
+        ) from None
+    return write_neuron_checkpoint
+
+
 def export_hf(
     checkpoint_path: Path,
     out_dir: Path,
@@ -71,30 +172,14 @@ def export_hf(
 ) -> Path:
     """Write an hlat checkpoint as a Hugging Face ``LlamaForCausalLM`` directory; returns ``out_dir``.
 
-    ``tokenizer`` default: the run's (``find_tokenizer``); ``dtype`` default: the stored one.
+    :func:`convert` to ``hf``: ``tokenizer`` default: the run's (``find_tokenizer``); ``dtype`` default: the stored one.
 
     Raises:
         ConfigError: No valid checkpoint, an unsupported checkpoint, no tokenizer found, or ``out_dir`` not empty.
     """
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir).expanduser()
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ConfigError(f"{out_dir} is not empty; choose a new directory or pass overwrite=True (--overwrite)")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
-    cfg, sd, ckpt = load_checkpoint_weights(checkpoint_path)
-    target = DTYPES[dtype] if dtype else sd["embed.weight"].dtype
-    spm_path = checkpoint_tokenizer(ckpt, tokenizer)
-    _spm_prefix(spm_path)  # refuse a unigram tokenizer before anything is written
-    out_dir.mkdir(parents=True, exist_ok=True)
-    eos = _write_tokenizer(spm_path, out_dir, cfg.max_seq_len)
-    tensors = {k: v.to(target) for k, v in to_hf(cfg, sd).items()}
-    save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
-    _dump(out_dir / "config.json", hf_config(cfg, target, eos, eos))  # EOS starts a sequence too (hlat's packing)
-    _dump(out_dir / "generation_config.json", {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos})
-    log.info("exported %s to %s (%s, tokenizer %s)", ckpt, out_dir, target, spm_path)
-    return out_dir
+    return convert(checkpoint_path, out_dir, "hf", tokenizer=tokenizer, dtype=dtype, overwrite=overwrite)
 
 
 def _dump(path: Path, obj: dict[str, Any]) -> None:
@@ -161,8 +246,29 @@ def import_hf_checkpoint(hf_dir: Path, out_dir: Path, *, untie_embeddings: bool 
 # ------------------------------------------------------------------------------------------------ the CLI
 
 
+def _convert(args: argparse.Namespace) -> None:
+    """``hlat convert``: convert, then say what to do with the result."""
+    out = convert(
+        args.src,
+        args.dst,
+        args.to,
+        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        max_shard_bytes=int(args.max_shard_gb * 1e9),
+    )
+    meta = checkpoint.manifest(out) or {}
+    if args.to == "hf":
+        use = f"transformers: AutoModelForCausalLM.from_pretrained({str(out)!r})"
+    elif meta.get("weights_only"):
+        use = f"weights only: start a run from them with train.init_from={out}"
+    else:
+        use = f"continue training with train.resume={out}"
+    print(f"converted -> {out} ({use})")
+
+
 def main(argv: list[str]) -> int:
-    """``hlat export CHECKPOINT --out DIR`` and ``hlat import HF_DIR --out DIR``; returns the exit status."""
+    """``hlat export``, ``hlat import`` and ``hlat convert SRC DST --to ...``; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="hlat",
         description="Convert between hlat checkpoints and the Hugging Face "
@@ -174,7 +280,7 @@ def main(argv: list[str]) -> int:
     exp.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty)")
     exp.add_argument("--tokenizer", metavar="FILE.model", help="the run's sentencepiece model (default: found)")
     exp.add_argument("--dtype", choices=list(DTYPES), help="weight dtype (default: as saved)")
-    exp.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    exp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     imp = sub.add_parser("import", help="write a HF LLaMA directory as a weights-only hlat checkpoint")
     imp.add_argument("hf_dir", help="save_pretrained output or a downloaded model snapshot (safetensors)")
     imp.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create")
@@ -183,10 +289,20 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="accept tied embeddings: the LM head starts as a copy of the embedding",
     )
+    conv = sub.add_parser("convert", help="convert a checkpoint to the torch or neuron backend or to HF, streaming")
+    conv.add_argument("src", help="a checkpoint (or checkpoints root: its newest valid one), or a HF model directory")
+    conv.add_argument("dst", help="the directory to create (written atomically)")
+    conv.add_argument("--to", required=True, choices=TARGETS, help="the format of DST")
+    conv.add_argument("--tokenizer", metavar="FILE.model", help="the run's sentencepiece model (default: found)")
+    conv.add_argument("--dtype", choices=list(DTYPES), help="--to hf: weight dtype (default: as saved)")
+    conv.add_argument("--max-shard-gb", type=float, default=SHARD_BYTES / 1e9, help="--to hf: largest file (5)")
+    conv.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if args.command == "export":
+        if args.command == "convert":
+            _convert(args)
+        elif args.command == "export":
             out = export_hf(
                 Path(args.checkpoint),
                 Path(args.out),
