@@ -114,6 +114,16 @@ LAYOUT_KEYS = {
 """Other keys whose change makes the saved state unloadable, and why (there is no resharding or conversion)."""
 
 
+RESHARDED = {"neuron": ("parallelism.tp", "parallelism.pp")}
+"""Layout keys a backend's resume converts when the checkpoint is its own (neuron: ``hlat.checkpoint.xser_write``
+reshards NxD's xser files; DP and ZeRO-1 are not config-hash breaking keys)."""
+
+
+def _resharded(key: str, saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    backend = saved.get("cluster.backend")
+    return backend == now.get("cluster.backend") and key in RESHARDED.get(str(backend), ())
+
+
 def check_compatible(path: Path, config: dict[str, Any]) -> None:
     """Refuse, before anything is built, to resume a checkpoint whose saved state ``config`` cannot load.
 
@@ -131,7 +141,7 @@ def check_compatible(path: Path, config: dict[str, Any]) -> None:
     breaking = [
         diff[k] + (f" ({LAYOUT_KEYS[k]})" if k in LAYOUT_KEYS else "")
         for k in changed
-        if k in SHAPE_KEYS or k in LAYOUT_KEYS
+        if k in SHAPE_KEYS or (k in LAYOUT_KEYS and not _resharded(k, saved, now))
     ]
     if breaking:
         raise ConfigError(

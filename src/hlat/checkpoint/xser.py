@@ -91,6 +91,20 @@ class Layout:
                     yield d, t, s
 
 
+def saved_layout(path: Path, config: RunConfig) -> Layout:
+    """The layout of the neuron checkpoint at ``path`` written with ``config``.
+
+    The data-parallel degree is not in the config (it is the world over tp x pp): ZeRO-1's optimizer files per rank,
+    else the ranks' extra files over tp x pp.
+    """
+    par = config.parallelism
+    if par.zero1:
+        dp = len(list(path.glob("optim/dp_rank_*_tp_rank_00_pp_rank_00.pt")))
+    else:
+        dp = len(list(path.glob("extra.rank*.pt"))) // (par.tp * par.pp)
+    return Layout(par.tp, par.pp, max(dp, 1), par.zero1)
+
+
 @dataclass(frozen=True)
 class _Param:
     """Where one parameter lives: its stage, its optimizer index there, the shape of each tp rank's piece.
@@ -132,16 +146,9 @@ class NeuronCheckpoint:
             )
         self.config = config
         self._pickles: dict[Path, Any] = {}
-        par = config.parallelism
-        self.layout = Layout(par.tp, par.pp, self._data_parallel(par.tp, par.pp, par.zero1), par.zero1)
+        self.layout = saved_layout(self.path, config)
         self._params = self._index()
         self._tensors = self._list()
-
-    def _data_parallel(self, tp: int, pp: int, zero1: bool) -> int:
-        """The data-parallel degree: ZeRO-1's optimizer files per rank, else the ranks' extra files over tp x pp."""
-        if zero1:
-            return len(list(self.path.glob("optim/dp_rank_*_tp_rank_00_pp_rank_00.pt")))
-        return max(1, len(list(self.path.glob("extra.rank*.pt"))) // (tp * pp))
 
     def _file(self, part: str, dp: int, tp: int, pp: int) -> Path:
         f = self.path / rank_file(part, dp, tp, pp)

@@ -24,9 +24,19 @@ import torch
 
 from hlat.checkpoint.hf_layout import check_tensors, expected_shapes
 from hlat.checkpoint.manifest import MANIFEST, config_hash, sha256
-from hlat.checkpoint.xser import EXTRA, STATE_KEYS, Layout, TensorReference, rank_file, tensor_file
+from hlat.checkpoint.xser import (
+    EXTRA,
+    STATE_KEYS,
+    Layout,
+    NeuronCheckpoint,
+    TensorReference,
+    rank_file,
+    saved_layout,
+    tensor_file,
+)
 from hlat.checkpoint.xser_shards import nxd_name, optimizer_order, param_names, stage_of, tp_split, zero1_split
 from hlat.config import ConfigError, PrecisionConfig, RunConfig
+from hlat.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +102,10 @@ def _check_source(have: dict[str, tuple], cfg: RunConfig, where: str) -> tuple[b
     return bool(state), bool(masters)
 
 
-def write_neuron_checkpoint(source: Reader, dst: Path, cfg: RunConfig, *, dp: int = 1) -> Path:
+def write_neuron_checkpoint(source: Reader, dst: Path, cfg: RunConfig, *, dp: int = 1, rank: int | None = None) -> Path:
     """Write ``source`` as a neuron step directory ``dst`` in the layout of ``cfg`` (tp, pp, zero1) with ``dp``.
+
+    With ``rank``, only the files that global rank loads (a resharded resume: each rank writes its own).
 
     Masters missing from the source under ``precision.master_weights`` are widened from the weights (the one
     precision change with one meaning: bf16_sr -> master_weights). A source without optimizer state gives a
@@ -113,20 +125,26 @@ def write_neuron_checkpoint(source: Reader, dst: Path, cfg: RunConfig, *, dp: in
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    writer = _Writer(tmp, cfg, layout, source.read)
+    ranks = range(par.tp * par.pp * dp) if rank is None else [rank]
+    writer = _Writer(tmp, cfg, layout, source.read, {_place(r, layout) for r in ranks})
     writer.model()
     if has_state:
         writer.optimizer(masters=cfg.precision.master_weights, widen=not has_masters)
     extra = source.extra()
     _save(extra, tmp / "user_content.pt")
-    for rank in range(par.tp * par.pp * dp):
-        _save(_rank_extra(source, extra, layout, rank), tmp / EXTRA.format(rank=rank))
+    for r in ranks:
+        _save(_rank_extra(source, extra, layout, r), tmp / EXTRA.format(rank=r))
     for marker in ("checkpoint", "done"):  # NxD's own markers of a complete tag
         (tmp / marker).write_text("1")
     _write_manifest(tmp, cfg, extra, weights_only=not has_state)
     os.replace(tmp, dst)
     log.info("wrote neuron checkpoint %s (tp=%d, pp=%d, dp=%d, zero1=%s)", dst, par.tp, par.pp, dp, par.zero1)
     return dst
+
+
+def _place(rank: int, layout: Layout) -> tuple[int, int, int]:
+    """``(dp, tp, pp)`` of global ``rank`` in NxD's order (tp innermost, then dp, then pp)."""
+    return (rank // layout.tp) % layout.dp, rank % layout.tp, rank // (layout.tp * layout.dp)
 
 
 def _rank_extra(source: Reader, extra: dict[str, Any], layout: Layout, rank: int) -> dict[str, Any]:
@@ -164,15 +182,32 @@ def _write_manifest(tmp: Path, cfg: RunConfig, extra: dict[str, Any], *, weights
 class _Writer:
     """Writes one full tensor at a time into every rank's files, then each rank's reference and info files."""
 
-    def __init__(self, root: Path, cfg: RunConfig, layout: Layout, read: Callable[[str], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        cfg: RunConfig,
+        layout: Layout,
+        read: Callable[[str], torch.Tensor],
+        places: set[tuple[int, int, int]],
+    ) -> None:
         self.root, self.cfg, self.layout, self.read = root, cfg, layout, read
+        self.places = places
+        """``(dp, tp, pp)`` of the ranks whose files are written (a model file serves every dp)."""
         names = param_names(cfg.model)
         full = expected_shapes(cfg.model)
         self.stages = [[n for n in names if stage_of(n, cfg.model, layout.pp) == s] for s in range(layout.pp)]
         decay_all = cfg.optimizer.decay_norms_and_biases
         self.order = [optimizer_order(ns, [len(full[n]) for n in ns], decay_all) for ns in self.stages]
 
+    def _wanted(self, part: str, d: int, t: int, s: int) -> bool:
+        """Whether a rank written loads file ``(part, d, t, s)`` (only ZeRO-1's optimizer files are per dp)."""
+        if part == "optim" and self.layout.zero1:
+            return (d, t, s) in self.places
+        return any((t, s) == (pt, ps) for _, pt, ps in self.places)
+
     def _put(self, part: str, d: int, t: int, s: int, tid: int, tensor: torch.Tensor) -> None:
+        if not self._wanted(part, d, t, s):
+            return
         f = tensor_file(self.root / rank_file(part, d, t, s), tid)
         f.parent.mkdir(parents=True, exist_ok=True)
         torch.save(tensor.clone(), f)  # a clone: a view would save its whole storage
@@ -186,6 +221,8 @@ class _Writer:
     def model(self) -> None:
         lay = self.layout
         for s, names in enumerate(self.stages):
+            if not any(self._wanted("model", 0, t, s) for t in range(lay.tp)):
+                continue
             info: list[dict[int, dict]] = [{} for _ in range(lay.tp)]
             for tid, name in enumerate(names):
                 for t, piece in enumerate(self._pieces(name, f"model.{name}", self.read(f"model.{name}"))):
@@ -199,6 +236,8 @@ class _Writer:
         lay = self.layout
         dps = lay.dp if lay.zero1 else 1
         for s, order in enumerate(self.order):
+            if not any(self._wanted("optim", d, t, s) for d in range(dps) for t in range(lay.tp)):
+                continue
             n = len(order)
             info: dict[tuple[int, int], dict[int, dict]] = {(d, t): {} for d in range(dps) for t in range(lay.tp)}
             shapes: dict[int, list[int]] = {}
@@ -220,6 +259,8 @@ class _Writer:
                 self._refs("optim", d, t, s, _optim_refs(n, groups, lay.zero1, masters, shapes), tinfo)
 
     def _refs(self, part: str, d: int, t: int, s: int, refs: dict, info: dict[int, dict]) -> None:
+        if not self._wanted(part, d, t, s):
+            return
         ref_file = self.root / rank_file(part, d, t, s)
         _save(refs, ref_file)
         _save(dict(sorted(info.items())), ref_file.with_name(ref_file.name + ".info.pt"))
@@ -259,3 +300,25 @@ def _optim_refs(n: int, groups: list[dict], zero1: bool, masters: bool, shapes: 
     if masters:
         refs["sharded_master_weights"] = {i: TensorReference(3 * n + i) for i in range(n)}
     return refs
+
+
+def resharded_copy(path: Path, cfg: RunConfig, dims: ParallelDims, rank: int) -> Path | None:
+    """For a resume: this rank's files of neuron checkpoint ``path`` resharded to this run's layout (None: same).
+
+    The layout is ``cfg`` and ``dims`` (TP, PP, DP, ZeRO-1); the copy goes in ``.<step>.resharded.rank<r>`` beside
+    the checkpoint. NxD loads only the layout it saved; each rank writes what it loads (no collective), the
+    checkpoint itself is not changed, and the caller removes the copy once loaded.
+    """
+    from hlat.checkpoint.weights import run_config  # weights imports xser
+
+    saved_cfg = run_config(path)
+    saved = saved_layout(path, saved_cfg)
+    now = Layout(dims.tp, dims.pp, dims.dp, cfg.parallelism.zero1)
+    if saved == now:
+        return None
+    copy = path.with_name(f".{path.name}.resharded.rank{rank}")
+    shutil.rmtree(copy, ignore_errors=True)
+    if rank == 0:
+        log.info("resharding %s from %s to this run's %s", path, saved, now)
+    write_neuron_checkpoint(NeuronCheckpoint(path, saved_cfg, verify=False), copy, cfg, dp=dims.dp, rank=rank)
+    return copy
