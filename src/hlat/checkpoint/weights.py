@@ -130,22 +130,41 @@ def _value(tp: Any, v: Any) -> Any:
 
 
 def check_torch_backend(path: Path) -> None:
-    """ConfigError unless the checkpoint holds DCP files (torch backend), the only kind read outside training."""
+    """ConfigError unless the checkpoint holds DCP files (torch backend) or NxD's xser files (neuron backend)."""
     backend = ((ckpt.manifest(path) or {}).get("config") or {}).get("cluster", {}).get("backend", "torch")
-    if backend != "torch":
-        what = f"was written by the {backend} backend (NxD xser shards, not torch.distributed.checkpoint)"
+    if backend == "neuron" and (path / "model").is_dir():
+        return  # read through hlat.checkpoint.xser
+    if backend not in ("torch", "neuron"):
+        what = f"was written by the {backend} backend, which hlat cannot read outside training"
+    elif backend == "neuron":
+        what = "has no model/ directory: it is not an NxD xser checkpoint"
     elif not (path / ".metadata").is_file():
         what = "has no .metadata: it is not a torch.distributed.checkpoint"
     else:
         return
-    raise ConfigError(
-        f"checkpoint {path} {what}: evaluation runs on the torch backend, and NxD checkpoints "
-        "cannot be exported or loaded by train.init_from yet; evaluate a torch-backend run"
-    )
+    raise ConfigError(f"checkpoint {path} {what}: give a checkpoint written by hlat's torch or neuron backend")
+
+
+def _read_neuron_weights(path: Path, cfg: ModelConfig, into: Tensors | None) -> Tensors:
+    """The model weights of a neuron-backend checkpoint, gathered to the tp=1 layout one tensor at a time."""
+    from hlat.checkpoint.xser import NeuronCheckpoint  # xser imports this module (run_config)
+
+    source = NeuronCheckpoint(path, verify=False)  # find_checkpoint has checked it
+    weights = {k.removeprefix("model."): v for k, v in source.tensors().items() if k.startswith("model.")}
+    check_tensors({k: torch.Size(v[0]) for k, v in weights.items()}, expected_shapes(cfg), f"checkpoint {path}")
+    sd = into if into is not None else {}
+    with torch.no_grad():
+        for name in weights:
+            t = source.read(f"model.{name}")
+            if name in sd:
+                sd[name].copy_(t)
+            else:
+                sd[name] = t
+    return sd
 
 
 def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> Tensors:
-    """The model weights of the DCP checkpoint at ``path`` (no optimizer state), in the tp=1 layout.
+    """The model weights of the DCP (or neuron xser) checkpoint at ``path`` (no optimizer state), in the tp=1 layout.
 
     One process, no process group: sharded saves are resharded, and a tp > 1 run's interleaved gate_up rows are
     put back as ``[gate; up]``. ``into``: tensors to load into (default: new CPU tensors in the stored dtype).
@@ -153,6 +172,8 @@ def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> T
     Raises:
         ConfigError: The stored tensors do not match ``cfg``, or the checkpoint is not trusted (:mod:`hlat.safe_load`).
     """
+    if ((ckpt.manifest(path) or {}).get("config") or {}).get("cluster", {}).get("backend") == "neuron":
+        return _read_neuron_weights(path, cfg, into)
     md = safe_load.read_metadata(path).state_dict_metadata  # never unpickles code from the checkpoint
     stored = {
         k.removeprefix("model."): m

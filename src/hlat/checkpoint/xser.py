@@ -147,6 +147,7 @@ class NeuronCheckpoint:
         self.config = config
         self._pickles: dict[Path, Any] = {}
         self.layout = saved_layout(self.path, config)
+        self._check_files()
         self._params = self._index()
         self._tensors = self._list()
 
@@ -158,6 +159,19 @@ class NeuronCheckpoint:
                 f"({self.layout}) needs: it is incomplete"
             )
         return f
+
+    def _check_files(self) -> None:
+        """Refuse a checkpoint missing a rank's file or a tensor one references, before anything is read."""
+        lay = self.layout
+        for d, t, s in lay.ranks():
+            for part, dp in (("model", 0), ("optim", d if lay.zero1 else 0)):
+                f = self._file(part, dp, t, s)
+                missing = [r.tid for r in _references(self._pickle(f)) if not tensor_file(f, r.tid).is_file()]
+                if missing:
+                    raise ConfigError(
+                        f"neuron checkpoint {self.path} is incomplete: {f.relative_to(self.path)} references tensors "
+                        f"{missing[:8]} that are not in its .tensors directory"
+                    )
 
     def _index(self) -> dict[str, _Param]:
         """Every parameter's place, from each stage's tp-rank-0 files; their shapes checked against the config."""
@@ -278,6 +292,18 @@ class NeuronCheckpoint:
         """The small per-run state of the first rank of data-parallel replica ``dp_rank`` (rank 0's by default)."""
         rank = dp_rank * self.layout.tp  # NxD's rank order: tp innermost, then dp, then pp
         return torch.load(self.path / EXTRA.format(rank=rank), map_location="cpu", weights_only=True)
+
+
+def _references(obj: Any) -> Iterator[TensorReference]:
+    """Every tensor reference in a reference file's content."""
+    if isinstance(obj, TensorReference):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _references(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _references(v)
 
 
 def _info(ref_file: Path) -> Path:

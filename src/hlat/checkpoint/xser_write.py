@@ -126,18 +126,22 @@ def write_neuron_checkpoint(source: Reader, dst: Path, cfg: RunConfig, *, dp: in
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ranks = range(par.tp * par.pp * dp) if rank is None else [rank]
-    writer = _Writer(tmp, cfg, layout, source.read, {_place(r, layout) for r in ranks})
-    writer.model()
-    if has_state:
-        writer.optimizer(masters=cfg.precision.master_weights, widen=not has_masters)
-    extra = source.extra()
-    _save(extra, tmp / "user_content.pt")
-    for r in ranks:
-        _save(_rank_extra(source, extra, layout, r), tmp / EXTRA.format(rank=r))
-    for marker in ("checkpoint", "done"):  # NxD's own markers of a complete tag
-        (tmp / marker).write_text("1")
-    _write_manifest(tmp, cfg, extra, weights_only=not has_state)
-    os.replace(tmp, dst)
+    try:
+        writer = _Writer(tmp, cfg, layout, source.read, {_place(r, layout) for r in ranks})
+        writer.model()
+        if has_state:
+            writer.optimizer(masters=cfg.precision.master_weights, widen=not has_masters)
+        extra = source.extra()
+        _save(extra, tmp / "user_content.pt")
+        for r in ranks:
+            _save(_rank_extra(source, extra, layout, r), tmp / EXTRA.format(rank=r))
+        for marker in ("checkpoint", "done"):  # NxD's own markers of a complete tag
+            (tmp / marker).write_text("1")
+        _write_manifest(tmp, cfg, extra, weights_only=not has_state)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no partial output
+        raise
     log.info("wrote neuron checkpoint %s (tp=%d, pp=%d, dp=%d, zero1=%s)", dst, par.tp, par.pp, dp, par.zero1)
     return dst
 
