@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from hlat.backends.neuron_shards import tp_gather, tp_split, zero1_gather, zero1_split
 from hlat.checkpoint.hf_layout import expected_shapes
 from hlat.checkpoint.weights import check_torch_backend, read_weights
 from hlat.checkpoint.xser import NeuronCheckpoint
-from hlat.checkpoint.xser_shards import tp_gather, tp_split, zero1_gather, zero1_split
 from hlat.checkpoint.xser_write import write_neuron_checkpoint
 from hlat.config import ConfigError, RunConfig
 from tests.conftest import run_config

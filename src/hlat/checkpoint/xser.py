@@ -9,7 +9,7 @@ tensor in ``<file>.tensors/tensor_<tid>.pt`` and its shape and dtype in ``<file>
 
 ``NeuronCheckpoint`` lists and reads its tensors under the torch backend's names and full shapes
 (``model.<param>``, ``optimizer.state.<param>.{step,exp_avg,exp_avg_sq,master}``), one at a time; the cuts are
-``hlat.checkpoint.xser_shards``. The pickles are read with ``weights_only``: nothing in them can run code.
+``hlat.backends.neuron_shards``. The pickles are read with ``weights_only``: nothing in them can run code.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from hlat.backends.neuron_shards import hlat_name, nxd_name, optimizer_order, tp_gather, tp_split, zero1_gather
 from hlat.checkpoint.hf_layout import check_tensors, expected_shapes
 from hlat.checkpoint.manifest import problems
-from hlat.checkpoint.xser_shards import hlat_name, nxd_name, optimizer_order, tp_gather, tp_split, zero1_gather
 from hlat.config import ConfigError, PrecisionConfig, RunConfig
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class NeuronCheckpoint:
             if bad:
                 raise ConfigError(f"neuron checkpoint {self.path} is damaged or incomplete: {'; '.join(bad[:4])}")
         if config is None:
-            from hlat.checkpoint.weights import run_config  # weights imports this module
+            from hlat.checkpoint.saved_config import run_config
 
             config = run_config(self.path)
         if config.cluster.backend != "neuron":

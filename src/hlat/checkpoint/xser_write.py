@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hlat.backends.neuron_shards import nxd_name, optimizer_order, param_names, stage_of, tp_split, zero1_split
 from hlat.checkpoint.hf_layout import check_tensors, expected_shapes
 from hlat.checkpoint.manifest import MANIFEST, config_hash, sha256
 from hlat.checkpoint.xser import (
@@ -34,7 +35,6 @@ from hlat.checkpoint.xser import (
     saved_layout,
     tensor_file,
 )
-from hlat.checkpoint.xser_shards import nxd_name, optimizer_order, param_names, stage_of, tp_split, zero1_split
 from hlat.config import ConfigError, PrecisionConfig, RunConfig
 from hlat.parallel import ParallelDims
 
@@ -313,7 +313,7 @@ def resharded_copy(path: Path, cfg: RunConfig, dims: ParallelDims, rank: int) ->
     the checkpoint. NxD loads only the layout it saved; each rank writes what it loads (no collective), the
     checkpoint itself is not changed, and the caller removes the copy once loaded.
     """
-    from hlat.checkpoint.weights import run_config  # weights imports xser
+    from hlat.checkpoint.saved_config import run_config
 
     saved_cfg = run_config(path)
     saved = saved_layout(path, saved_cfg)

@@ -1,6 +1,6 @@
 """How the neuron backend's NxD layout cuts each full tensor: tensor-parallel shards, pipeline stages, ZeRO-1 chunks.
 
-Pure tensor arithmetic, no files (``hlat.checkpoint.xser`` reads and writes them). A full tensor is the torch
+Pure tensor arithmetic, no files (``hlat.checkpoint.xser`` reads and writes their files). A full tensor is the torch
 backend's at tp = pp = 1 (``hlat.model`` names and shapes); NxD's pieces are cut as its layers cut them at
 initialization (``create_local_weight``; ``neuron_model`` says which layer each weight is):
 
