@@ -184,15 +184,36 @@ def test_a_source_that_does_not_fit_is_refused_before_anything_is_written(
 
 
 def test_a_damaged_or_incomplete_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None:
-    """A truncated tensor file fails the manifest's checks; a rank's file gone fails the layout's."""
+    """A truncated tensor file fails the manifest's checks, a config whose parameter groups differ from the saved
+    ones is refused (the moments would land on other parameters), a rank's file gone fails the layout's check, and
+    an existing directory is never written over."""
     cfg = run_config(*MICRO, "parallelism.tp=2")
     write_neuron_checkpoint(Tensors(full_state(cfg, masters=False)), tmp_path / "out", cfg)
     f = next((tmp_path / "out" / "model").glob("*tp_rank_01*.tensors/tensor_3.pt"))
     f.write_bytes(f.read_bytes()[:-8])
     with pytest.raises(ConfigError, match=re.escape("tensor_3.pt has")):
         NeuronCheckpoint(tmp_path / "out")
+    other = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, decay_norms_and_biases=False))
+    with pytest.raises(ConfigError, match=re.escape("parameter groups of [15] parameters")):
+        NeuronCheckpoint(tmp_path / "out", other, verify=False)
     (tmp_path / "out" / "optim" / "dp_rank_00_tp_rank_01_pp_rank_00.pt").unlink()
     with pytest.raises(ConfigError, match=re.escape("no optim/dp_rank_00_tp_rank_01_pp_rank_00.pt")):
         NeuronCheckpoint(tmp_path / "out", cfg, verify=False)
     with pytest.raises(ConfigError, match="exists"):
-        write_neuron_checkpoint(Tensors({}), tmp_path / "out", dataclasses.replace(cfg))
+        write_neuron_checkpoint(Tensors({}), tmp_path / "out", cfg)
+
+
+def test_a_neuron_checkpoint_may_resume_in_another_tp_or_pp_but_not_another_dtype(tmp_path: Path) -> None:
+    """``check_compatible``: parallelism.tp and .pp may change between a neuron checkpoint and a neuron run (hlat
+    reshards), a storage dtype still may not."""
+    from hlat import checkpoint
+
+    cfg = run_config(*MICRO, "parallelism.tp=2")
+    write_neuron_checkpoint(Tensors(full_state(cfg, masters=False)), tmp_path / "out", cfg)
+    now = dataclasses.asdict(run_config(*MICRO, "parallelism.pp=2"))
+    checkpoint.check_compatible(tmp_path / "out", now)
+    bf16 = dataclasses.asdict(run_config(*MICRO, "precision=bf16"))
+    with pytest.raises(
+        ConfigError, match=re.escape("precision.param_dtype='float32' in the checkpoint but 'bfloat16' now")
+    ):
+        checkpoint.check_compatible(tmp_path / "out", bf16)

@@ -189,6 +189,7 @@ class NeuronCheckpoint:
             if twice:
                 raise ConfigError(f"neuron checkpoint {self.path}: {twice[:8]} are held by more than one stage")
             order = optimizer_order(names, [len(full[n]) for n in names], self.config.optimizer.decay_norms_and_biases)
+            self._check_groups(s, names, full)
             for name in names:
                 meta = torch.empty(full[name], device="meta")
                 pieces = tuple(p.shape for p in tp_split(name, meta, cfg, lay.tp))
@@ -196,6 +197,22 @@ class NeuronCheckpoint:
         check_tensors({n: full[n] for n in found}, full, f"neuron checkpoint {self.path}")  # names missing
         self._check_pieces(found)
         return found
+
+    def _check_groups(self, stage: int, names: list[str], full: dict[str, torch.Size]) -> None:
+        """Refuse optimizer files whose parameter groups are not ``hlat.optim.param_groups`` of the stage's names.
+
+        The moments are found by their index in the groups: other groups would put them on other parameters.
+        """
+        decay_all = self.config.optimizer.decay_norms_and_biases
+        matrices = sum(len(full[n]) >= 2 for n in names)
+        want = [len(names)] if decay_all else [matrices, len(names) - matrices]
+        got = [len(g["params"]) for g in self._optim(0, 0, stage)["param_groups"]]
+        if got != want:
+            raise ConfigError(
+                f"neuron checkpoint {self.path}: stage {stage}'s optimizer has parameter groups of {got} parameters, "
+                f"but optimizer.decay_norms_and_biases={decay_all} in its config gives {want}: it does not match its "
+                "config"
+            )
 
     def _check_pieces(self, params: dict[str, _Param]) -> None:
         """Refuse pieces whose stored shapes differ from the cut of the config's full shapes (names listed)."""

@@ -316,6 +316,11 @@ def resharded_copy(path: Path, cfg: RunConfig, dims: ParallelDims, rank: int) ->
     from hlat.checkpoint.saved_config import run_config
 
     saved_cfg = run_config(path)
+    if saved_cfg.cluster.backend != "neuron":
+        raise ConfigError(
+            f"train.resume: {path} was written by the {saved_cfg.cluster.backend} backend, and the neuron backend "
+            f"resumes NxD checkpoints only: start a new run from its weights with train.init_from={path}"
+        )
     saved = saved_layout(path, saved_cfg)
     now = Layout(dims.tp, dims.pp, dims.dp, cfg.parallelism.zero1)
     if saved == now:
