@@ -315,7 +315,10 @@ def resharded_copy(path: Path, cfg: RunConfig, dims: ParallelDims, rank: int) ->
     """
     from hlat.checkpoint.saved_config import run_config
 
-    saved_cfg = run_config(path)
+    try:
+        saved_cfg = run_config(path)
+    except ConfigError:  # written before manifests recorded the config: NxD loads it as it is, as before
+        return None
     if saved_cfg.cluster.backend != "neuron":
         raise ConfigError(
             f"train.resume: {path} was written by the {saved_cfg.cluster.backend} backend, and the neuron backend "
