@@ -15,9 +15,11 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.neuron.lane import MICRO, ROOT, train
 
@@ -30,6 +32,25 @@ def flat(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict[str, lis
     return train(tmp_path_factory.mktemp("flat"), "flat", cache, keys=KEYS)
 
 
+Run = tuple[Path, dict[str, list[float]]]
+"""A layout's run directory and metrics."""
+
+
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Callable[..., Run]:
+    """``python train.py cluster=nxd_cpu`` in a layout, run once per layout; it checkpoints steps 2 and 3."""
+    runs: dict[tuple[str, ...], Run] = {}
+
+    def run(*layout: str) -> Run:
+        if layout not in runs:
+            tmp = tmp_path_factory.mktemp("layout")
+            metrics = train(tmp, "layout", cache, "cluster=nxd_cpu", *layout, "train.checkpoint_every=2", keys=KEYS)
+            runs[layout] = tmp / "layout", metrics
+        return runs[layout]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -39,7 +60,7 @@ def flat(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict[str, lis
     ],
 )
 def test_layout_trains_like_the_flat_model(
-    layout: tuple[str, ...], tmp_path: Path, cache: Path, flat: dict[str, list[float]]
+    layout: tuple[str, ...], layout_run: Callable[..., Run], flat: dict[str, list[float]]
 ) -> None:
     """``python train.py cluster=nxd_cpu`` with TP=2, PP=2 and both: the loss, the pre-clip grad norm (NxD's, which
     clipping uses) and the parameter norm of every step equal the flat model's.
@@ -49,7 +70,7 @@ def test_layout_trains_like_the_flat_model(
     initialized from another RNG order (step-1 loss 4.8036 vs 4.8347), a parameter norm over the local stage or
     shard only, a micro-batch lost by the pipeline schedule, a wrong loss scale.
     """
-    got = train(tmp_path, "layout", cache, "cluster=nxd_cpu", *layout, keys=KEYS)
+    _, got = layout_run(*layout)
     for key in KEYS:
         assert len(got[key]) == len(flat[key]) == 3, key
         assert got[key] == pytest.approx(flat[key], rel=1e-5), key
@@ -107,3 +128,64 @@ def test_pipeline_checkpoint_resumes_bitwise(tmp_path: Path, cache: Path) -> Non
     for key in ("train/loss", "train/grad_norm"):
         assert first[key] == straight[key][:2], key
         assert whole[key] == straight[key], key
+
+
+def test_a_checkpoint_resumes_bitwise_on_another_layout(
+    layout_run: Callable[..., Run], flat: dict[str, list[float]], tmp_path: Path, cache: Path
+) -> None:
+    """The step-2 checkpoints of the TP=2 and PP=2 runs, resumed at TP = PP = 1 (``cluster=xla_cpu``, one process):
+    hlat reshards NxD's xser files itself (``hlat.checkpoint.xser_write``) and NxD loads them.
+
+    Oracles: (1) what NxD restored, saved again by NxD (``xser_probe.py``, into ZeRO-1's optimizer: ZeRO-1 turned on
+    too), equals the checkpoint bit for bit, read back as full tensors: weights, AdamW moments and steps; (2) the
+    resumed ``train.py`` logs step 3 as the flat model does, to 1e-5 (the layouts' own tolerance: tensor-parallel and
+    gloo sums in another order); (3) the checkpoint is unchanged and no resharded copy is left; (4) written back in
+    its own layout, the files are NxD's own (tensors bitwise, reference and info pickles by content).
+
+    Catches: a wrong cut (qkv heads, gate_up halves, the vocabulary split, row vs column), AdamW state put on
+    another parameter, a stage's parameters lost, steps or moments not restored, masters not widened, a resume
+    refused by ``check_compatible``, a copy left beside the checkpoint.
+    """
+    from hlat.checkpoint.manifest import problems
+    from hlat.checkpoint.xser import NeuronCheckpoint, load_pickle
+    from hlat.checkpoint.xser_write import write_neuron_checkpoint
+    from hlat.config.compose import compose_run_config
+
+    sources = [layout_run(layout)[0] / "checkpoints" / "step_00000002" for layout in PP_TP]
+    probe = [*MICRO, "cluster=xla_cpu", "parallelism.zero1=true"]
+    args = [
+        sys.executable,
+        str(ROOT / "tests" / "neuron" / "xser_probe.py"),
+        str(tmp_path / "probe"),
+        *map(str, sources),
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    r = subprocess.run([*args, "--", *probe], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    cfg = compose_run_config(probe)
+    for i, source in enumerate(sources):
+        saved, restored = NeuronCheckpoint(source), NeuronCheckpoint(tmp_path / "probe" / str(i), cfg, verify=False)
+        assert restored.tensors() == saved.tensors() and len(saved.tensors()) == 60
+        differ = [k for k in saved.tensors() if not torch.equal(saved.read(k), restored.read(k))]
+        assert not differ, f"{source}: NxD restored {differ} otherwise"
+
+    for source, name in zip(sources, ("from-tp2", "from-pp2"), strict=True):
+        got = train(tmp_path, name, cache, "cluster=xla_cpu", f"train.resume={source}", keys=KEYS)
+        for key in KEYS:
+            assert got[key][-1] == pytest.approx(flat[key][2], rel=1e-5), (source, key, got[key], flat[key])
+        assert not problems(source, checksums=True)
+        assert not list(source.parent.glob(".*resharded*")), list(source.parent.iterdir())
+
+    same = NeuronCheckpoint(sources[0])
+    write_neuron_checkpoint(same, tmp_path / "again", same.config)
+    for f in sorted(sources[0].rglob("*.pt")):
+        g = tmp_path / "again" / f.relative_to(sources[0])
+        if ".tensors" in f.parent.name:
+            a, b = (torch.load(x, weights_only=True) for x in (f, g))
+            assert a.dtype == b.dtype and torch.equal(a, b), f
+        elif f.parent.name in ("model", "optim"):
+            assert repr(load_pickle(f)) == repr(load_pickle(g)), f
+
+
+PP_TP = ("parallelism.tp=2", "parallelism.pp=2")
+"""The layouts whose checkpoints are resumed at tp = pp = 1."""

@@ -243,3 +243,33 @@ def test_torch_only_train_options_are_refused_before_importing_anything(fake, ke
     with pytest.raises(ConfigError, match=message):
         get_backend(cfg).setup()
     assert fake.names() == []
+
+
+def test_init_from_replaces_nxds_initialization_with_the_given_weights(fake) -> None:
+    """``train.init_from`` on the neuron backend: the full weights (hlat's names, tp=1 layout) replace what NxD
+    initialized, each parameter getting its piece; the fused qkv as NxD's [q; k; v], not hlat's grouped rows.
+
+    Catches the weights ignored (NxD's own initialization kept), or qkv copied in hlat's row order.
+    """
+    from hlat.model import Transformer
+
+    cfg = run_config()
+    backend = get_backend(cfg)
+    env = backend.setup()
+    flat = Transformer(MODEL)
+    flat.init_weights(7)  # not the run's seed: other values than NxD's initialization
+    state = flat.state_dict()
+    model = backend.build_model(ParallelDims.build(cfg.parallelism, env.world_size, MODEL, cfg.train), state)
+    G, r, D = MODEL.kv_heads, MODEL.n_heads // MODEL.kv_heads, MODEL.head_dim
+    checked = []
+    for name, p in model.named_parameters():
+        if name.endswith("qkv.weight_qkv"):
+            g = state[name.replace("weight_qkv", "weight")].view(G, r + 2, D, MODEL.dim)
+            want = torch.cat(
+                [g[:, :r].reshape(-1, MODEL.dim), g[:, r].reshape(-1, MODEL.dim), g[:, r + 1].reshape(-1, MODEL.dim)]
+            )
+        else:
+            want = state[name]
+        assert torch.equal(p.detach(), want), name
+        checked.append(name)
+    assert len(checked) == len(list(flat.parameters()))

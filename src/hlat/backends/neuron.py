@@ -35,6 +35,7 @@ from hlat.backends.neuron_plan import (
     nxd_config_kwargs,
     precision_plan,
 )
+from hlat.backends.neuron_shards import hlat_name, tp_split
 from hlat.backends.torch.dist import Ranks
 from hlat.config import ConfigError, RunConfig
 from hlat.parallel import ParallelDims
@@ -196,11 +197,6 @@ class NeuronBackend:
 
         Its parameter names are the torch decoder's; its arithmetic is on NxD's layers.
         """
-        if init_state is not None:
-            raise ConfigError(
-                "train.init_from is not built on the neuron backend yet (NxD materializes the sharded model itself): "
-                "start the run on the torch backend, or leave train.init_from unset"
-            )
         api, self.dims = self.api, dims  # the run's layout, which setup validated on the same world
         opts, layers = model_options(self.cfg, dims.world_size), api.layers
         # Parallel layers draw their full weight on the host by name and seed (NamedInit: no global RNG), then keep
@@ -211,7 +207,22 @@ class NeuronBackend:
         model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: NeuronTransformer(cfg, layers, opts))
         if self.cpu_mode and dims.pp == 1:  # NxD's CPU mode: initialize_parallel_model moved the
             _move_parameters(model, self.device)  # model to xm.xla_device() whatever NXD_CPU_MODE says
+        if init_state is not None:  # NxD materialized and initialized its shards: overwrite them with the given ones
+            self._load_full(model, init_state, tp_rank=self.ranks.rank % dims.tp)
         return model
+
+    @torch.no_grad()
+    def _load_full(self, model: nn.Module, state: dict[str, torch.Tensor], tp_rank: int) -> None:
+        """Copy this rank's piece of each full tensor of ``state`` (hlat's names, tp=1 layout) into its parameter.
+
+        Each rank holds its pipeline stage's parameters (NxD's ``named_parameters``), cut as NxD's layers cut them
+        (``neuron_shards.tp_split``; NxD's rank order puts tp innermost).
+        """
+        assert self.dims is not None
+        for name, p in model.named_parameters():
+            full = state[hlat_name(name)]
+            piece = tp_split(hlat_name(name), full, self.cfg.model, self.dims.tp)[tp_rank]
+            p.data.copy_(piece.to(device=p.device, dtype=p.dtype))
 
     def build_optimizer(self, model: nn.Module, groups: list[dict]) -> torch.optim.Optimizer:
         cfg = self.cfg.optimizer  # the NxD config was built from it too

@@ -106,7 +106,7 @@ SHAPE_KEYS = tuple(f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_he
 
 
 LAYOUT_KEYS = {
-    "parallelism.tp": "the weights are saved sharded by tensor-parallel rank; only the torch backend reshards them",
+    "parallelism.tp": "the weights are saved sharded by tensor-parallel rank",
     "parallelism.pp": "the layers are saved by pipeline stage",
     "precision.param_dtype": "the weights and optimizer moments are stored in that dtype",
     "precision.master_weights": (
@@ -116,16 +116,20 @@ LAYOUT_KEYS = {
 }
 """Keys whose change the saved state may not survive, and why; :data:`RESHARDED` lists the changes that are loaded."""
 
+_XSER = "hlat rewrites the xser files for this run's layout before NxD loads them (hlat.checkpoint.xser_write)"
+
 RESHARDED: dict[tuple[str, str, Any, Any], str] = {
     ("torch", "parallelism.tp", None, None): "the weights and AdamW state are resharded as they are read",
+    ("neuron", "parallelism.tp", None, None): _XSER,
+    ("neuron", "parallelism.pp", None, None): _XSER,
     ("torch", "precision.master_weights", False, True): (
         "the fp32 master weights start as the checkpoint's bf16 weights, exactly; its bf16 AdamW moments continue "
         "in fp32"
     ),
 }
 """(backend, key, old, new; None: any value) -> what resuming across that change does. Changes of other keys that
-only say how the state is spread over the ranks (parallelism.zero1, sequence_parallel, the DP degree) need nothing:
-DCP reads every tensor into whatever layout loads it."""
+only say how the state is spread over the ranks (parallelism.zero1, sequence_parallel, the DP degree) need nothing
+here: DCP reads every tensor into whatever layout loads it, and the neuron resume rewrites the files for any layout."""
 
 
 def _resharding(backend: str, key: str, old: Any, new: Any) -> str | None:

@@ -7,12 +7,9 @@ May import: ``hlat.config``, the core, ``hlat.data``, ``hlat.backends.torch.dist
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import typing
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -27,6 +24,8 @@ from hlat.checkpoint.hf_layout import (
     import_hf,
     model_overrides,
 )
+from hlat.checkpoint.saved_config import _build, model_config, run_config  # noqa: F401  run_config re-exported
+from hlat.checkpoint.xser import NeuronCheckpoint
 from hlat.config import ConfigError, DataConfig, ModelConfig, RunConfig
 from hlat.data.builtin import builtin_corpus_path
 from hlat.data.loader import tokenizer_sample
@@ -78,74 +77,40 @@ def find_checkpoint(path: str | Path) -> Path:
     )
 
 
-def run_config(path: Path) -> RunConfig:
-    """The resolved config recorded in a checkpoint's manifest (keys this version does not know are ignored).
-
-    Raises:
-        ConfigError: The manifest records no config, or one this version of hlat rejects.
-    """
-    saved = (ckpt.manifest(path) or {}).get("config")
-    if not isinstance(saved, dict):
-        raise ConfigError(f"checkpoint {path}: its {ckpt.MANIFEST} records no config (written by an older hlat?)")
-    try:
-        return _build(RunConfig, saved)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(
-            f"checkpoint {path}: the config in its {ckpt.MANIFEST} is not valid now ({e}); use the hlat version "
-            "that wrote it"
-        ) from e
-
-
-def model_config(path: Path) -> ModelConfig:
-    """The model config alone from a checkpoint's manifest (all a weights-only checkpoint records)."""
-    meta = ckpt.manifest(path) or {}
-    saved = (meta.get("config") or {"model": meta.get("model")}).get("model")  # top-level: before the whole config
-    if not isinstance(saved, dict):
-        raise ConfigError(f"checkpoint {path}: its {ckpt.MANIFEST} records no model config (not written by hlat?)")
-    return _build(ModelConfig, saved)
-
-
-def _build(cls: type, values: dict[str, Any]) -> Any:
-    """The dataclass ``cls`` from ``dataclasses.asdict`` output, nested dataclasses (and lists of them) included."""
-    hints = typing.get_type_hints(cls)
-    return cls(
-        **{
-            f.name: _value(hints[f.name], values[f.name])
-            for f in dataclasses.fields(cls)
-            if f.init and f.name in values
-        }
-    )
-
-
-def _value(tp: Any, v: Any) -> Any:
-    if dataclasses.is_dataclass(tp) and isinstance(v, dict):
-        return _build(tp, v)
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (list, tuple) and args and isinstance(v, list):
-        return type(v)(_value(args[0], x) for x in v)
-    for arg in args:  # X | None
-        if dataclasses.is_dataclass(arg) and isinstance(v, dict):
-            return _build(arg, v)
-    return v
-
-
 def check_torch_backend(path: Path) -> None:
-    """ConfigError unless the checkpoint holds DCP files (torch backend), the only kind read outside training."""
+    """ConfigError unless the checkpoint holds DCP files (torch backend) or NxD's xser files (neuron backend)."""
     backend = ((ckpt.manifest(path) or {}).get("config") or {}).get("cluster", {}).get("backend", "torch")
-    if backend != "torch":
-        what = f"was written by the {backend} backend (NxD xser shards, not torch.distributed.checkpoint)"
+    if backend == "neuron" and (path / "model").is_dir():
+        return  # read through hlat.checkpoint.xser
+    if backend not in ("torch", "neuron"):
+        what = f"was written by the {backend} backend, which hlat cannot read outside training"
+    elif backend == "neuron":
+        what = "has no model/ directory: it is not an NxD xser checkpoint"
     elif not (path / ".metadata").is_file():
         what = "has no .metadata: it is not a torch.distributed.checkpoint"
     else:
         return
-    raise ConfigError(
-        f"checkpoint {path} {what}: evaluation runs on the torch backend, and NxD checkpoints "
-        "cannot be exported or loaded by train.init_from yet; evaluate a torch-backend run"
-    )
+    raise ConfigError(f"checkpoint {path} {what}: give a checkpoint written by hlat's torch or neuron backend")
+
+
+def _read_neuron_weights(path: Path, cfg: ModelConfig, into: Tensors | None) -> Tensors:
+    """The model weights of a neuron-backend checkpoint, gathered to the tp=1 layout one tensor at a time."""
+    source = NeuronCheckpoint(path, verify=False)  # find_checkpoint has checked it
+    weights = {k.removeprefix("model."): v for k, v in source.tensors().items() if k.startswith("model.")}
+    check_tensors({k: torch.Size(v[0]) for k, v in weights.items()}, expected_shapes(cfg), f"checkpoint {path}")
+    sd = into if into is not None else {}
+    with torch.no_grad():
+        for name in weights:
+            t = source.read(f"model.{name}")
+            if name in sd:
+                sd[name].copy_(t)
+            else:
+                sd[name] = t
+    return sd
 
 
 def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> Tensors:
-    """The model weights of the DCP checkpoint at ``path`` (no optimizer state), in the tp=1 layout.
+    """The model weights of the DCP (or neuron xser) checkpoint at ``path`` (no optimizer state), in the tp=1 layout.
 
     One process, no process group: sharded saves are resharded, and a tp > 1 run's interleaved gate_up rows are
     put back as ``[gate; up]``. ``into``: tensors to load into (default: new CPU tensors in the stored dtype).
@@ -153,6 +118,8 @@ def read_weights(path: Path, cfg: ModelConfig, into: Tensors | None = None) -> T
     Raises:
         ConfigError: The stored tensors do not match ``cfg``, or the checkpoint is not trusted (:mod:`hlat.safe_load`).
     """
+    if ((ckpt.manifest(path) or {}).get("config") or {}).get("cluster", {}).get("backend") == "neuron":
+        return _read_neuron_weights(path, cfg, into)
     md = safe_load.read_metadata(path).state_dict_metadata  # never unpickles code from the checkpoint
     stored = {
         k.removeprefix("model."): m

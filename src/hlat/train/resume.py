@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from torch import nn
 
 from hlat import checkpoint
 from hlat.backends.base import Backend
+from hlat.checkpoint.xser_write import resharded_copy
 from hlat.config import ConfigError, RunConfig
 from hlat.data import Loader
 from hlat.data.loader import CHECKPOINT
@@ -125,7 +127,12 @@ def restore(
     Returns:
         The saved progress, and the job record (MLflow run id, uptime accounting; empty in older checkpoints).
     """
-    extra = backend.load(path, model, optimizer)
+    copy = _in_this_layout(backend, path)
+    try:
+        extra = backend.load(copy or path, model, optimizer)
+    finally:
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
     try:
         data.load_state_dict(extra["data"])
     except ConfigError as e:  # the loader cannot know which checkpoint it was given: name it, and in the fix
@@ -136,6 +143,17 @@ def restore(
     state = TrainState(**extra["train_state"])
     log.info("resumed from %s at step %d", path, state.step)
     return state, extra.get("job", {})
+
+
+def _in_this_layout(backend: Backend, path: Path) -> Path | None:
+    """A neuron checkpoint saved in another layout, resharded for this rank (None: load ``path`` as it is).
+
+    NxD loads only the layout it saved; the torch backend reshards in DCP's load itself.
+    """
+    if backend.name != "neuron":
+        return None
+    cfg, dims, ranks = backend.cfg, backend.dims, backend.ranks  # type: ignore[attr-defined]
+    return resharded_copy(path, cfg, dims, ranks.rank)
 
 
 COUNTED = "start_counted"
