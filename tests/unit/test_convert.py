@@ -108,6 +108,19 @@ def test_torch_to_torch_keeps_every_tensor_bitwise(source, tmp_path) -> None:
     assert checkpoint.resolve(str(out)) == out  # what train.resume=<out> accepts
 
 
+def test_torch_to_neuron_to_torch_keeps_every_tensor_bitwise(source, tmp_path) -> None:
+    """--to neuron writes NxD's xser layout (read back by hlat's own reader); back --to torch nothing has changed."""
+    neuron = hf.convert(source, tmp_path / "neuron", "neuron")
+    meta = checkpoint.manifest(neuron)
+    assert meta["config"]["cluster"]["backend"] == "neuron" and meta["config"]["parallelism"]["zero1"]  # masters
+    assert checkpoint.problems(neuron, checksums=True) == [] and (neuron / "model").is_dir()
+    back = hf.convert(neuron, tmp_path / "torch", "torch")
+    want, got = everything(source), everything(back)
+    assert want.keys() == got.keys() == everything(neuron).keys()
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    assert checkpoint.manifest(back)["source"]["format"] == "neuron-xser"
+
+
 def test_a_tensor_parallel_checkpoint_becomes_the_tp1_layout(tok, source, tmp_path) -> None:  # noqa: F811
     """gate_up rows and their AdamW moments and master copy saved in a tp=2 run's order come back as [gate; up]."""
     tp2 = save_trained(tmp_path / "tp2", tok, tp=2)

@@ -18,6 +18,7 @@ from hlat import checkpoint as ckpt
 from hlat import safe_load
 from hlat.checkpoint.portable import HFCheckpoint, Reader, TorchCheckpoint
 from hlat.checkpoint.weights import find_checkpoint
+from hlat.checkpoint.xser import NeuronCheckpoint
 from hlat.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,6 @@ def open_checkpoint(path: Path) -> Reader:
         return HFCheckpoint(path)
     backend = ((ckpt.manifest(path) or {}).get("config") or {}).get("cluster", {}).get("backend", "torch")
     if backend == "neuron":
-        try:
-            from hlat.checkpoint.xser import NeuronCheckpoint  # type: ignore[import-not-found]
-        except ImportError:
-            raise ConfigError(
-                f"checkpoint {path} was written by the neuron backend: this build has no reader of neuron "
-                "checkpoints (hlat.checkpoint.xser)"
-            ) from None
         return NeuronCheckpoint(path)
     if not (path / safe_load.METADATA).is_file():
         raise ConfigError(f"checkpoint {path} has no {safe_load.METADATA}: it is not a torch.distributed.checkpoint")

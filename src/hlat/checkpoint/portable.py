@@ -262,8 +262,8 @@ class _StreamingSavePlanner(DefaultSavePlanner):
             self._last.untyped_storage().resize_(0)  # written already (the serial loader yields one at a time)
         fqn = write_item.index.fqn
         t = self._read(fqn).contiguous()
-        if t.untyped_storage().nbytes() != t.nbytes:
-            t = t.clone()  # a view into something bigger: free only what this tensor owns
+        if t.untyped_storage().nbytes() != t.nbytes or not t.untyped_storage().resizable():
+            t = t.clone()  # a view into something bigger, or storage a reader cannot free: own a copy to free
         planned = self.lookup_object(write_item.index)
         if t.shape != planned.shape or t.dtype != planned.dtype:
             raise RuntimeError(

@@ -41,6 +41,11 @@ def model_config(path: Path) -> ModelConfig:
     return _build(ModelConfig, saved)
 
 
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """The ``RunConfig`` of ``dataclasses.asdict`` output (validated as any config is)."""
+    return _build(RunConfig, values)
+
+
 def _build(cls: type, values: dict[str, Any]) -> Any:
     """The dataclass ``cls`` from ``dataclasses.asdict`` output, nested dataclasses (and lists of them) included."""
     hints = typing.get_type_hints(cls)

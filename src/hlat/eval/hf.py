@@ -26,8 +26,10 @@ from hlat.checkpoint import safetensors_io
 from hlat.checkpoint.convert import atomic_dir, check_destination, open_checkpoint, source_dir
 from hlat.checkpoint.hf_layout import DTYPES, SPM, hf_config, import_hf, model_overrides
 from hlat.checkpoint.portable import HFCheckpoint, Reader, check_canonical, hf_specs, write_hf_weights, write_torch
+from hlat.checkpoint.saved_config import config_from_dict
 from hlat.checkpoint.weights import checkpoint_tokenizer
-from hlat.config import ConfigError, ModelConfig
+from hlat.checkpoint.xser_write import write_neuron_checkpoint
+from hlat.config import ConfigError, ModelConfig, RunConfig
 from hlat.eval.hf_tokenizer import write_tokenizer
 
 log = logging.getLogger(__name__)
@@ -95,7 +97,6 @@ def convert(
         raise ConfigError(f"--to {to}: convert to one of {', '.join(TARGETS)}")
     if dtype is not None and (to != "hf" or dtype not in DTYPES):
         raise ConfigError(f"--dtype {dtype}: only --to hf takes a dtype, one of {list(DTYPES)}")
-    write_neuron = _neuron_writer() if to == "neuron" else None  # before the source is read
     src_dir, dst = source_dir(src), Path(dst).expanduser()
     check_destination(src_dir, dst, overwrite=overwrite)
     reader = open_checkpoint(src_dir)
@@ -125,7 +126,8 @@ def convert(
                 reader, tmp, optimizer=optimizer, meta=meta | ({"tokenizer": SPM} if files else {}), files=files
             )
         else:
-            write_neuron(reader, tmp)
+            tmp.rmdir()  # the xser writer makes its directory itself, atomically
+            write_neuron_checkpoint(reader, tmp, neuron_target(reader.config))
     log.info("converted %s to %s (%s%s)", src_dir, dst, to, "" if optimizer or to == "hf" else ", weights only")
     return dst
 
@@ -152,14 +154,17 @@ def _write_hf_dir(reader: Reader, out: Path, spm: Path, dtype: torch.dtype, max_
     _dump(out / "generation_config.json", {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos})
 
 
-def _neuron_writer() -> Any:
-    try:
-        from hlat.checkpoint.xser import write_neuron_checkpoint  # type: ignore[import-not-found]
-    except ImportError:
-        raise ConfigError(
-            "--to neuron: this build has no writer of neuron checkpoints (hlat.checkpoint.xser); convert --to torch"
-        ) from None
-    return write_neuron_checkpoint
+def neuron_target(source: RunConfig) -> RunConfig:
+    """The config a ``--to neuron`` checkpoint is written with: the source's, on the neuron backend at TP = PP = DP = 1.
+
+    A neuron run on any layout resumes it (hlat rewrites the files for its layout as it starts); fp32 masters need
+    ZeRO-1 there (NxD keeps them inside it).
+    """
+    values = dataclasses.asdict(source)
+    values["cluster"]["backend"] = "neuron"
+    zero1 = values["parallelism"]["zero1"] or values["precision"]["master_weights"]
+    values["parallelism"].update(tp=1, pp=1, zero1=zero1)
+    return config_from_dict(values)
 
 
 def export_hf(
