@@ -195,7 +195,8 @@ def test_layout_and_precision_changes_are_loaded_where_defined_and_refused_namin
     tmp_path: Path, caplog
 ) -> None:
     """The torch backend reshards a TP change and starts fp32 masters from bf16 weights; the neuron backend's
-    checkpoints reshard nothing here, and no backend drops master weights or changes the parameter dtype."""
+    checkpoints are rewritten by hlat for a TP change; no backend drops master weights, changes the parameter dtype or
+    loads the other backend's files."""
     model, opt = model_and_opt()
     config = {
         "cluster": {"backend": "torch"},
@@ -230,8 +231,11 @@ def test_layout_and_precision_changes_are_loaded_where_defined_and_refused_namin
 
     neuron = {**config, "cluster": {"backend": "neuron"}}
     neuron_ckpt = save(tmp_path / "neuron", model, opt, 1, meta={"config": neuron})
-    with pytest.raises(ConfigError, match=r"parallelism\.tp=2 in the checkpoint but 1 now \(.*sharded"):
+    with caplog.at_level("INFO", logger="hlat.checkpoint"):
         checkpoint.check_compatible(neuron_ckpt, {**neuron, "parallelism": {"tp": 1, "zero1": False}})
+    assert "parallelism.tp=2 in the checkpoint but 1 now: hlat rewrites the xser files" in caplog.text
+    with pytest.raises(ConfigError, match=r"written by the neuron backend and this run is on the torch backend"):
+        checkpoint.check_compatible(neuron_ckpt, config)  # each backend loads its own files: convert first
 
 
 def test_disk_space_is_checked_before_work(tmp_path: Path) -> None:

@@ -119,6 +119,9 @@ def test_torch_to_neuron_to_torch_keeps_every_tensor_bitwise(source, tmp_path) -
     assert want.keys() == got.keys() == everything(neuron).keys()
     assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
     assert checkpoint.manifest(back)["source"]["format"] == "neuron-xser"
+    # Resuming the neuron checkpoint on the torch backend as it is: refused before anything is built, naming the way.
+    with pytest.raises(ConfigError, match=r"written by the neuron backend .* \(hlat convert .* --to torch\)"):
+        checkpoint.check_compatible(neuron, checkpoint.manifest(source)["config"])
 
 
 def test_a_tensor_parallel_checkpoint_becomes_the_tp1_layout(tok, source, tmp_path) -> None:  # noqa: F811

@@ -161,8 +161,13 @@ def check_compatible(path: Path, config: dict[str, Any]) -> dict[str, str]:
     diff = {k: f"{k}={saved.get(k)!r} in the checkpoint but {now.get(k)!r} now" for k in changed}
     backend = saved.get("cluster.backend", "torch")
     what = {k: _resharding(backend, k, saved.get(k), now.get(k)) for k in changed if k in LAYOUT_KEYS}
-    if now.get("cluster.backend", backend) != backend:
-        what = dict.fromkeys(what)  # the backend's own reader converts nothing
+    if now.get("cluster.backend", backend) != backend:  # each backend loads its own files only
+        raise ConfigError(
+            f"cannot resume {path}: it was written by the {backend} backend and this run is on the "
+            f"{now.get('cluster.backend')} backend. Convert it first (hlat convert {path} <new dir> --to "
+            f"{now.get('cluster.backend')}) and resume from that (train.resume=<new dir>), or start a new run from its "
+            f"weights (train.init_from={path})"
+        )
     breaking = [
         diff[k] + (f" ({LAYOUT_KEYS[k]})" if k in LAYOUT_KEYS else "")
         for k in changed

@@ -322,7 +322,8 @@ def resharded_copy(path: Path, cfg: RunConfig, dims: ParallelDims, rank: int) ->
     if saved_cfg.cluster.backend != "neuron":
         raise ConfigError(
             f"train.resume: {path} was written by the {saved_cfg.cluster.backend} backend, and the neuron backend "
-            f"resumes NxD checkpoints only: start a new run from its weights with train.init_from={path}"
+            f"resumes NxD checkpoints only: convert it (hlat convert {path} <new dir> --to neuron) and resume from "
+            f"that, or start a new run from its weights with train.init_from={path}"
         )
     saved = saved_layout(path, saved_cfg)
     now = Layout(dims.tp, dims.pp, dims.dp, cfg.parallelism.zero1)
