@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hlat import layouts, safe_load
-from hlat.backends.base import Env
+from hlat.backends.base import Env, read_extra
 from hlat.backends.torch.bf16_matmul import apply_policy
 from hlat.backends.torch.dist import (
     Ranks,
@@ -213,8 +213,7 @@ class TorchBackend:
         # Not dcp.load: DCP's own reader unpickles .metadata, and non-tensor items, unrestricted (hlat.safe_load).
         safe_load.load(state, path, process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
         set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
-        return torch.load(path / EXTRA.format(rank=self.ranks.rank), map_location="cpu", weights_only=True)
+        return read_extra(path, self.ranks.rank)  # rank 0's for a rank the saving run had not
 
     @staticmethod
     def _optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
