@@ -105,8 +105,10 @@ def run_hlat(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["worker"] = spec["worker"]
     cfg = DataConfig(**kwargs)
     B, T = spec["micro_batch_size"], spec["seq_len"]
+    # A global batch of several micro-batches: this rank serves that many sequence slots (hlat.data.slots).
+    size = {"global_batch_size": spec["global_batch_size"]} if spec.get("global_batch_size") else {}
     start = time.perf_counter()
-    loader = build_loader(cfg, vocab_size=spec["vocab_size"], seq_len=T, micro_batch_size=B, seed=0)
+    loader = build_loader(cfg, vocab_size=spec["vocab_size"], seq_len=T, micro_batch_size=B, seed=0, **size)
     tokens, first = 0, 0.0
     for _ in range(spec["batches"]):
         inputs, targets = next(loader)

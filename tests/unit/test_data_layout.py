@@ -182,3 +182,18 @@ def test_a_change_of_global_batch_is_refused_naming_the_key(corpus):
     assert "train.global_batch_size was 8, is 16 now. Resume with train.global_batch_size=8, or start a new run" in (
         str(e.value)
     )
+
+
+def test_a_change_of_seq_len_continues_every_slot_at_the_token_where_it_stopped(corpus):
+    (first,) = _ranks(corpus, 1, 8, seed=2)
+    head = _steps([first], 3, 8)
+    state = first.state_dict()
+    longer = build_loader(_cfg(corpus), vocab_size=VOCAB, seq_len=20, micro_batch_size=8, seed=2, global_batch_size=8)
+    longer.load_state_dict(state)
+    inputs, targets = next(longer)
+    tail = np.concatenate([inputs.numpy(), targets.numpy()[:, -1:]], axis=1)
+    expected = _expected_batches(corpus, 5, seed=2)  # windows of 12 tokens: 3 of them, then 20 tokens on
+    for s in range(GLOBAL):
+        stream = np.concatenate([expected[k, s, :-1] for k in range(5)])
+        np.testing.assert_array_equal(head[:, s].reshape(3, -1)[:, :-1].reshape(-1), stream[: 3 * SEQ_LEN])
+        np.testing.assert_array_equal(tail[s], stream[3 * SEQ_LEN : 3 * SEQ_LEN + 21])
