@@ -152,12 +152,8 @@ class _Slot:
 
     def __init__(self, index: int, packer: Packer, cursor: dict[str, int]) -> None:
         self.index, self.packer = index, packer
-        self.round, self.documents, self.skipped = (
-            int(cursor["round"]),
-            int(cursor["documents"]),
-            int(cursor["skipped"]),
-        )
-        self.windows = int(cursor["windows"])
+        self.round, self.windows = int(cursor["round"]), int(cursor["windows"])
+        self.documents, self.skipped = int(cursor["documents"]), int(cursor["skipped"])
         self.skip = int(cursor["offset"])  # tokens of the first document already trained on
         self.empty_run = 0  # rows read in a row without a document (the hang guard)
 
