@@ -207,16 +207,20 @@ class PackedStream:
     def _plan(self, needy: _Slot) -> list[tuple[_Slot, int]]:
         """Rows to read for each slot running low, ``needy`` included: ~ENCODE_ROWS in all, for one tokenizer call.
 
-        Every slot pops one window per global batch, so they run low together: each is topped up to about
-        ``ENCODE_ROWS / slots`` rows' worth of tokens (at least one window). Only the speed depends on this.
+        Every slot pops one window per global batch, so they run low together: each is topped up to one window
+        plus ``ENCODE_ROWS / slots`` rows' worth of tokens, so that the next call, when the first slot runs dry, has
+        about ENCODE_ROWS rows again. Only the speed depends on this.
         """
         per_row = self._tokens_read / self._rows_read if self._tokens_read else self.spec.seq_len
-        ahead = max(self.spec.seq_len + 1, ENCODE_ROWS * per_row / len(self._slots))
+        ahead = self.spec.seq_len + 1 + ENCODE_ROWS * per_row / len(self._slots)
         plan = []
         for slot in self._slots:
             short = ahead - slot.packer.buffered
             if short > 0 or slot is needy:
                 plan.append((slot, max(1, math.ceil(short / per_row))))
+        total = sum(n for _, n in plan)
+        if total < ENCODE_ROWS:  # long documents left some slots full: the others read more, for one full call
+            plan = [(slot, math.ceil(n * ENCODE_ROWS / total)) for slot, n in plan]
         return plan
 
     def _feed(self, needy: _Slot) -> None:
