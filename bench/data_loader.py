@@ -105,8 +105,10 @@ def run_hlat(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["worker"] = spec["worker"]
     cfg = DataConfig(**kwargs)
     B, T = spec["micro_batch_size"], spec["seq_len"]
+    # A global batch of several micro-batches: this rank serves that many sequence slots (hlat.data.slots).
+    size = {"global_batch_size": spec["global_batch_size"]} if spec.get("global_batch_size") else {}
     start = time.perf_counter()
-    loader = build_loader(cfg, vocab_size=spec["vocab_size"], seq_len=T, micro_batch_size=B, seed=0)
+    loader = build_loader(cfg, vocab_size=spec["vocab_size"], seq_len=T, micro_batch_size=B, seed=0, **size)
     tokens, first = 0, 0.0
     for _ in range(spec["batches"]):
         inputs, targets = next(loader)
@@ -416,7 +418,12 @@ class Case:
 
 
 def build_cases(
-    setup: Setup, seq_lens: Sequence[int], micro_batch_size: int, vocab_size: int, cache_dir: Path
+    setup: Setup,
+    seq_lens: Sequence[int],
+    micro_batch_size: int,
+    vocab_size: int,
+    cache_dir: Path,
+    global_batch_size: int | None = None,
 ) -> list[Case]:
     """All measurements of a run, in the order they are printed.
 
@@ -426,6 +433,7 @@ def build_cases(
         micro_batch_size: Sequences per batch.
         vocab_size: Tokenizer pieces.
         cache_dir: hlat cache directory passed to ``DataConfig``.
+        global_batch_size: Sequences per global batch on hlat's side (None: one micro-batch per step).
 
     Returns:
         The cases (results still empty).
@@ -436,6 +444,7 @@ def build_cases(
         batches = setup.hf_blocks[T] // micro_batch_size
         hlat = {**common, "kind": "hlat", "seq_len": T, "batches": batches, "vocab_size": vocab_size}
         hlat["cache_dir"] = str(cache_dir)
+        hlat["global_batch_size"] = global_batch_size
         for mode in setup.worker_modes:
             label = "hlat build_loader" if mode is None else f"hlat build_loader, worker={mode}"
             cases.append(Case(label, "2 cores, sp threads=2", T, {**hlat, "worker": mode}, "hlat"))
@@ -747,6 +756,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--size-mb", type=float, default=None, help="input size in MB (default 20, quick 2)")
     parser.add_argument("--seq-len", type=int, nargs="+", default=None, help="default 2048 256 (quick: 2048)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="hlat's global batch in sequences, a multiple of the micro-batch: the loader serves that many slots "
+        "(default: one micro-batch)",
+    )
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument(
         "--record-batch-rows",
@@ -804,7 +820,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()
     print(f"preparing input ({args.size_mb:g} MB) and tokenizers in {args.cache_dir} ...", file=sys.stderr)
     setup = prepare_in_subprocess(args)
-    cases = build_cases(setup, args.seq_len, args.micro_batch_size, args.vocab_size, args.cache_dir)
+    cases = build_cases(
+        setup, args.seq_len, args.micro_batch_size, args.vocab_size, args.cache_dir, args.global_batch_size
+    )
     with tempfile.TemporaryDirectory(prefix="hlat-bench-hf-") as hf_home:
         env = _child_env(Path(hf_home))
         for _, case in _progress(cases, args.repeats):
@@ -831,7 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"- input: {setup.documents:,} documents, {setup.megabytes:.1f} MB of text, {setup.corpus_tokens:,} tokens "
         f"(vocab {args.vocab_size}, {setup.arrow.name}, {args.record_batch_rows or 'all'} rows per record batch); "
-        f"micro_batch_size={args.micro_batch_size}; "
+        f"micro_batch_size={args.micro_batch_size}, hlat global_batch_size={args.global_batch_size or 'the same'}; "
         f"{args.repeats} repetition(s) per row, interleaved"
     )
     if importlib.util.find_spec("datasets") is None:

@@ -127,7 +127,7 @@ def test_zero1_matches_plain_data_parallelism(tmp_path: Path, precision: str) ->
 
 @pytest.mark.slow
 def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: Path, cache_dir: Path) -> None:
-    """``cluster=cpu_x2``: elastic starts the ranks; sharded checkpoint; the rerun resumes; DP=2 learns as DP=1."""
+    """``cluster=cpu_x2``: elastic starts the ranks; sharded checkpoint; the rerun resumes; DP=2 trains as DP=1."""
     from mlflow import MlflowClient
 
     from hlat.train.run import main
@@ -142,6 +142,7 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
         "train.checkpoint_every=4",
         "train.log_every=2",
         "optimizer.warmup_steps=2",
+        "optimizer.decay_steps=12",  # the schedule of a 12-step run in both legs of the DP=2 run (8, then 12 steps)
         f"data.cache_dir={cache_dir}",
         "tracker.plots=false",
         "tracker.system_metrics=false",
@@ -163,10 +164,10 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
     assert sorted(dp2_loss) == list(range(1, 13))
     one = main(run_config(*common, "train.steps=12", "tracker=console"), run_dir=tmp_path / "dp1")
     dp1_loss = dict(one.history.series("train/loss"))
-    # Each rank reads its own share of the corpus, so the batches differ from one process's: same curve, not same bits.
-    late = range(9, 13)
-    gap = abs(sum(dp2_loss[s] for s in late) - sum(dp1_loss[s] for s in late)) / len(late)
-    assert dp2_loss[12] < dp2_loss[1] - 0.3 and gap < 0.15, (dp1_loss, dp2_loss)
+    # The same global batches as one process (hlat.data.slots), summed in another order: the same losses up to fp32
+    # rounding (measured: at most 5e-7 apart over the 12 steps; another batch moves a loss by ~0.1).
+    gap = max(abs(dp2_loss[s] - dp1_loss[s]) for s in dp2_loss)
+    assert dp2_loss[12] < dp2_loss[1] - 0.3 and gap < 2e-3, (dp1_loss, dp2_loss)
 
 
 @pytest.mark.slow

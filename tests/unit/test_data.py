@@ -94,6 +94,7 @@ def _cfg(env, **kw) -> DataConfig:
 
 def _spec(path: Path, tok: Tokenizer, **kw) -> StreamSpec:
     kw = {"seq_len": 16, "micro_batch_size": 3, "seed": 7, "shuffle": True, "dp_rank": 0, "dp_size": 1, **kw}
+    kw.setdefault("global_batch_size", kw["micro_batch_size"] * kw["dp_size"])
     return StreamSpec(str(path), "text", str(tok.path), tok.vocab_size, **kw)
 
 
@@ -106,18 +107,20 @@ def _docs_file(tmp_path: Path, docs: list[str], name: str = "d.jsonl") -> Path:
 
 
 def _epoch_rows(stream: PackedStream, epoch: int) -> list[int]:
-    """Oracle: the rows a rank reads in an epoch, from the permutation applied to its positions."""
+    """Oracle: the rows a rank's slots read in an epoch: the permutation applied to the positions whose global index
+    (``epoch * rows + position``) falls in one of its slots (``index % global_batch_size``)."""
     spec, n = stream.spec, len(stream.source)
-    positions = list(range(spec.dp_rank, n, spec.dp_size))
+    positions = [p for p in range(n) if (epoch * n + p) % spec.global_batch_size in spec.slots]
     return Permutation(n, spec.seed, epoch)(positions).tolist() if spec.shuffle else positions
 
 
-def _expected_stream(stream: PackedStream, docs: list[str], tok: Tokenizer, epochs: int) -> list[int]:
-    """Oracle: this rank's documents in their epoch orders, each tokenized whole and followed by EOS."""
-    out: list[int] = []
-    for epoch in range(epochs):
-        for ids in tok.encode([docs[i] for i in _epoch_rows(stream, epoch)]):
-            out += [*ids, tok.eos_id]
+def _slot_stream(stream: PackedStream, slot: int, docs: list[str], tok: Tokenizer, epochs: int) -> list[int]:
+    """Oracle: the documents of sequence slot ``slot`` (global indices slot, slot + G, ...), whole, EOS after each."""
+    spec, n, out = stream.spec, len(docs), []
+    for i in range(slot, epochs * n, spec.global_batch_size):
+        epoch, position = divmod(i, n)
+        row = int(Permutation(n, spec.seed, epoch)([position])[0]) if spec.shuffle else position
+        out += [*tok.encode([docs[row]])[0], tok.eos_id]
     return out
 
 
@@ -233,7 +236,7 @@ def test_build_loader_on_builtin_corpus(builtin_cache):
     inputs, targets = loader.next_batch()
     assert inputs.shape == targets.shape == (2, 32)
     assert loader.tokenizer.vocab_size == VOCAB
-    assert loader._stream.position == ENCODE_ROWS < len(loader.source)  # tokenized lazily, one chunk of rows
+    assert ENCODE_ROWS <= loader._stream._rows_read < 2 * ENCODE_ROWS < len(loader.source)  # lazily, one call
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -357,20 +360,21 @@ def test_permutation_is_a_seeded_bijection(n):
 # ---------------------------------------------------------------- loader
 
 
-def test_batches_are_shifted_windows_of_the_document_stream(env, short_docs, tmp_path):
+def test_batches_are_shifted_windows_of_each_slots_document_stream(env, short_docs, tmp_path):
     tok, path = env["tok"], _docs_file(tmp_path, short_docs)
     loader = OnlineLoader(_spec(path, tok, shuffle=False), TextSource(path, "text"), tok, worker="none")
     batches = _batches(loader, 40)
-    assert loader.state_dict()["epoch"] >= 2
-    rows_in = torch.cat([b[0] for b in batches])
-    rows_tg = torch.cat([b[1] for b in batches])
-    assert rows_in.dtype == rows_tg.dtype == torch.int64 and rows_in.shape == (120, 16)
-    assert torch.equal(rows_in[:, 1:], rows_tg[:, :-1])  # targets = inputs shifted by one
-    assert torch.equal(rows_in[1:, 0], rows_tg[:-1, -1])  # consecutive windows share one token
+    assert loader.stats()["data/epochs"] >= 2
     oracle = _stream(path, tok, shuffle=False)
-    stream = _expected_stream(oracle, short_docs, tok, loader.state_dict()["epoch"] + 1)
-    expected = torch.tensor([stream[i * 16 : i * 16 + 17] for i in range(120)])
-    assert torch.equal(rows_in, expected[:, :-1]) and torch.equal(rows_tg, expected[:, 1:])
+    for slot in range(3):  # row j of every batch is sequence slot j's next window
+        rows_in = torch.stack([b[0][slot] for b in batches])
+        rows_tg = torch.stack([b[1][slot] for b in batches])
+        assert rows_in.dtype == rows_tg.dtype == torch.int64 and rows_in.shape == (40, 16)
+        assert torch.equal(rows_in[:, 1:], rows_tg[:, :-1])  # targets = inputs shifted by one
+        assert torch.equal(rows_in[1:, 0], rows_tg[:-1, -1])  # consecutive windows share one token
+        stream = _slot_stream(oracle, slot, short_docs, tok, epochs=40)
+        expected = torch.tensor([stream[i * 16 : i * 16 + 17] for i in range(40)])
+        assert torch.equal(rows_in, expected[:, :-1]) and torch.equal(rows_tg, expected[:, 1:])
     stats = loader.stats()
     assert stats["data/tokens_produced"] == 40 * 3 * 16 and stats["data/padding_fraction"] == 0.0
 
@@ -378,13 +382,15 @@ def test_batches_are_shifted_windows_of_the_document_stream(env, short_docs, tmp
 def test_shuffled_stream_separates_whole_documents_with_eos(env, docs, tmp_path):
     tok, path = env["tok"], _docs_file(tmp_path, docs[:30])
     loader = OnlineLoader(_spec(path, tok, seed=3, seq_len=64, micro_batch_size=4), TextSource(path, "text"), tok)
-    stream = torch.cat([inp.reshape(-1) for inp, _ in _batches(loader, 30)]).tolist()
+    batches = _batches(loader, 30)
     loader.close()
-    assert tok.eos_id in stream and all(0 <= t < tok.vocab_size for t in stream)
-    segments = " ".join(map(str, stream)).split(f" {tok.eos_id} ")[1:-1]  # drop the possibly partial ends
-    assert len(segments) > 10
-    for seg in segments:
-        assert tok.decode([int(t) for t in seg.split()]) in docs[:30]
+    for slot in range(4):  # each slot's windows, end to end, are whole documents with an EOS after each
+        stream = torch.cat([inp[slot] for inp, _ in batches]).tolist()
+        assert tok.eos_id in stream and all(0 <= t < tok.vocab_size for t in stream)
+        segments = " ".join(map(str, stream)).split(f" {tok.eos_id} ")[1:-1]  # drop the possibly partial ends
+        assert len(segments) > 2
+        for seg in segments:
+            assert tok.decode([int(t) for t in seg.split()]) in docs[:30]
 
 
 @pytest.mark.parametrize("worker", ["none", "thread", "process"])
@@ -398,7 +404,7 @@ def test_resume_gives_identical_batches(env, short_docs, tmp_path, worker):
     first = build_loader(cfg, **kwargs)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(_batches(first, 9), expected[:9], strict=True))
     state = json.loads(json.dumps(first.state_dict()))  # plain python values only
-    assert state["epoch"] >= 1 and set(state) >= {"epoch", "position", "offset"}
+    assert state["slots"] == [0, 4] and max(s + 4 * c["round"] for s, c in enumerate(state["cursors"])) >= 12
     first.close()
 
     resumed = build_loader(cfg, **kwargs)
@@ -442,17 +448,20 @@ def test_bad_layout_fails_before_reading_data(env, docs, tmp_path):
         build_loader(cfg, vocab_size=VOCAB, seq_len=8, micro_batch_size=1, seed=0, dp_rank=2, dp_size=2)
     with pytest.raises(ValueError, match="seq_len=0"):
         build_loader(cfg, vocab_size=VOCAB, seq_len=0, micro_batch_size=1, seed=0)
-    path = _docs_file(tmp_path, docs[:3])
-    with pytest.raises(ConfigError, match="fewer than the 4 data-parallel ranks"):
-        build_loader(
-            _cfg(env, path=str(path), tokenizer=str(env["tok"].path)),
-            vocab_size=VOCAB,
-            seq_len=8,
-            micro_batch_size=1,
-            seed=0,
-            dp_rank=3,
-            dp_size=4,
-        )
+    with pytest.raises(ValueError, match="global_batch_size=6"):
+        build_loader(cfg, vocab_size=VOCAB, seq_len=8, micro_batch_size=2, seed=0, dp_size=2, global_batch_size=6)
+    path = _docs_file(tmp_path, docs[:3])  # fewer rows than slots: every slot reads the global sequence
+    loader = build_loader(
+        _cfg(env, path=str(path), tokenizer=str(env["tok"].path)),
+        vocab_size=VOCAB,
+        seq_len=8,
+        micro_batch_size=1,
+        seed=0,
+        dp_rank=3,
+        dp_size=4,
+    )
+    assert loader.next_batch()[0].shape == (1, 8)
+    loader.close()
 
 
 def test_resume_rejects_a_different_stream(env, docs, tmp_path):
@@ -462,7 +471,7 @@ def test_resume_rejects_a_different_stream(env, docs, tmp_path):
     state = build_loader(cfg, seed=1, **kwargs).state_dict()
     with pytest.raises(ConfigError, match=r"train\.seed"):
         build_loader(cfg, seed=2, **kwargs).load_state_dict(state)
-    with pytest.raises(ConfigError, match="data-parallel size"):
+    with pytest.raises(ConfigError, match=r"train\.global_batch_size was 2, is 4 now"):
         build_loader(cfg, seed=1, dp_size=2, **kwargs).load_state_dict(state)
     other = _docs_file(tmp_path, docs[:-1], "other.jsonl")
     other_cfg = _cfg(env, path=str(other), tokenizer=str(env["tok"].path))
@@ -470,20 +479,19 @@ def test_resume_rejects_a_different_stream(env, docs, tmp_path):
         build_loader(other_cfg, seed=1, **kwargs).load_state_dict(state)
 
 
-def test_dp_ranks_read_disjoint_streams_covering_each_epoch(env, short_docs, tmp_path):
+def test_dp_ranks_serve_disjoint_slots_covering_each_epoch(env, short_docs, tmp_path):
     tok, small = env["tok"], short_docs[:11]
     path = _docs_file(tmp_path, small)
-    ranks = [_stream(path, tok, seed=5, dp_rank=r, dp_size=2) for r in range(2)]
+    ranks = [_stream(path, tok, seed=5, micro_batch_size=1, dp_rank=r, dp_size=2) for r in range(2)]
+    assert [r.spec.slots for r in ranks] == [range(0, 1), range(1, 2)]
     for epoch in range(3):
         orders = [_epoch_rows(r, epoch) for r in ranks]
         assert not set(orders[0]) & set(orders[1])
         assert sorted(orders[0] + orders[1]) == list(range(len(small)))
     for r in ranks:
         got = _windows(r, 20)
-        stream = _expected_stream(r, small, tok, r.epoch + 1)
+        stream = _slot_stream(r, r.spec.dp_rank, small, tok, epochs=40)
         assert got == [stream[i * 16 : i * 16 + 17] for i in range(len(got))]
-    fresh = [_stream(path, tok, seed=5, dp_rank=r, dp_size=2).next_windows()[0] for r in range(2)]
-    assert fresh[0].tolist() != fresh[1].tolist()
 
 
 def test_each_epoch_is_reshuffled_deterministically(env, docs, tmp_path):
@@ -506,21 +514,24 @@ def test_counters_and_skipped_rows(env, short_docs, tmp_path):
     cfg = _cfg(env, path=str(path), tokenizer=str(env["tok"].path), shuffle=False, worker="none")
     loader = build_loader(cfg, vocab_size=VOCAB, seq_len=32, micro_batch_size=2, seed=0)
     _batches(loader, 30)
-    state, stats = loader.state_dict(), loader.stats()
-    assert state["epoch"] >= 1
-    # Oracle: the counters count the rows before the document the next window starts in.
-    before = rows[: state["position"]]
-    bad = [r for r in before if r is None or not r.strip() or r.startswith(b"caf")]
-    assert stats["data/skipped_documents"] == 4 * state["epoch"] + len(bad)
-    assert stats["data/documents_consumed"] == 10 * state["epoch"] + len(before) - len(bad)
-    assert stats["data/epochs"] == pytest.approx(state["epoch"] + state["position"] / len(rows))
+    state, stats, n = loader.state_dict(), loader.stats(), len(rows)
+    indices = [s + 2 * c["round"] for s, c in enumerate(state["cursors"])]  # the next global index of each slot
+    assert min(indices) >= n  # every slot is past the first epoch
+    # Oracle: a slot's counters count the rows it read before the document its next window starts in.
+    for s, c in enumerate(state["cursors"]):
+        before = [rows[(s + 2 * t) % n] for t in range(c["round"])]  # unshuffled: global index i is row i % n
+        bad = [r for r in before if r is None or not r.strip() or r.startswith(b"caf")]
+        assert (c["skipped"], c["documents"]) == (len(bad), len(before) - len(bad))
+    assert stats["data/skipped_documents"] == sum(c["skipped"] for c in state["cursors"])
+    assert stats["data/documents_consumed"] == sum(c["documents"] for c in state["cursors"])
+    assert stats["data/epochs"] == pytest.approx(sum(indices) / 2 / n)
 
 
 def test_worker_errors_reach_the_trainer(env, tmp_path):
-    # Unshuffled, rank 0 of 2 reads rows 0 and 2: both blank, so its stream can never fill a batch.
+    # Unshuffled, slot 0 of a 3-sequence global batch reads row 0 of every epoch: blank, so it never fills a window.
     path = _write_jsonl(tmp_path / "blank.jsonl", [{"text": " "}, {"text": "real text"}, {"text": "\n"}])
     cfg = _cfg(env, path=str(path), tokenizer=str(env["tok"].path), worker="thread", shuffle=False)
-    loader = build_loader(cfg, vocab_size=VOCAB, seq_len=16, micro_batch_size=1, seed=0, dp_rank=0, dp_size=2)
+    loader = build_loader(cfg, vocab_size=VOCAB, seq_len=16, micro_batch_size=1, seed=0, dp_rank=0, dp_size=3)
     with pytest.raises(ConfigError, match="null, blank or not UTF-8"):
         loader.next_batch()
 

@@ -124,10 +124,12 @@ def test_data_parallel_ranks_get_disjoint_samples_covering_the_single_rank_order
     got = [[rank.global_sample(i) for i in range(n)] for rank in ranks]
     assert not set(got[0]) & set(got[1])
     assert sorted(got[0] + got[1]) == sorted(single.global_sample(i) for i in range(2 * n))
-    assert got[1][5] == single.global_sample(5 * 2 + 1)
+    # A global batch of 4 = 2 ranks x 2 slots: rank 1 serves slots 2 and 3 of every one; its 5th sample is
+    # slot 3 of global batch 2, the single rank's (2-sequence global batch) sample 4 * 2 + 3.
+    assert got[1][5] == single.global_sample(2 * 4 + 3)
     b0, b1 = ranks[0].next_batch()[0], ranks[1].next_batch()[0]
     assert b0[0].tolist() == single.window(single.global_sample(0))[:-1].tolist()
-    assert b1[0].tolist() == single.window(single.global_sample(1))[:-1].tolist()
+    assert b1[0].tolist() == single.window(single.global_sample(2))[:-1].tolist()
     assert ranks[0].stats()["data/epochs"] == pytest.approx(2 * single.seq_len * 2 / single.index.tokens_per_epoch)
 
 

@@ -113,7 +113,7 @@ def test_range_refusals_read_as_documented(override: str, message: str) -> None:
 
 # ---------------------------------------------------------------------------- 2. data that cannot be read or continued
 
-STREAM = dict(version=2, seed=1, shuffle=True, dp_rank=0, dp_size=1, data="3|a.jsonl:9", tokenizer="a1")
+STREAM = dict(version=3, seed=1, shuffle=True, global_batch_size=16, data="3|a.jsonl:9", tokenizer="a1")
 """A saved online-loader identity (``hlat.data.loader.stream_identity`` and the state version)."""
 
 
@@ -145,7 +145,11 @@ def test_a_corpus_cut_in_half_before_a_rerun_names_the_file_its_sizes_and_both_w
 IDENTITY_CHANGES = {
     "seed": ({"seed": 2}, "train.seed was 1, is 2 now", "Resume with train.seed=1"),
     "shuffle": ({"shuffle": False}, "data.shuffle was true, is false now", "Resume with data.shuffle=true"),
-    "dp_size": ({"dp_size": 2, "dp_rank": 1}, "the data-parallel size was 1, is 2 now", "the same data-parallel size"),
+    "global_batch_size": (
+        {"global_batch_size": 32},
+        "train.global_batch_size was 16, is 32 now",
+        "Resume with train.global_batch_size=16",
+    ),
     "loader": ({"loader": "offline_packed"}, "data.loader was online, is offline_packed now", "data.loader=online"),
     "tokenizer": (
         {"tokenizer": "b2"},
@@ -171,7 +175,7 @@ def test_every_change_of_the_data_stream_is_named_with_the_setting_to_restore(ch
     assert what in str(e.value) and fix in str(e.value) and "start a new run" in str(e.value)
     with pytest.raises(
         ConfigError,
-        match=r"version 1, this hlat reads version 2: resume with the hlat that wrote it, or start a new run",
+        match=r"version 1, this hlat reads version 3: resume with the hlat that wrote it, or start a new run",
     ):
         check_identity({**saved, "version": 1}, saved)
 

@@ -134,3 +134,19 @@ class Backend(Protocol):
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model and optimizer state in place from ``path``; return the ``extra`` saved with them."""
         ...
+
+
+EXTRA = "extra.rank{rank}.pt"
+"""Each rank's ``extra`` in a checkpoint directory (train state, loader position, RNG, spikes, job record)."""
+
+
+def read_extra(path: Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s ``extra`` from the checkpoint at ``path``; rank 0's where the saving run had no such rank.
+
+    A run resumed on more ranks than saved it (another data-parallel degree) gives a new rank rank 0's train state,
+    spike statistics, job record and RNG state (every rank seeds and draws it alike); its loader then gathers its
+    sequence slots' positions from the ranks that served them (``hlat.train.resume.restore``).
+    """
+    own = path / EXTRA.format(rank=rank)
+    # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
+    return torch.load(own if own.is_file() else path / EXTRA.format(rank=0), map_location="cpu", weights_only=True)

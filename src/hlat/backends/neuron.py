@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hlat.backends.base import Env
+from hlat.backends.base import EXTRA, Env, read_extra
 from hlat.backends.neuron_graphs import graph_metrics
 from hlat.backends.neuron_model import ModuleInit, NeuronTransformer, NxDLayers
 from hlat.backends.neuron_plan import (
@@ -53,9 +53,6 @@ __all__ = [
     "nxd_config_kwargs",
     "precision_plan",
 ]
-
-EXTRA = "extra.rank{rank}.pt"
-"""This rank's ``extra`` (its data-loader position): NxD writes ``user_content`` from global rank 0 only."""
 
 
 @dataclass(frozen=True)
@@ -371,8 +368,7 @@ class NeuronBackend:
         _, kwargs = checkpoint_calls(path, {}, async_save=False, zero1=self.cfg.parallelism.zero1)
         with self._rendezvous():
             self.api.nxd.load_checkpoint(model=model, optimizer=optimizer, **kwargs)
-        # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
-        return torch.load(path / EXTRA.format(rank=self.ranks.rank), map_location="cpu", weights_only=True)
+        return read_extra(path, self.ranks.rank)  # rank 0's for a rank the saving run had not
 
 
 @torch.no_grad()

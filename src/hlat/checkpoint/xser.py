@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hlat.backends.base import EXTRA
 from hlat.backends.neuron_shards import hlat_name, nxd_name, optimizer_order, tp_gather, tp_split, zero1_gather
 from hlat.checkpoint.hf_layout import check_tensors, expected_shapes
 from hlat.checkpoint.manifest import problems
@@ -32,8 +33,6 @@ log = logging.getLogger(__name__)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_KEYS = ("step", *MOMENTS)
 """What AdamW keeps per parameter, in NxD's (and torch's) order."""
-EXTRA = "extra.rank{rank}.pt"
-"""hlat's per-rank train state and loader position (``hlat.backends.neuron.EXTRA``)."""
 
 
 class TensorReference:

@@ -15,7 +15,7 @@ import torch
 
 from hlat.config import DataConfig
 from hlat.data.builtin import builtin_corpus_path
-from hlat.data.loader import PackedStream, StreamSpec, tokenizer_sample
+from hlat.data.loader import StreamSpec, tokenizer_sample
 from hlat.data.sources import TextSource
 from hlat.data.tokenizer import Tokenizer, load_or_train_tokenizer, load_tokenizer
 from hlat.data.worker import OnlineLoader
@@ -29,6 +29,11 @@ class Loader(Protocol):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @property
+    def slots(self) -> range:
+        """The sequence slots of the global batch this rank serves (``hlat.data.slots``)."""
+        ...
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the stream, as plain Python values (checkpointed)."""
@@ -56,8 +61,12 @@ def build_loader(
     seed: int,
     dp_rank: int = 0,
     dp_size: int = 1,
+    global_batch_size: int | None = None,
 ) -> Loader:
     """Build one data-parallel rank's loader from the ``data`` config.
+
+    The rank serves its share of the ``global_batch_size`` sequence slots (default: one micro-batch per rank), in
+    micro-batches of ``micro_batch_size``; every global batch is the same whatever the layout.
 
     Returns:
         The online loader, or the offline baseline for ``data.loader=offline_packed`` (see :class:`Loader`):
@@ -66,7 +75,8 @@ def build_loader(
     Raises:
         ConfigError: Bad path/column/tokenizer, vocabulary mismatch, or no documents.
     """
-    _check_layout(seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    global_batch_size = global_batch_size or micro_batch_size * dp_size
+    _check_layout(seq_len, micro_batch_size, dp_rank, dp_size, global_batch_size)
     source, tokenizer = _open_data(cfg, vocab_size)
     if cfg.loader == "offline_packed":
         from hlat.data.offline import build_offline_loader
@@ -78,6 +88,7 @@ def build_loader(
             seq_len=seq_len,
             micro_batch_size=micro_batch_size,
             seed=seed,
+            global_batch_size=global_batch_size,
             dp_rank=dp_rank,
             dp_size=dp_size,
         )
@@ -90,18 +101,24 @@ def build_loader(
         micro_batch_size,
         seed,
         cfg.shuffle,
+        global_batch_size,
         dp_rank,
         dp_size,
     )
-    PackedStream(spec, source, tokenizer)  # validates the rank layout against the data now, not in the worker
     return OnlineLoader(spec, source, tokenizer, worker=cfg.worker, prefetch=cfg.prefetch)
 
 
-def _check_layout(*, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
-    """Refuse a rank layout that no loader can serve."""
-    if seq_len <= 0 or micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
+def _check_layout(seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int, global_batch_size: int) -> None:
+    """Refuse a rank layout that no loader can serve (``hlat.parallel.ParallelDims`` words it for users)."""
+    if (
+        seq_len <= 0
+        or micro_batch_size <= 0
+        or not 0 <= dp_rank < dp_size
+        or global_batch_size % (micro_batch_size * dp_size)
+    ):
         raise ValueError(
             f"bad layout: seq_len={seq_len}, micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}"
+            f", global_batch_size={global_batch_size}"
         )
 
 

@@ -19,15 +19,16 @@ import torch
 from hlat.config import ConfigError, DataConfig
 from hlat.data.loader import check_identity
 from hlat.data.pretokenized import pretokenize
+from hlat.data.slots import covers, slot_range
 from hlat.data.sources import TextSource
 from hlat.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 _CACHED_EPOCHS = 3  # epochs of index arrays kept in memory (a window may reach into the next epoch)
 
-IDENTITY_KEYS = ("loader", "seed", "shuffle", "seq_len", "dp_rank", "dp_size", "data", "tokenizer")
+IDENTITY_KEYS = ("loader", "seed", "shuffle", "seq_len", "global_batch_size", "data", "tokenizer")
 """state_dict entries that must match on resume (``hlat.data.loader.check_identity`` words a change)."""
 
 
@@ -38,7 +39,8 @@ class SampleIndex:
     is stream tokens ``[s * seq_len, (s + 1) * seq_len]`` (``seq_len + 1`` tokens, so neighbours share one),
     located by ``sample_idx`` = (doc_idx position, offset); ``shuffle_idx`` permutes the samples starting in each
     epoch. The arrays are built per epoch when first needed (Megatron shuffles all epochs but the last together;
-    per-epoch shuffles let the index grow lazily). Rank ``r``'s ``i``-th sample is ``shuffle_idx[i * dp_size + r]``.
+    per-epoch shuffles let the index grow lazily). Sequence slot ``s`` of global batch ``k`` is
+    ``shuffle_idx[k * global_batch_size + s]``, whichever rank serves it (``hlat.data.slots``).
 
     ``doc_lengths`` counts each document's EOS; ``seed`` seeds every epoch's document order and sample
     permutation (numpy PCG64); ``shuffle=False`` keeps both in source order.
@@ -119,9 +121,9 @@ class OfflinePackedLoader:
 
     Same interface as the online loader. ``directory`` is a :func:`pretokenize` cache built with
     ``tokenizer``; ``data_fingerprint`` (``TextSource.fingerprint``), the tokenizer, ``seed``
-    (``train.seed``), ``shuffle`` (``data.shuffle``), ``seq_len`` and the DP layout are checked on
-    resume. The position is one number, the samples this rank has consumed, so a resumed loader
-    reproduces the batches exactly (``micro_batch_size`` may change).
+    (``train.seed``), ``shuffle`` (``data.shuffle``), ``seq_len`` and ``global_batch_size`` are checked on
+    resume. The position is one number per sequence slot, the windows it has served, so a resumed loader
+    reproduces the batches exactly on any data-parallel degree and ``micro_batch_size``.
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class OfflinePackedLoader:
         micro_batch_size: int,
         seed: int,
         shuffle: bool = True,
+        global_batch_size: int | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
     ) -> None:
@@ -145,8 +148,10 @@ class OfflinePackedLoader:
         self.data_fingerprint = data_fingerprint
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.seed, self.shuffle, self.dp_rank, self.dp_size = seed, shuffle, dp_rank, dp_size
+        self.global_batch_size = global_batch_size or micro_batch_size * dp_size
+        self.slots = slot_range(self.global_batch_size, dp_rank, dp_size)
         self.index = SampleIndex(np.diff(self.doc_offsets), seq_len, seed, shuffle)
-        self.samples_consumed = self.batches_produced = 0
+        self.windows = [0] * len(self.slots)  # per slot: the windows served (the global batch it is at)
 
     @property
     def num_documents(self) -> int:
@@ -154,8 +159,9 @@ class OfflinePackedLoader:
         return self.index.num_docs
 
     def global_sample(self, i: int) -> int:
-        """The global sample that is this rank's ``i``-th: ``shuffle_idx[i * dp_size + dp_rank]``."""
-        return self.index.shuffle_idx(i * self.dp_size + self.dp_rank)
+        """The global sample that is this rank's ``i``-th: slot ``i % slots`` of its ``i // slots``-th global batch."""
+        k, j = divmod(i, len(self.slots))
+        return self.index.shuffle_idx(k * self.global_batch_size + self.slots[j])
 
     def window(self, sample: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of global ``sample``."""
@@ -163,11 +169,13 @@ class OfflinePackedLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next micro-batch: int64 ``(inputs, targets)`` of shape ``(micro_batch_size, seq_len)``."""
-        first = self.samples_consumed
-        rows = [self.window(self.global_sample(i)) for i in range(first, first + self.micro_batch_size)]
+        first = self.windows[0]
+        start = next((j for j, n in enumerate(self.windows) if n < first), 0)  # slot 0 is a step ahead: behind it
+        rows = []
+        for j in range(start, start + self.micro_batch_size):
+            rows.append(self.window(self.index.shuffle_idx(self.windows[j] * self.global_batch_size + self.slots[j])))
+            self.windows[j] += 1
         windows = torch.from_numpy(np.stack(rows))
-        self.samples_consumed += self.micro_batch_size
-        self.batches_produced += 1
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -177,48 +185,56 @@ class OfflinePackedLoader:
         return self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
-        """The position (samples consumed) and the identity of the stream, as plain Python values."""
+        """The position (windows per slot) and the identity of the stream, as plain Python values."""
         return {
             "version": _STATE_VERSION,
             "loader": "offline_packed",
             "seed": self.seed,
             "shuffle": self.shuffle,
             "seq_len": self.seq_len,
-            "dp_rank": self.dp_rank,
-            "dp_size": self.dp_size,
+            "global_batch_size": self.global_batch_size,
             "data": self.data_fingerprint,
             "tokenizer": self.tokenizer.fingerprint,
-            "samples_consumed": self.samples_consumed,
-            "batches_produced": self.batches_produced,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "slots": [self.slots.start, self.slots.stop],
+            "cursors": list(self.windows),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`; later batches equal those of the saving loader.
 
+        ``state`` holds this rank's slots (as :func:`hlat.data.slots.gather` assembles them on another layout).
+
         Raises:
             ConfigError: The state comes from the online loader, another seed, shuffle setting,
-                seq_len, rank layout, data or tokenizer.
+                seq_len, global batch, data or tokenizer.
         """
         check_identity(state, self.state_dict(), IDENTITY_KEYS, _STATE_VERSION)
-        self.samples_consumed = int(state["samples_consumed"])
-        self.batches_produced = int(state["batches_produced"])
+        if not covers(state, self.slots):
+            raise ConfigError(
+                f"the saved data loader state holds sequence slots {state['slots']}, this rank serves "
+                f"[{self.slots.start}, {self.slots.stop}): gather them from the saved ranks (hlat.data.slots.gather)"
+            )
+        self.windows = [int(n) for n in state["cursors"]]
 
     def stats(self) -> dict[str, float]:
         """Data metrics for the tracker.
 
         ``data/documents_consumed`` is an estimate: the tokens of this rank's consumed samples divided
         by the mean document length (tokens incl. EOS). ``data/epochs`` is the fraction of the stream
-        consumed by all ranks together (this rank's position times ``dp_size``, in samples of
-        ``seq_len`` new tokens, over the tokens of one epoch).
+        consumed by all ranks together (the global batches this rank's slots are at, times
+        ``global_batch_size`` samples of ``seq_len`` new tokens, over the tokens of one epoch).
         """
-        tokens = self.samples_consumed * self.seq_len
+        tokens = sum(self.windows) * self.seq_len
         per_epoch = self.index.tokens_per_epoch
+        global_tokens = tokens * self.global_batch_size / len(self.slots)
         return {
             "data/documents_consumed": float(tokens * self.num_documents / per_epoch),
             "data/skipped_documents": float(self.meta["skipped_rows"]),
             "data/tokens_produced": float(tokens),
             "data/padding_fraction": 0.0,
-            "data/epochs": float(tokens * self.dp_size / per_epoch),
+            "data/epochs": float(global_tokens / per_epoch),
         }
 
     def close(self) -> None:
@@ -235,6 +251,7 @@ def build_offline_loader(
     seed: int,
     dp_rank: int,
     dp_size: int,
+    global_batch_size: int | None = None,
 ) -> OfflinePackedLoader:
     """The ``data.loader=offline_packed`` loader of one rank: pre-tokenize (cached), then index.
 
@@ -281,6 +298,7 @@ def build_offline_loader(
         micro_batch_size=micro_batch_size,
         seed=seed,
         shuffle=cfg.shuffle,
+        global_batch_size=global_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
     )

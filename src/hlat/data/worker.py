@@ -1,6 +1,6 @@
 """Run a ``PackedStream`` ahead of the trainer in a background thread or process, ``prefetch`` batches deep.
 
-Each batch carries the cursor after it, so ``state_dict()`` is what the trainer consumed, not what was
+Each batch carries its slots' cursors after it, so ``state_dict()`` is what the trainer consumed, not what was
 prefetched; a worker's error is re-raised in the trainer at the batch where it happened.
 """
 
@@ -16,15 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hlat.data.loader import (
-    START,
-    STATE_VERSION,
-    PackedStream,
-    StreamSpec,
-    check_identity,
-    rows_per_rank,
-    stream_identity,
-)
+from hlat.config import ConfigError
+from hlat.data.loader import START, STATE_VERSION, PackedStream, StreamSpec, check_identity, stream_identity
+from hlat.data.slots import covers
 from hlat.data.sources import TextSource
 from hlat.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -52,20 +46,20 @@ def _produce(stream: PackedStream, q: Any, stop: Any) -> None:
     try:
         while not stop.is_set():
             t0 = time.perf_counter()
-            windows, cursor = stream.next_windows()
+            windows, cursors = stream.next_windows()
             busy += time.perf_counter() - t0
             # int32 halves what crosses a process boundary; token ids are < 2^31.
-            if not _put(q, (windows.astype(np.int32), cursor, busy), stop):
+            if not _put(q, (windows.astype(np.int32), cursors, busy), stop):
                 return
     except BaseException as exc:  # everything goes to the trainer, which re-raises it
         _put(q, _Failure(exc), stop)
 
 
-def _process_main(spec: StreamSpec, cursor: dict | None, q: Any, stop: Any) -> None:
+def _process_main(spec: StreamSpec, cursors: list[dict], q: Any, stop: Any) -> None:
     """Entry point of a worker process: reopen the (memory-mapped) data and the tokenizer, then produce."""
     source = TextSource(spec.data_path, spec.text_column)
     tokenizer = load_tokenizer(spec.tokenizer_path, spec.vocab_size)
-    _produce(PackedStream(spec, source, tokenizer, cursor), q, stop)
+    _produce(PackedStream(spec, source, tokenizer, cursors), q, stop)
     # Prefetched batches nobody will read must not hold the process open at exit (its queue feeder
     # thread would otherwise wait to flush them into the pipe).
     q.cancel_join_thread()
@@ -74,7 +68,8 @@ def _process_main(spec: StreamSpec, cursor: dict | None, q: Any, stop: Any) -> N
 class OnlineLoader:
     """Infinite iterator of packed ``(inputs, targets)`` micro-batches for one data-parallel rank.
 
-    ``worker``: ``thread``, ``process`` or ``none`` (inline); ``prefetch``: batches it keeps ready.
+    ``worker``: ``thread``, ``process`` or ``none`` (inline); ``prefetch``: batches it keeps ready. ``slots``: the
+    sequence slots of the global batch it serves (``hlat.data.slots``).
     """
 
     def __init__(
@@ -83,7 +78,8 @@ class OnlineLoader:
         self.spec, self.source, self.tokenizer = spec, source, tokenizer
         self.worker, self.prefetch = worker, prefetch
         self._identity = stream_identity(spec, source, tokenizer)
-        self._cursor: dict[str, int] | None = None  # after the last consumed batch; None = start
+        self.slots = spec.slots
+        self._cursors = [dict(START) for _ in self.slots]  # of every slot, after the last consumed batch
         self._busy = 0.0
         self._stream: PackedStream | None = None
         self._queue: Any = None
@@ -92,11 +88,11 @@ class OnlineLoader:
 
     def _start(self) -> None:
         if self.worker == "none":
-            self._stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursor)
+            self._stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursors)
             return
         if self.worker == "thread":
             self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
-            stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursor)
+            stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursors)
             self._runner = threading.Thread(
                 target=_produce,
                 args=(stream, self._queue, self._stop),
@@ -109,7 +105,7 @@ class OnlineLoader:
             self._queue, self._stop = ctx.Queue(self.prefetch), ctx.Event()
             self._runner = ctx.Process(
                 target=_process_main,
-                args=(self.spec, self._cursor, self._queue, self._stop),
+                args=(self.spec, self._cursors, self._queue, self._stop),
                 daemon=True,
                 name=f"hlat-data-rank{self.spec.dp_rank}",
             )
@@ -127,14 +123,16 @@ class OnlineLoader:
             self._start()
         if self._stream is not None:
             t0 = time.perf_counter()
-            windows, self._cursor = self._stream.next_windows()
+            windows, cursors = self._stream.next_windows()
             self._busy += time.perf_counter() - t0
         else:
             item = self._get()
             if isinstance(item, _Failure):
                 self.close()
                 raise item.exc
-            windows, self._cursor, self._busy = item
+            windows, cursors, self._busy = item
+        for slot, cursor in cursors.items():
+            self._cursors[slot - self.slots.start] = cursor
         w = torch.from_numpy(windows.astype(np.int64, copy=False))
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
@@ -154,30 +152,46 @@ class OnlineLoader:
                     ) from None
 
     def state_dict(self) -> dict[str, Any]:
-        """Position after the last batch handed out, as plain Python values."""
-        return {"version": STATE_VERSION, **self._identity, **(self._cursor or START)}
+        """Every slot's position after the last batch handed out, and the stream's identity, as plain values.
+
+        ``dp_rank``, ``dp_size`` and ``seq_len`` record where it was saved; only the identity must match on resume.
+        """
+        layout = {"seq_len": self.spec.seq_len, "dp_rank": self.spec.dp_rank, "dp_size": self.spec.dp_size}
+        slots = [self.slots.start, self.slots.stop]
+        return {"version": STATE_VERSION, **self._identity, **layout, "slots": slots, "cursors": list(self._cursors)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the batch at which ``state`` was taken (restarts a running worker).
 
+        ``state`` must hold this rank's slots: one rank's state from the same layout, or one that
+        :func:`hlat.data.slots.gather` assembled from the saved ranks of another data-parallel degree.
+
         Raises:
-            ConfigError: The state comes from different data, tokenizer, seed or rank layout.
+            ConfigError: The state comes from different data, tokenizer, seed or global batch.
         """
         check_identity(state, self._identity)
+        if not covers(state, self.slots):
+            raise ConfigError(
+                f"the saved data loader state holds sequence slots {state['slots']}, this rank serves "
+                f"[{self.slots.start}, {self.slots.stop}): gather them from the saved ranks (hlat.data.slots.gather)"
+            )
         self.close()
-        self._cursor = {k: int(state[k]) for k in START}
+        self._cursors = [{k: int(c[k]) for k in START} for c in state["cursors"]]
 
     def stats(self) -> dict[str, float]:
-        """Loader metrics as of the last consumed batch (host values, for the trackers)."""
-        c = self._cursor or START
-        tokens = c["batches"] * self.spec.micro_batch_size * self.spec.seq_len
-        per_epoch = rows_per_rank(len(self.source), self.spec.dp_rank, self.spec.dp_size)
+        """Loader metrics of this rank's slots as of the last consumed batch (host values, for the trackers).
+
+        ``data/epochs`` is how far, in epochs of the global stream, this rank's slots have read on average.
+        """
+        cursors, size = self._cursors, self.spec.global_batch_size
+        tokens = sum(c["windows"] for c in cursors) * self.spec.seq_len
+        index = sum(s + c["round"] * size for s, c in zip(self.slots, cursors, strict=True)) / len(cursors)
         return {
-            "data/documents_consumed": float(c["documents"]),
-            "data/skipped_documents": float(c["skipped"]),
+            "data/documents_consumed": float(sum(c["documents"] for c in cursors)),
+            "data/skipped_documents": float(sum(c["skipped"] for c in cursors)),
             "data/tokens_produced": float(tokens),
             "data/padding_fraction": 0.0,  # packing never pads: every window is full of real tokens
-            "data/epochs": c["epoch"] + c["position"] / per_epoch,
+            "data/epochs": index / len(self.source),
             # What the producer could sustain if never blocked: tokens per second of its busy time.
             "data/producer_tokens_per_s": tokens / self._busy if self._busy > 0 else 0.0,
         }

@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from hlat import checkpoint
-from hlat.backends.base import Backend
+from hlat.backends.base import Backend, read_extra
 from hlat.checkpoint.xser_write import resharded_copy
 from hlat.config import ConfigError, RunConfig
 from hlat.data import Loader
 from hlat.data.loader import CHECKPOINT
+from hlat.data.slots import gather
 from hlat.launch import attempt
 from hlat.state import HaltedError, NonFiniteError, TrainState
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
@@ -124,6 +125,9 @@ def restore(
 ) -> tuple[TrainState, dict]:
     """Load a checkpoint into the built model, optimizer, loader and spike statistics.
 
+    The loader's position is per sequence slot of the global batch: on another data-parallel degree this rank
+    gathers its slots' positions from the saved ranks that served them (:func:`loader_state`).
+
     Returns:
         The saved progress, and the job record (MLflow run id, uptime accounting; empty in older checkpoints).
     """
@@ -134,7 +138,7 @@ def restore(
         if copy is not None:
             shutil.rmtree(copy, ignore_errors=True)
     try:
-        data.load_state_dict(extra["data"])
+        data.load_state_dict(loader_state(path, extra["data"], data.slots))
     except ConfigError as e:  # the loader cannot know which checkpoint it was given: name it, and in the fix
         raise ConfigError(f"{path}: {e}".replace(CHECKPOINT, str(path))) from None
     if "spikes" in extra:
@@ -154,6 +158,16 @@ def _in_this_layout(backend: Backend, path: Path) -> Path | None:
         return None
     cfg, dims, ranks = backend.cfg, backend.dims, backend.ranks  # type: ignore[attr-defined]
     return resharded_copy(path, cfg, dims, ranks.rank)
+
+
+def loader_state(path: Path, own: dict, slots: range) -> dict:
+    """The saved loader state of ``slots``, read from the checkpoint's ranks that served them (``hlat.data.slots``).
+
+    Saved data-parallel rank ``d``'s first global rank is ``d * tp`` (ranks are laid out ``[pp, dp, tp]``), with the
+    saving run's ``parallelism.tp`` from the manifest.
+    """
+    tp = int((checkpoint.manifest(path) or {}).get("config", {}).get("parallelism", {}).get("tp", 1))
+    return gather(own, slots, lambda dp_rank: read_extra(path, dp_rank * tp)["data"])
 
 
 COUNTED = "start_counted"

@@ -68,6 +68,7 @@ def main(cfg: RunConfig, run_dir: Path) -> RunResult:
         seed=t.seed,
         dp_rank=dims.dp_rank(env.rank),
         dp_size=dims.dp,
+        global_batch_size=t.global_batch_size,
     )
     init_state = initial_weights(cfg) if job.resume_from is None and t.init_from else None
     model = backend.build_model(dims, init_state)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hlat import layouts, safe_load
-from hlat.backends.base import Env
+from hlat.backends.base import EXTRA, Env, read_extra
 from hlat.backends.torch import reshard
 from hlat.backends.torch.bf16_matmul import apply_policy
 from hlat.backends.torch.dist import (
@@ -239,8 +239,7 @@ class TorchBackend:
                     "as its bf16 weights, exactly, and its bf16 AdamW moments continue in fp32",
                     path,
                 )
-        # weights_only: a checkpoint is data; refusing pickled code keeps a shared checkpoint from running it.
-        return torch.load(path / EXTRA.format(rank=self.ranks.rank), map_location="cpu", weights_only=True)
+        return read_extra(path, self.ranks.rank)  # rank 0's for a rank the saving run had not
 
     @staticmethod
     def _optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -272,9 +271,6 @@ class TorchBackend:
             return norm, False
         optimizer.step()
         return norm, True
-
-
-EXTRA = "extra.rank{rank}.pt"
 
 
 def compile_blocks(model: nn.Module) -> None:
