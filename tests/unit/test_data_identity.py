@@ -14,13 +14,13 @@ import pytest
 from hlat.config import ConfigError, DataConfig
 from hlat.data import TextSource, build_loader, load_or_train_tokenizer
 from hlat.data.identity import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS, content_digest, describe_change, file_digests
-from hlat.data.loader import CHECKPOINT, check_identity
+from hlat.data.loader import CHECKPOINT, STATE_VERSION, check_identity
 from tests.timeouts import hang_guard
 
 VOCAB = 300
 ARROW_TEXTS = [f"arrow document {i:06d} " * 8 for i in range(30000)]
 """~5 MB of Arrow IPC: more than 4x the sampled blocks."""
-STREAM = dict(version=2, seed=1, shuffle=True, dp_rank=0, dp_size=1, tokenizer="a1")
+STREAM = dict(version=STATE_VERSION, seed=1, shuffle=True, global_batch_size=4, tokenizer="a1")
 
 
 def _lines(n: int, start: int = 0) -> list[str]:
