@@ -282,14 +282,9 @@ def build_offline_loader(
         raise source.no_documents(f"each of the {meta['skipped_rows']} values")
     if meta["tokens"] < seq_len + 1:
         raise ConfigError(f"{where} tokenizes to {meta['tokens']} tokens, {too_few}")
-    log.info(
-        "offline_packed data: %d documents, %d tokens (%d windows of %d per epoch) from %s",
-        meta["documents"],
-        meta["tokens"],
-        meta["tokens"] // seq_len,
-        seq_len + 1,
-        directory,
-    )
+    docs, tokens = meta["documents"], meta["tokens"]
+    windows = f"{tokens // seq_len} windows of {seq_len + 1}"
+    log.info("offline_packed data: %d documents, %d tokens (%s per epoch) from %s", docs, tokens, windows, directory)
     return OfflinePackedLoader(
         directory,
         tokenizer,
