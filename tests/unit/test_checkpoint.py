@@ -200,6 +200,7 @@ def test_layout_and_precision_changes_are_loaded_where_defined_and_refused_namin
     model, opt = model_and_opt()
     config = {
         "cluster": {"backend": "torch"},
+        "train": {"global_batch_size": 16},
         "parallelism": {"tp": 2, "zero1": False},
         "precision": {"param_dtype": "bfloat16", "master_weights": False},
     }
@@ -228,6 +229,9 @@ def test_layout_and_precision_changes_are_loaded_where_defined_and_refused_namin
         checkpoint.check_compatible(masters, {**config, "precision": {"master_weights": False}})
     assert "precision.master_weights=True in the checkpoint but False now (" in str(e.value)
     assert f"train.init_from={masters}" in str(e.value) and "\n" not in str(e.value)  # one line, with the fixes
+
+    with pytest.raises(ConfigError, match=r"train\.global_batch_size=16 in the checkpoint but 32 now \(the data"):
+        checkpoint.check_compatible(torch_ckpt, {**config, "train": {"global_batch_size": 32}})  # before building
 
     neuron = {**config, "cluster": {"backend": "neuron"}}
     neuron_ckpt = save(tmp_path / "neuron", model, opt, 1, meta={"config": neuron})

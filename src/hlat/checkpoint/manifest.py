@@ -109,6 +109,10 @@ LAYOUT_KEYS = {
     "parallelism.tp": "the weights are saved sharded by tensor-parallel rank",
     "parallelism.pp": "the layers are saved by pipeline stage",
     "precision.param_dtype": "the weights and optimizer moments are stored in that dtype",
+    "train.global_batch_size": (
+        "the data stream packs one sequence per slot of the global batch: another size would read other documents "
+        "in every slot"
+    ),
     "precision.master_weights": (
         "the optimizer state holds or lacks the fp32 master copy: the torch backend starts one from the bf16 "
         "weights (false -> true) but never drops it"
