@@ -139,6 +139,8 @@ EXCEPTIONS: dict[str, Policy] = {
     ),
     "lm_eval --model hf --model_args pretrained=export/myrun,dtype=float32 --tasks hlat_local_ppl --include_path "
     "src/hlat/eval/tasks --device cpu": Policy("run", "lm-eval's own CLI and `hf` model on the export"),
+    "lm_eval --model hf --model_args pretrained=export/myrun-neuron-hf,dtype=float32 --tasks hlat_local_ppl "
+    "--include_path src/hlat/eval/tasks --device cpu": Policy("run", "lm-eval's `hf` model on a neuron run's export"),
     "hlat data prepare corpus/*.jsonl --output data/arrow": Policy(
         "run", "the user's corpus: the lane writes corpus/*.jsonl first", setup="corpus"
     ),

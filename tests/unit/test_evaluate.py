@@ -452,3 +452,30 @@ def test_bf16_inference_runs_the_hosts_bf16_matmul_policy(run_dir: Path, monkeyp
     with torch.no_grad():
         got, ref = bf16(tokens).float(), fp32(tokens)
     assert float((got - ref).norm() / ref.norm()) < 2**-5
+
+
+def test_scores_go_to_the_training_run_a_checkpoint_records_or_to_a_finished_run_of_their_own(tmp_path: Path) -> None:
+    """A converted or copied checkpoint has no job.json: its own record names the training run. A run the sink had
+    to create is ended (it was left RUNNING in the MLflow UI); the training run is left as training left it."""
+    from mlflow import MlflowClient
+
+    from hlat import checkpoint
+    from hlat.eval.run import MlflowSink, training_run_id
+
+    ckpt = tmp_path / "copy" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    assert training_run_id(ckpt) is None
+    torch.save({"job": {"mlflow_run_id": "from-extra"}}, ckpt / "extra.rank0.pt")
+    assert training_run_id(ckpt) == "from-extra"
+    checkpoint.write_job(ckpt.parent, {"mlflow_run_id": "from-job"})
+    assert training_run_id(ckpt) == "from-job"
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(tracking_uri=uri)
+    trained = client.create_run(client.create_experiment("e")).info.run_id
+    for train_run, status in ((trained, "RUNNING"), ("not-in-this-store", "FINISHED")):
+        sink = MlflowSink(uri, "e", train_run)
+        run_id = sink.run_id(ckpt)
+        sink.close()
+        assert (run_id == trained) == (train_run == trained)
+        assert client.get_run(run_id).info.status == status

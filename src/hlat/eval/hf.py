@@ -268,7 +268,8 @@ def _convert(args: argparse.Namespace) -> None:
     elif meta.get("weights_only"):
         use = f"weights only: start a run from them with train.init_from={out}"
     else:
-        use = f"continue training with train.resume={out}"
+        backend = "on the neuron backend (any TP/PP layout) " if args.to == "neuron" else ""
+        use = f"continue training {backend}with train.resume={out}"
     print(f"converted -> {out} ({use})")
 
 

@@ -165,6 +165,11 @@ class MlflowSink:
         self._run_id = run.info.run_id
         return self._run_id
 
+    def close(self) -> None:
+        """End the run this sink created (FINISHED); a training run it logged into is left as training left it."""
+        if self._client is not None and self._run_id is not None and self._run_id != self.train_run_id:
+            self._client.set_terminated(self._run_id)
+
     def log(self, ckpt: Path, step: int, tokens: int, rows: list[Score], table: Path) -> str:
         """Log one checkpoint's scores at its training step, and its table as an artifact; returns the run id."""
         import time
@@ -222,12 +227,11 @@ def main(cfg: RunConfig) -> list[tuple[Path, list[Score]]]:
     trained = meta.get("config", {})
     device = e.device or ("cuda" if trained.get("cluster", {}).get("device") == "cuda" and _cuda() else "cpu")
     root = ckpts[-1].parent
-    job = checkpoint.read_job(root)
     sink = None
     if cfg.tracker.kind == "mlflow":
         from hlat.track.trackers import default_uri
 
-        sink = MlflowSink(cfg.tracker.uri or default_uri(), cfg.tracker.experiment, job.get("mlflow_run_id"))
+        sink = MlflowSink(cfg.tracker.uri or default_uri(), cfg.tracker.experiment, training_run_id(ckpts[-1]))
     out_dir = root / "eval"
     out_dir.mkdir(exist_ok=True)
     done = []
@@ -247,7 +251,25 @@ def main(cfg: RunConfig) -> list[tuple[Path, list[Score]]]:
         plot = sink.plot(out_dir / f"{e.name}_curves.png", per_step)
         if plot is not None:
             print(f"curves: {plot}")
+        sink.close()
     return done
+
+
+def training_run_id(ckpt: Path) -> str | None:
+    """The MLflow run that trained ``ckpt``: its job record, else the record the checkpoint carries itself.
+
+    A converted or copied checkpoint has no ``job.json`` beside it; rank 0's extra holds the same run id.
+    """
+    job = checkpoint.read_job(ckpt.parent)
+    if job.get("mlflow_run_id"):
+        return job["mlflow_run_id"]
+    extra = ckpt / "extra.rank0.pt"
+    if not extra.is_file():
+        return None
+    import torch
+
+    saved = torch.load(extra, map_location="cpu", weights_only=True).get("job") or {}
+    return saved.get("mlflow_run_id")
 
 
 def _cuda() -> bool:
