@@ -59,6 +59,15 @@ def train(rank: int, world: int, zero1: bool, precision: PrecisionConfig) -> dic
 
 
 def _worker(rank: int, world: int, port: int, zero1: bool, precision: PrecisionConfig, out: str) -> None:
+    torchrun_env(rank, world, port)
+    state = train(rank, world, zero1, precision)
+    if rank == 0:
+        torch.save(state, out)
+    torch.distributed.destroy_process_group()
+
+
+def torchrun_env(rank: int, world: int, port: int) -> None:
+    """Become rank ``rank`` of a ``world``-process job on this host, as torchrun's variables would make it."""
     os.environ.update(
         {
             "RANK": str(rank),
@@ -69,10 +78,6 @@ def _worker(rank: int, world: int, port: int, zero1: bool, precision: PrecisionC
             "MASTER_PORT": str(port),
         }
     )
-    state = train(rank, world, zero1, precision)
-    if rank == 0:
-        torch.save(state, out)
-    torch.distributed.destroy_process_group()
 
 
 def free_port() -> int:
@@ -241,16 +246,7 @@ def train_accumulating(rank: int, world: int, zero1: bool) -> dict[str, torch.Te
 
 
 def _accumulating_worker(rank: int, port: int, zero1: bool, out: str) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    torchrun_env(rank, 2, port)
     state = train_accumulating(rank, 2, zero1)
     if rank == 0:
         torch.save(state, out)

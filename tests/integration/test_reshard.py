@@ -9,7 +9,6 @@ after the load, model and AdamW state, gathered whole, must equal it bit for bit
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from hlat.config import ClusterConfig, ParallelismConfig
 from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from tests.conftest import backend_config
-from tests.integration.test_data_parallel import OPT, TINY, batches, free_port
+from tests.integration.test_data_parallel import OPT, TINY, batches, free_port, torchrun_env
 
 pytestmark = pytest.mark.slow
 
@@ -105,16 +104,7 @@ def check_restored(backend: TorchBackend, model, opt, oracle: Path) -> tuple[lis
 
 
 def _legs(rank: int, port: int, tmp: str) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    torchrun_env(rank, WORLD, port)
     torch.set_num_threads(1)
     result: dict = {"resumed": [], "unchanged": [], "held": [], "differ": []}
     for i, (tp, sp, zero1) in enumerate(LEGS):

@@ -25,6 +25,7 @@ from hlat.health.stragglers import StragglerMonitor
 from hlat.health.watchdog import HANG_EXIT_CODE, HangWatchdog
 from hlat.state import NULL_TIMER
 from hlat.train.faults import FaultInjector
+from tests.integration.test_data_parallel import torchrun_env
 from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
@@ -39,16 +40,7 @@ def free_port() -> int:
 
 def join(rank: int, port: int, timeout_s: float | None = None) -> None:
     """Become rank ``rank`` of a 2-process gloo job, as torchrun's variables would make it."""
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    torchrun_env(rank, WORLD, port)
     torch.set_num_threads(1)
     init_process_group(Ranks.from_env(), torch.device("cpu"), timeout_s)
 

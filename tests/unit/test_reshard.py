@@ -15,16 +15,9 @@ from hlat.optim import param_groups
 from hlat.parallel import ParallelDims
 from tests.conftest import backend_config
 from tests.integration.test_data_parallel import MASTER, OPT, TINY, batches
+from tests.unit.test_precision import precision
 
-BF16_SR = PrecisionConfig(
-    name="bf16_sr",
-    param_dtype="bfloat16",
-    compute_dtype="bfloat16",
-    stochastic_rounding=True,
-    fp32_grad_accum=False,
-    fp32_reduce=False,
-    fp32_softmax_ce=False,
-)
+BF16_SR = precision("bf16_sr")
 
 
 def test_gate_up_rows_move_from_one_tp_order_to_another() -> None:
