@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hlat import checkpoint
+from hlat.checkpoint.weights import EXTRA
 from hlat.config import ConfigError, EvalConfig, EvalTask, RunConfig
 from hlat.eval.tasks import check_tasks
 
@@ -263,7 +264,7 @@ def training_run_id(ckpt: Path) -> str | None:
     job = checkpoint.read_job(ckpt.parent)
     if job.get("mlflow_run_id"):
         return job["mlflow_run_id"]
-    extra = ckpt / "extra.rank0.pt"
+    extra = ckpt / EXTRA  # rank 0's
     if not extra.is_file():
         return None
     import torch
