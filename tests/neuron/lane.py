@@ -42,15 +42,16 @@ def train(
     keys: tuple[str, ...] = KEYS,
     env: dict[str, str] | None = None,
     run_dir: Path | None = None,
+    python: str = sys.executable,
 ) -> dict[str, list[float]]:
     """Run ``python train.py`` with ``overrides`` (and ``env`` added to this environment) as the MLflow run ``name``
     in ``run_dir`` (default ``tmp / name``; give another run the same one to resume it); each of ``keys``' logged
-    values by step (default: the loss and the pre-clip grad norm)."""
+    values by step (default: the loss and the pre-clip grad norm). ``python``: another environment's interpreter."""
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp / 'mlflow.db'}"
     args = [
-        sys.executable,
+        python,
         str(ROOT / "train.py"),
         *MICRO,
         f"data.cache_dir={cache}",
