@@ -153,7 +153,7 @@ def test_a_crash_in_a_save_and_a_corrupt_checkpoint_are_survived(tmp_path: Path,
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     log = (run_dir / "train.log").read_text()
-    assert "step_00000008.tmp: no readable manifest.json (an interrupted save)" in log  # partial save ignored
+    assert "step_00000008.tmp: an interrupted save" in log  # partial save ignored
     assert "resumed from" in log and "step_00000004 at step 4" in log
     assert "step_00000016: __0_0.distcp does not match its sha256" in log  # corruption caught by the checksum
     assert "step_00000012 at step 12" in log

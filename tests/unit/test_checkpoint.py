@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,10 @@ def test_round_trip_and_retention(tmp_path: Path, async_save: bool) -> None:
         save(tmp_path, model, opt, step, {"train_state": {"step": step}}, keep_last=2, async_save=async_save)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000020", "step_00000030"]
     assert checkpoint.latest(tmp_path) == tmp_path / "step_00000030"
+    # Killed between the manifest and the rename: a complete-looking step_40.tmp is not a checkpoint yet.
+    shutil.copytree(tmp_path / "step_00000030", tmp_path / "step_00000040.tmp")
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_00000030"
+    shutil.rmtree(tmp_path / "step_00000040.tmp")
     meta = checkpoint.manifest(tmp_path / "step_00000030")
     assert meta["step"] == 30 and set(meta["files"]) == {WEIGHTS, ".metadata", "extra.rank0.pt"}
 
@@ -85,7 +90,7 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path: Path, caplog) -> None
         f.truncate(10)
     with caplog.at_level("WARNING", logger="hlat.checkpoint"):
         assert checkpoint.latest(tmp_path) == good
-    assert "step_00000009.tmp: no readable manifest.json" in caplog.text
+    assert "step_00000009.tmp: an interrupted save" in caplog.text
     assert f"step_00000008: {WEIGHTS} has 10 bytes" in caplog.text
 
 

@@ -58,12 +58,14 @@ class CheckpointError(RuntimeError):
 def latest(root: Path) -> Path | None:
     """The newest complete checkpoint under ``root`` whose files match their checksums (None if there is none).
 
-    Newer directories that are incomplete or corrupt are skipped with a warning that names them.
+    Newer directories that are incomplete or corrupt are skipped with a warning that names them. A ``step_N.tmp``
+    is never one, even with a valid manifest: the rename is what declares a save complete (a kill between the
+    manifest and the rename leaves it), and the next save removes it.
     """
     if not root.is_dir():
         return None
     for p in sorted(root.glob("step_*"), reverse=True):
-        bad = problems(p, checksums=True)
+        bad = ["an interrupted save (never renamed)"] if p.name.endswith(".tmp") else problems(p, checksums=True)
         if not bad:
             return p
         log.warning("skipping checkpoint %s: %s", p, "; ".join(bad))
