@@ -119,7 +119,7 @@ def test_metrics_and_table_show_the_job() -> None:
     first = run_attempt([], start=0.0, resumed=0, steps=8, save_every=4, died_at=6)
     second = run_attempt([first.attempt], start=first.attempt.end + 4.0, resumed=4, steps=8)
     m = second.metrics()
-    assert m["goodput/gap_s"] == 4.0 and m["goodput/attempt"] == 1.0
+    assert m["goodput/gap_s"] == 4.0 and m["goodput/attempts"] == 2.0
     assert m["goodput/ettr"] == pytest.approx(m["goodput/productive_s"] / m["goodput/wall_s"])
     lines = second.table().splitlines()
     assert lines[0].startswith("| attempt | status | steps | wall | productive | startup |")

@@ -220,11 +220,9 @@ class Ledger:
         return [*self.previous, self.attempt]
 
     def metrics(self) -> dict[str, float]:
-        """``goodput/*``: the job's totals so far (seconds), its ETTR and this attempt's number."""
+        """``goodput/*``: the job's totals so far (seconds), its ETTR and its number of attempts."""
         _, total = summarize(self.attempts())
-        out = {f"goodput/{k}": v for k, v in total.items() if k != "attempts"}
-        out["goodput/attempt"] = float(self.attempt.attempt)
-        return out
+        return {f"goodput/{k}": v for k, v in total.items()}
 
     def table(self) -> str:
         """The job's ledger as a Markdown table."""
