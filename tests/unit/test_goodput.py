@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from hlat.checkpoint import job_dir
 from hlat.track.goodput import LOST, Attempt, Ledger, summarize
+from tests.timeouts import hang_guard
 
 
 def run_attempt(
@@ -124,3 +129,12 @@ def test_metrics_and_table_show_the_job() -> None:
     lines = second.table().splitlines()
     assert lines[0].startswith("| attempt | status | steps | wall | productive | startup |")
     assert lines[2].startswith("| 0 | running | 0-6 |") and lines[-1].startswith("| job |  | 0-8 |")
+
+
+def test_process_start_is_when_the_process_started_to_well_under_a_second() -> None:
+    """psutil's create_time can be up to a second early (whole-second boot time): as much as a short gap."""
+    code = "from hlat.track.goodput import process_start; print(repr(process_start()))"
+    before = time.time()
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    started = float(child.stdout)
+    assert before - 0.05 <= started <= before + hang_guard(60)  # the start, not some time during the import

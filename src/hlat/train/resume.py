@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import psutil
 import torch
 from torch import nn
 
@@ -29,7 +28,7 @@ from hlat.data.loader import CHECKPOINT
 from hlat.data.slots import gather
 from hlat.launch import attempt
 from hlat.state import HaltedError, NonFiniteError, TrainState
-from hlat.track.goodput import Attempt, Ledger
+from hlat.track.goodput import Attempt, Ledger, process_start
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
 
 log = logging.getLogger(__name__)
@@ -137,7 +136,7 @@ def goodput_ledger(job: JobStart, resumed_step: int, load_s: float) -> Ledger:
     def write(attempt: Attempt) -> None:
         job_dir.write_attempt(job.root, attempt.attempt, attempt.to_dict())
 
-    started = min(psutil.Process().create_time(), job.launched)
+    started = min(process_start(), job.launched)
     return Ledger.begin(previous, started, resumed_step, load_s, write if writer else None)
 
 
