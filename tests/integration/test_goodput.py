@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hlat import checkpoint
 from hlat.checkpoint import job_dir
 from hlat.launch.preempt import PREEMPTED_EXIT_CODE
 from hlat.track.goodput import LOST, Attempt, summarize
@@ -60,18 +61,25 @@ def record(root: Path, number: int, proc, done) -> Attempt:
     raise AssertionError(f"attempt {number} never got there")
 
 
-def kill_past_a_checkpoint(root: Path, proc) -> tuple[Attempt, float]:
-    """SIGKILL the trainer while it is between two checkpoints (steps to replay); its last record and the kill time."""
+def kill_past_a_checkpoint(root: Path, proc) -> tuple[Attempt, int, float]:
+    """SIGKILL the trainer between two checkpoints, one complete (steps to replay after it).
+
+    Returns:
+        Its last record, the step of its newest complete checkpoint, and when it was killed.
+    """
     while True:
         record(root, 0, proc, lambda a: a.last_step > EVERY and a.last_step % EVERY)
-        proc.send_signal(signal.SIGSTOP)  # hold it still: the record read now is its last one
+        proc.send_signal(signal.SIGSTOP)  # hold it still: the record and checkpoints seen now are its last ones
         dead = Attempt.from_dict(job_dir.read_attempts(root)[0])
-        if dead.last_step % EVERY:
+        saved = checkpoint.latest(root)
+        step = int(saved.name.removeprefix("step_")) if saved is not None else 0
+        if 0 < step < dead.last_step:
             proc.kill()
             killed = time.time()
             proc.wait(timeout=hang_guard(60))
-            return dead, killed
-        proc.send_signal(signal.SIGCONT)  # it had just written a checkpoint's record: try again a step later
+            return dead, step, killed
+        proc.send_signal(signal.SIGCONT)  # a checkpoint still in flight, or just written: try again a step later
+        time.sleep(0.05)
 
 
 def assert_adds_up(row: dict[str, float], wall: float) -> None:
@@ -84,7 +92,7 @@ def test_the_ledger_of_a_killed_preempted_and_requeued_job(tmp_path: Path, cache
 
     command, root = args(cache_dir, tmp_path), tmp_path / "run" / "checkpoints"
     launched = time.time()
-    dead, killed = kill_past_a_checkpoint(root, start(command, tmp_path))
+    dead, saved, killed = kill_past_a_checkpoint(root, start(command, tmp_path))
 
     time.sleep(1.0)  # the gap, by the test's clock: at least this long
     proc = start(command, tmp_path)  # the requeue: the same command
@@ -104,10 +112,8 @@ def test_the_ledger_of_a_killed_preempted_and_requeued_job(tmp_path: Path, cache
     rows, total = summarize(attempts)
 
     # Replayed work: the dead attempt's step time past the checkpoint the next attempt resumed from, by its record.
-    resumed = second.resumed_step
-    assert resumed < dead.last_step
-    assert rows[0]["replayed_s"] == pytest.approx(dead.steps_s - dead.at_step.get(resumed, 0.0))
-    assert rows[0]["replayed_s"] > 0
+    assert second.resumed_step == saved < dead.last_step  # the requeue resumed from the dead attempt's checkpoint
+    assert rows[0]["replayed_s"] == pytest.approx(dead.steps_s - dead.at_step[saved]) and rows[0]["replayed_s"] > 0
     assert rows[1]["replayed_s"] == 0.0 and rows[2]["replayed_s"] == 0.0
     assert rows[1]["gap_s"] >= 1.0 and second.start - dead.end == rows[1]["gap_s"]  # end: its last record
     assert dead.end <= killed and second.load_s > 0 and third.load_s > 0

@@ -126,7 +126,8 @@ def goodput_ledger(job: JobStart, resumed_step: int, load_s: float) -> Ledger:
     """This attempt's goodput ledger, after the job's earlier attempts' (read from ``<checkpoint dir>/goodput/``).
 
     Rank 0 keeps it in the job directory; a new job (``train.resume=never``) first forgets an earlier job's ledgers.
-    Its clock starts at this process's start (a torch elastic restart: the new worker's).
+    Its clock starts at this process's start (a torch elastic restart: the new worker's), or for a later run in the
+    same process at its launch.
     """
     writer = int(os.environ.get("RANK", "0")) == 0
     if job.resume == "never" and writer:
@@ -136,8 +137,15 @@ def goodput_ledger(job: JobStart, resumed_step: int, load_s: float) -> Ledger:
     def write(attempt: Attempt) -> None:
         job_dir.write_attempt(job.root, attempt.attempt, attempt.to_dict())
 
-    started = min(process_start(), job.launched)
+    global _LEDGERS_BEGUN
+    # A second run in this process (the jobs of a sweep run one after another in one process) starts at its launch.
+    started = min(process_start(), job.launched) if not _LEDGERS_BEGUN else job.launched
+    _LEDGERS_BEGUN += 1
     return Ledger.begin(previous, started, resumed_step, load_s, write if writer else None)
+
+
+_LEDGERS_BEGUN = 0
+"""Goodput ledgers begun in this process (:func:`goodput_ledger`)."""
 
 
 def restore(

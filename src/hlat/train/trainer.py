@@ -135,8 +135,9 @@ class Trainer:
     def _close(self, status: str) -> None:
         """Whatever happened: let the save in flight complete, close monitors, data, tracker, lock, evaluations."""
         h = self.hooks
-        if status == "FAILED" and self.uptime.ledger is not None:  # its time since the last record: the gap after it
-            self.uptime.ledger.finish("failed")
+        ledger = self.uptime.ledger
+        if ledger is not None and ledger.attempt.status == "running":  # failed, or a second Ctrl-C: its time since
+            ledger.finish("failed" if status == "FAILED" else "interrupted")  # the last record is the gap after it
         h.monitors.close()
         h.stop.close()
         if status != "FINISHED":
