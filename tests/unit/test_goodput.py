@@ -138,3 +138,16 @@ def test_process_start_is_when_the_process_started_to_well_under_a_second() -> N
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     started = float(child.stdout)
     assert before - 0.05 <= started <= before + hang_guard(60)  # the start, not some time during the import
+
+
+def test_a_failed_write_is_logged_once_and_never_stops_training(caplog: pytest.LogCaptureFixture) -> None:
+    def full_disk(a: Attempt) -> None:
+        raise OSError(28, "No space left on device")
+
+    ledger = Ledger.begin([], 0.0, 0, load_s=0.0, write=full_disk, now=1.0)
+    for step in (1, 2, 3):
+        ledger.step_end(step, 0.0, now=1.0 + step)
+        ledger.flush()
+    assert ledger.attempt.last_step == 3
+    warnings = [r for r in caplog.records if "could not write the goodput ledger" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 LOST = ("startup_s", "load_s", "save_s", "eval_s", "data_wait_s", "replayed_s", "gap_s")
 """The buckets of lost time, in the order tables show them."""
@@ -145,6 +148,7 @@ class Ledger:
         self._noted: dict[str, float] = {}
         self._saving: int | None = None
         self._first_step = True
+        self._write_failed = False
 
     @classmethod
     def begin(
@@ -212,9 +216,15 @@ class Ledger:
         self.flush()
 
     def flush(self) -> None:
-        """Write this attempt's record (rank 0)."""
-        if self.write is not None:
+        """Write this attempt's record (rank 0); a failed write is logged once and never stops training."""
+        if self.write is None:
+            return
+        try:
             self.write(self.attempt)
+        except OSError as e:
+            if not self._write_failed:
+                log.warning("could not write the goodput ledger (%s); the next attempt will count this one as a gap", e)
+            self._write_failed = True
 
     def attempts(self) -> list[Attempt]:
         """The job's attempts so far, this one last."""
