@@ -128,7 +128,8 @@ def test_metrics_and_table_show_the_job() -> None:
     assert m["goodput/ettr"] == pytest.approx(m["goodput/productive_s"] / m["goodput/wall_s"])
     lines = second.table().splitlines()
     assert lines[0].startswith("| attempt | status | steps | wall | productive | startup |")
-    assert lines[2].startswith("| 0 | running | 0-6 |") and lines[-1].startswith("| job |  | 0-8 |")
+    assert lines[2].startswith("| 0 | died | 0-6 |") and lines[3].startswith("| 1 | running | 4-8 |")
+    assert lines[-1].startswith("| job |  | 0-8 |")
 
 
 def test_process_start_is_when_the_process_started_to_well_under_a_second() -> None:

@@ -117,15 +117,19 @@ def summarize(attempts: list[Attempt]) -> tuple[list[dict[str, float]], dict[str
 
 
 def table(attempts: list[Attempt]) -> str:
-    """The ledger as a Markdown table: one row per attempt, then the job (seconds; ETTR as a percentage)."""
+    """The ledger as a Markdown table: one row per attempt, then the job (seconds; ETTR as a percentage).
+
+    An attempt followed by another that never recorded its end (killed, crashed, its node lost) shows as ``died``.
+    """
     rows, total = summarize(attempts)
     cols = ("wall_s", "productive_s", *LOST)
     head = ["attempt", "status", "steps", *(c.removesuffix("_s") for c in cols), "ETTR %"]
     lines = [f"| {' | '.join(head)} |", "|---|---|---|" + "---:|" * (len(cols) + 1)]
-    for a, row in zip(attempts, rows, strict=True):
+    for i, (a, row) in enumerate(zip(attempts, rows, strict=True)):
         wall = row["wall_s"] + row["gap_s"]
+        status = "died" if a.status == "running" and i + 1 < len(attempts) else a.status  # it never recorded its end
         ettr = 100 * row["productive_s"] / wall if wall > 0 else 0.0
-        cells = [str(a.attempt), a.status, f"{a.resumed_step}-{a.last_step}", *(f"{row[c]:.1f}" for c in cols)]
+        cells = [str(a.attempt), status, f"{a.resumed_step}-{a.last_step}", *(f"{row[c]:.1f}" for c in cols)]
         lines.append(f"| {' | '.join([*cells, f'{ettr:.1f}'])} |")
     last = attempts[-1].last_step if attempts else 0
     cells = ["job", "", f"0-{last}", *(f"{total[c]:.1f}" for c in cols), f"{100 * total['ettr']:.1f}"]
