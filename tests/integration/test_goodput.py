@@ -71,7 +71,7 @@ def kill_past_a_checkpoint(root: Path, proc) -> tuple[Attempt, int, float]:
         record(root, 0, proc, lambda a: a.last_step > EVERY and a.last_step % EVERY)
         proc.send_signal(signal.SIGSTOP)  # hold it still: the record and checkpoints seen now are its last ones
         dead = Attempt.from_dict(job_dir.read_attempts(root)[0])
-        saved = checkpoint.latest(root)
+        saved = checkpoint.newest_complete(root)
         step = int(saved.name.removeprefix("step_")) if saved is not None else 0
         if 0 < step < dead.last_step:
             proc.kill()

@@ -119,7 +119,7 @@ def summarize(attempts: list[Attempt]) -> tuple[list[dict[str, float]], dict[str
 def table(attempts: list[Attempt]) -> str:
     """The ledger as a Markdown table: one row per attempt, then the job (seconds; ETTR as a percentage).
 
-    An attempt followed by another that never recorded its end (killed, crashed, its node lost) shows as ``died``.
+    An attempt that never recorded its end though a later one started (killed, crashed, its node lost) is ``died``.
     """
     rows, total = summarize(attempts)
     cols = ("wall_s", "productive_s", *LOST)
