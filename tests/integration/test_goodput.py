@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ from tests.integration.test_train import cli
 from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
-STEPS, EVERY = 16, 4
+STEPS, EVERY = 24, 4
 
 
 def args(cache_dir: Path, tmp: Path) -> list[str]:
@@ -49,7 +51,7 @@ def args(cache_dir: Path, tmp: Path) -> list[str]:
     ]
 
 
-def record(root: Path, number: int, proc, done) -> Attempt:
+def record(root: Path, number: int, proc: subprocess.Popen, done: Callable[[Attempt], bool]) -> Attempt:
     """Attempt ``number``'s ledger in ``root`` once ``done(record)`` holds (the trainer must still be running)."""
     deadline = time.monotonic() + hang_guard(900)
     while time.monotonic() < deadline:
@@ -61,7 +63,7 @@ def record(root: Path, number: int, proc, done) -> Attempt:
     raise AssertionError(f"attempt {number} never got there")
 
 
-def kill_past_a_checkpoint(root: Path, proc) -> tuple[Attempt, int, float]:
+def kill_past_a_checkpoint(root: Path, proc: subprocess.Popen) -> tuple[Attempt, int, float]:
     """SIGKILL the trainer between two checkpoints, one complete (steps to replay after it).
 
     Returns:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -100,7 +101,7 @@ def test_noted_time_beyond_the_interval_is_never_counted_twice() -> None:
     assert_sums([a])
 
 
-def test_the_record_survives_the_job_dir_round_trip(tmp_path) -> None:
+def test_the_record_survives_the_job_dir_round_trip(tmp_path: Path) -> None:
     writes = []
 
     def write(a: Attempt) -> None:
