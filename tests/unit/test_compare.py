@@ -426,3 +426,34 @@ def test_main_writes_into_the_sweep_and_finds_its_newest(
     assert (sweep / "comparison.md").is_file() and (sweep / "comparison.png").is_file()
     assert not (tmp_path / "comparison").exists()
     assert compare.main(["--uri", store.uri, "--sweep", str(older)]) == 2  # a sweep dir is taken as it is
+
+
+def test_the_goodput_ledger_is_shown_from_each_runs_latest_values(tmp_path: Path) -> None:
+    """The report's ledger table reads the job's totals at the run's last step (an earlier interval's are stale)."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("ledger")
+    early = {"goodput/wall_s": [(10, 50.0)], "goodput/productive_s": [(10, 40.0)], "goodput/ettr": [(10, 0.8)]}
+    final = {
+        "goodput/wall_s": [(20, 7200.0)],
+        "goodput/productive_s": [(20, 5400.0)],
+        "goodput/replayed_s": [(20, 90.0)],
+        "goodput/gap_s": [(20, 1710.0)],
+        "goodput/attempts": [(20, 3.0)],
+        "goodput/ettr": [(20, 0.75)],
+    }
+    ledger = {k: early.get(k, []) + v for k, v in final.items()}
+    _make_run(client, exp, "long", start=1, params={"a": "1"}, metrics=ledger, run_dir=None)
+    _make_run(client, exp, "older", start=2, params={"a": "2"}, metrics={"train/loss": [(1, 2.0)]}, run_dir=None)
+    runs = select_runs(uri, experiment="ledger")
+    rows = table_rows(compare.goodput_table(runs) or "")
+    assert rows[0][:4] == ["run", "run id", "attempts", "wall"] and rows[0][-1] == "ETTR %"
+    assert len(rows) == 2  # the run without a ledger has no row
+    cell = dict(zip(rows[0], rows[1], strict=True))
+    assert (cell["attempts"], cell["wall"], cell["productive"]) == ("3", "2.0 h", "90.0 min")
+    assert (cell["replayed"], cell["gap"], cell["save"], cell["ETTR %"]) == ("90.0 s", "28.5 min", "0.0 s", "75.0")
+    md, _ = write_report(runs, tmp_path / "report")
+    assert compare.goodput_table(runs) in md.read_text()
+    assert compare.goodput_table(runs[1:]) is None

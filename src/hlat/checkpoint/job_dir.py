@@ -1,6 +1,7 @@
 """The checkpoint directory as the job's home: writable and large enough, its job record, its one-trainer lock.
 
-The files beside the step directories: ``job.json`` (MLflow run id, uptime accounting) and ``.lock``.
+The files beside the step directories: ``job.json`` (MLflow run id, uptime accounting), ``goodput/`` (each attempt's
+goodput ledger, :mod:`hlat.track.goodput`) and ``.lock``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,38 @@ def write_job(root: Path, record: dict[str, Any]) -> None:
     except OSError:
         check_writable(root)  # a ConfigError naming train.checkpoint_dir when the directory is the cause
         raise
+
+
+GOODPUT = "goodput"
+"""The directory of the attempts' goodput ledgers in the checkpoint directory: ``attempt_0000.json`` ..."""
+
+
+def write_attempt(root: Path, number: int, record: dict[str, Any]) -> None:
+    """Write attempt ``number``'s goodput ledger (atomically: a SIGKILL leaves the previous version whole)."""
+    folder = root / GOODPUT
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".attempt_{number:04d}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, folder / f"attempt_{number:04d}.json")
+
+
+def read_attempts(root: Path) -> list[dict[str, Any]]:
+    """The goodput ledgers of the job's attempts in ``root``, first attempt first; unreadable ones are skipped."""
+    records = []
+    for path in sorted((root / GOODPUT).glob("attempt_*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            log.warning("ignoring %s: not a readable goodput ledger", path)
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def clear_attempts(root: Path) -> None:
+    """Forget the ledgers of an earlier job in ``root`` (a new job starts there: ``train.resume=never``)."""
+    shutil.rmtree(root / GOODPUT, ignore_errors=True)
 
 
 LOCK = ".lock"

@@ -143,6 +143,33 @@ def summary_table(runs: Sequence[RunData]) -> str:
     return "\n".join(lines)
 
 
+GOODPUT = ("productive", "startup", "load", "save", "eval", "data_wait", "replayed", "gap")
+"""The ``goodput/<name>_s`` columns of :func:`goodput_table` (hlat.track.goodput), after wall time."""
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in the unit that reads best: ``42.0 s``, ``35.2 min``, ``12.4 h``."""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def goodput_table(runs: Sequence[RunData]) -> str | None:
+    """Where each run's wall time went (its goodput ledger at its end) and its ETTR; None if no run logged one."""
+    runs = [run for run in runs if "goodput/wall_s" in run.latest]
+    if not runs:
+        return None
+    head = ["run", "run id", "attempts", "wall", *GOODPUT, "ETTR %"]
+    lines = [f"| {' | '.join(head)} |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for run in runs:
+        got = run.latest
+        cells = [_cell(run.run_name), f"`{run.run_id[:8]}`", f"{got.get('goodput/attempts', 1.0):.0f}"]
+        cells += [duration(got.get(f"goodput/{k}_s", 0.0)) for k in ("wall", *GOODPUT)]
+        cells.append(f"{100 * got.get('goodput/ettr', 0.0):.1f}")
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def label(run: RunData, keys: Sequence[str]) -> str:
     """A legend label: the run name plus its values of ``keys``, e.g. ``bf16 (precision.name=bf16)``.
 
@@ -203,7 +230,9 @@ def write_report(runs: Sequence[RunData], out_dir: Path | str, *, title: str | N
     png = plot(runs, out_dir / "comparison.png")
     md = out_dir / "comparison.md"
     title = title or f"Comparison of {len(runs)} MLflow run{'s' if len(runs) != 1 else ''}"
-    md.write_text(f"# {title}\n\n{summary_table(runs)}\n\n![loss and gradient norm per run]({png.name})\n")
+    goodput = goodput_table(runs)
+    ledger = f"\n## Where the time went (goodput ledger)\n\n{goodput}\n" if goodput else ""
+    md.write_text(f"# {title}\n\n{summary_table(runs)}\n\n![loss and gradient norm per run]({png.name})\n{ledger}")
     return md, png
 
 
@@ -272,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(args.sweep) if args.sweep is not None else Path("comparison"))
     md, png = write_report(runs, out, title=f"Comparison of {len(runs)} MLflow runs: {what}")
     print(summary_table(runs))
+    if (goodput := goodput_table(runs)) is not None:
+        print(f"\n{goodput}")
     print(f"\nreport: {md}\nplot:   {png}")
     return 0
 

@@ -21,6 +21,7 @@ from hlat.config import ClusterConfig
 from hlat.norms import global_norm, grad_of
 from hlat.sizing import flops_per_token  # noqa: F401  (defined torch-free for the planner; re-exported)
 from hlat.state import PHASES, NullTimer, StepOutput, StepTimer, TrainState
+from hlat.track.goodput import Ledger
 
 Rows = list[tuple[int, dict[str, float]]]
 """Metric rows ``(step, {name: value})`` in step order."""
@@ -163,11 +164,13 @@ class Uptime:
     """Goodput accounting of one training job across restarts (the paper's uptime, arXiv 2404.10630 §4.2, Table 1).
 
     uptime = productive / wall: productive counts only the steps the job keeps (restored with the checkpoint), wall
-    counts from its first launch, downtime included.
+    counts from its first launch, downtime included. ``ledger`` (``hlat.track.goodput``) says where the rest went.
     """
 
     def __init__(self, start: float, productive_s: float = 0.0, restarts: int = 0) -> None:
         self.start, self.productive_s, self.restarts = start, productive_s, restarts
+        self.ledger: Ledger | None = None
+        """This attempt's goodput ledger (its ``goodput/*`` metrics join these), once the attempt has one."""
 
     @classmethod
     def resumed(cls, state: dict) -> Uptime:
@@ -188,6 +191,7 @@ class Uptime:
             "uptime/lost_s": wall - productive,
             "uptime/restarts": float(self.restarts),
             "uptime/pct": 100 * productive / wall,
+            **(self.ledger.metrics() if self.ledger is not None else {}),
         }
 
     def state_dict(self) -> dict:

@@ -6,6 +6,7 @@ The trainer drives them around ``fit`` but builds none of them.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from hlat.data import Loader
 from hlat.health.monitors import Monitors
 from hlat.launch import preempt
 from hlat.state import NULL_TIMER, Hook, NonFiniteError, NullTimer, StepOutput, StepTimer, TrainState
+from hlat.track.goodput import Ledger
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
 from hlat.train import evals
 from hlat.train.faults import fault_hooks
@@ -33,7 +35,8 @@ class Hooks:
     """``fit``'s hooks in their order, and the ones the trainer also drives around ``fit`` (start, flush, close)."""
 
     loop: list[Hook]
-    """After every step: progress, metrics, the guard, checkpoints, monitors, faults, then the stop hook."""
+    """After every step: progress, metrics, the guard, checkpoints, monitors, faults, the goodput ledger, then the stop
+    hook."""
     grad: list[Callable[[int, nn.Module], None]]
     """While a step's gradients exist (per-layer gradient norms, injected NaN gradients)."""
     timer: StepTimer | NullTimer
@@ -71,6 +74,8 @@ class CheckpointContent:
     spikes: SpikeDetector
 
     def __call__(self, state: TrainState) -> dict:
+        if self.uptime.ledger is not None:  # a restart from this checkpoint keeps the step time up to it
+            self.uptime.ledger.saving(state.step)
         self.logger.flush(state)  # the spike statistics and productive time in the checkpoint cover every step up to it
         self.guard(state)  # never checkpoint a non-finite state
         if self.tracking.mlflow is not None:  # the metrics up to this step reach MLflow before the checkpoint is
@@ -130,17 +135,51 @@ def build_hooks(
     monitors = Monitors(cfg, env, model, run_dir, tracking.tracker.log_metrics)
     stop = preempt.StopHook(preempt.SignalFlag(), t.steps, distributed=env.world_size > 1)  # collective
     marked = monitors.marking(timer)  # the heartbeat learns each phase of the step from the step's timer
+    ledger = uptime.ledger
     loop = [
         tracking.progress,
         timed_hook(marked, "logging", logger),
         guard,
-        timed_hook(marked, "checkpoint", saver),
+        ledger_timed(ledger, "save_s", timed_hook(marked, "checkpoint", saver)),
         *monitors.hooks,
         *faults.loop,
+        LedgerHook(ledger, t.log_every, t.steps) if ledger is not None else None,
         stop,
     ]
     grad = ([logger.capture_grads] if cfg.tracker.layer_grad_norms_every else []) + faults.grad
     return Hooks([h for h in loop if h is not None], grad, marked, logger, saver, monitors, scheduler, stop)
+
+
+def ledger_timed(ledger: Ledger | None, bucket: str, hook: Hook) -> Hook:
+    """``hook`` with the time of its calls given to the goodput ledger's ``bucket`` (the blocking part of a save)."""
+    if ledger is None:
+        return hook
+
+    def run(state: TrainState, out: StepOutput) -> None:
+        started = time.time()
+        try:
+            hook(state, out)
+        finally:
+            ledger.note(bucket, time.time() - started)
+
+    return run
+
+
+@dataclass
+class LedgerHook:
+    """Loop hook, after all but the stop hook: the step has ended, in the goodput ledger.
+
+    Its record is written every ``every`` steps (and at checkpoints): a process killed between two keeps what it knew.
+    """
+
+    ledger: Ledger
+    every: int
+    last_step: int
+
+    def __call__(self, state: TrainState, out: StepOutput) -> None:
+        self.ledger.step_end(state.step, out.data_wait_s)
+        if state.step % self.every == 0 or state.step == self.last_step:
+            self.ledger.flush()
 
 
 def _metrics_logger(

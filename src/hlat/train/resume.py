@@ -20,6 +20,7 @@ from torch import nn
 
 from hlat import checkpoint
 from hlat.backends.base import Backend, read_extra
+from hlat.checkpoint import job_dir
 from hlat.checkpoint.xser_write import resharded_copy
 from hlat.config import ConfigError, RunConfig
 from hlat.data import Loader
@@ -27,6 +28,7 @@ from hlat.data.loader import CHECKPOINT
 from hlat.data.slots import gather
 from hlat.launch import attempt
 from hlat.state import HaltedError, NonFiniteError, TrainState
+from hlat.track.goodput import Attempt, Ledger, process_start
 from hlat.track.metrics import MetricsLogger, SpikeDetector, Uptime
 
 log = logging.getLogger(__name__)
@@ -104,15 +106,46 @@ def resume_job(
 ) -> tuple[TrainState, Uptime, str | None]:
     """Put back what this start continues from (nothing for a new job), with the job's uptime and MLflow run.
 
+    The uptime carries this attempt's goodput ledger (:func:`goodput_ledger`), its start-up and load charged.
+
     Returns:
         The progress to train from, the job's uptime accounting and the MLflow run a restart continues (or None).
     """
     state, saved = TrainState(), {}
+    loading = time.time()
     if job.resume_from is not None:
         state, saved = restore(backend, job.resume_from, model, optimizer, data, spikes)
+    load_s = time.time() - loading
     latest = checkpoint.read_job(job.root) if job.resume != "never" else {}
     uptime, run_id = job_record(saved, latest, job.launched)
+    uptime.ledger = goodput_ledger(job, state.step, load_s)
     return state, uptime, run_id
+
+
+def goodput_ledger(job: JobStart, resumed_step: int, load_s: float) -> Ledger:
+    """This attempt's goodput ledger, after the job's earlier attempts' (read from ``<checkpoint dir>/goodput/``).
+
+    Rank 0 keeps it in the job directory; a new job (``train.resume=never``) first forgets an earlier job's ledgers.
+    Its clock starts at this process's start (a torch elastic restart: the new worker's), or for a later run in the
+    same process at its launch.
+    """
+    writer = int(os.environ.get("RANK", "0")) == 0
+    if job.resume == "never" and writer:
+        job_dir.clear_attempts(job.root)
+    previous = [Attempt.from_dict(r) for r in job_dir.read_attempts(job.root)] if job.resume != "never" else []
+
+    def write(attempt: Attempt) -> None:
+        job_dir.write_attempt(job.root, attempt.attempt, attempt.to_dict())
+
+    global _LEDGERS_BEGUN
+    # A second run in this process (the jobs of a sweep run one after another in one process) starts at its launch.
+    started = min(process_start(), job.launched) if not _LEDGERS_BEGUN else job.launched
+    _LEDGERS_BEGUN += 1
+    return Ledger.begin(previous, started, resumed_step, load_s, write if writer else None)
+
+
+_LEDGERS_BEGUN = 0
+"""Goodput ledgers begun in this process (:func:`goodput_ledger`)."""
 
 
 def restore(
@@ -286,6 +319,8 @@ def rollback(
     restored.rollbacks = state.rollbacks + 1
     if "uptime" in job:  # the work since the checkpoint is lost: productive time goes back to its value there
         uptime.productive_s = job["uptime"]["productive_s"]
+    if uptime.ledger is not None:
+        uptime.ledger.rewind(restored.step)
     logger.rewind()
     log.warning(
         "%s: rolled back to %s (rollback %d); the batch of step %d will be discarded",

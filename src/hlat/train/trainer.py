@@ -21,6 +21,7 @@ from hlat.launch import preempt
 from hlat.optim import lr_at
 from hlat.parallel import ParallelDims
 from hlat.state import NonFiniteError, TrainState
+from hlat.track.goodput import write_ledger
 from hlat.track.metrics import SpikeDetector, Uptime
 from hlat.train.hooks import Hooks
 from hlat.train.loop import fit
@@ -104,15 +105,20 @@ class Trainer:
                 h.logger.start(psutil.Process().create_time())
                 state = self._fit_with_rollback(state)
                 h.saver.close()
+                self._charge("save_s")  # the wait for the last save
                 if h.evals is not None:  # their scores are in the run before it ends; a failed one fails it
                     h.evals.finish()
+                    self._charge("eval_s")
                 status = "FINISHED"
+                self._record_goodput("finished", state.step)
                 if rank0 and self.cfg.tracker.plots:
                     self.tracking.plot(self.spikes, self.run_dir / "plots")
             except preempt.PreemptedError as e:
                 status = "KILLED"
                 h.monitors.close()  # the hang watchdog must not time the save
                 stopped = preempt.checkpoint_now(e, h.saver, state, t.preempt_grace_s)
+                self._charge("save_s")
+                self._record_goodput("preempted", state.step)
                 if rank0:
                     preempt.record(stopped, self.run_dir, self.tracking.mlflow)
                 h.stop.barrier()  # no rank exits before rank 0 completed the checkpoint (a launcher may kill all)
@@ -129,6 +135,9 @@ class Trainer:
     def _close(self, status: str) -> None:
         """Whatever happened: let the save in flight complete, close monitors, data, tracker, lock, evaluations."""
         h = self.hooks
+        ledger = self.uptime.ledger
+        if ledger is not None and ledger.attempt.status == "running":  # failed, or a second Ctrl-C: its time since
+            ledger.finish("failed" if status == "FAILED" else "interrupted")  # the last record is the gap after it
         h.monitors.close()
         h.stop.close()
         if status != "FINISHED":
@@ -142,6 +151,26 @@ class Trainer:
             self.job.lock.close()
         if h.evals is not None:
             h.evals.close()  # the evaluations along training log into this run: let them finish
+
+    def _charge(self, bucket: str) -> None:
+        """The time since the goodput ledger's last charge goes to ``bucket`` (the ends of the run)."""
+        if self.uptime.ledger is not None:
+            self.uptime.ledger.charge(bucket)
+
+    def _record_goodput(self, status: str, step: int) -> None:
+        """The attempt ends in its ledger; rank 0 logs the job's ``goodput/*`` and its ledger table into the run."""
+        ledger = self.uptime.ledger
+        if ledger is None:
+            return
+        ledger.finish(status)
+        if self.rank != 0:
+            return
+        self.tracking.tracker.log_metrics([(step, ledger.metrics())])
+        try:  # the table is a report: failing to write it must not change how the run ended
+            for path in write_ledger(ledger, self.run_dir):
+                self.tracking.tracker.log_artifact(path)
+        except OSError:
+            log.exception("could not write the goodput ledger into %s", self.run_dir)
 
     def report(self, state: TrainState) -> None:
         """Rank 0 prints the run's outcome: steps, tokens, loss first -> last, the checkpoint, the MLflow address."""
