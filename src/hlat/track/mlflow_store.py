@@ -5,12 +5,19 @@ mlflow itself is imported only inside the functions that need it.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import socket
 import tempfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from hlat.config import ConfigError, TrackerConfig
+
+log = logging.getLogger(__name__)
 
 
 def default_uri() -> str:
@@ -110,6 +117,88 @@ def _store_dir_problem(where: Path, *, create: bool) -> str | None:
     except OSError as e:
         return f"cannot write into {probe} ({e.strerror or e})"
     return None
+
+
+def open_client(uri: str) -> Any:
+    """An ``MlflowClient`` on store ``uri``, whose tables are created and migrated once, whoever opens it first.
+
+    MLflow creates a database store's tables and runs its migrations when the first client of a process opens it,
+    unguarded: processes opening a new store at once (a shell loop, a job array, a team) run the migrations together
+    and die in them (``duplicate column name``), or find a half-migrated schema. Every opener here takes the
+    store's lock around that first open: a ``<db>.lock`` file beside a sqlite store (``flock``), an advisory lock in
+    a PostgreSQL or MySQL database. A server (``http://``) migrates its store itself when it starts.
+    """
+    from mlflow import MlflowClient
+
+    if _scheme(uri) in ("sqlite", "postgresql", "mysql", "mssql"):
+        # What opening a database store imports (~4 s on a busy machine), imported before the lock, not under it:
+        # the openers queue for the lock only as long as the open itself takes (~0.4 s).
+        import alembic.script  # noqa: F401  (MLflow's schema check reads the migrations' head with it)
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+
+    with _store_lock(uri):
+        return MlflowClient(tracking_uri=uri)  # builds the store: creates and migrates its tables if need be
+
+
+_LOCK_NAME = "hlat-mlflow-store-init"
+_PG_LOCK_KEY = zlib.crc32(_LOCK_NAME.encode())
+"""The PostgreSQL advisory lock id that openers of one database agree on (any fixed number would do)."""
+
+
+def _scheme(uri: str) -> str:
+    """The database or protocol of store ``uri``: ``postgresql+psycopg2://`` -> ``postgresql``."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(uri).scheme.split("+")[0].lower()
+
+
+@contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """Hold the lock that serializes the creation of store ``uri`` (nothing to hold for a server or ``file:``)."""
+    scheme = _scheme(uri)
+    db = uri.removeprefix("sqlite:///").split("?", 1)[0] if scheme == "sqlite" else ""
+    if scheme == "sqlite" and db not in ("", ":memory:") and db != uri:  # in memory: one process only
+        with _file_lock(Path(f"{db}.lock")):
+            yield
+    elif scheme in ("postgresql", "mysql"):
+        with _database_lock(uri, scheme):
+            yield
+    else:
+        yield
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if need be), beside the store: every host that mounts it sees it."""
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is creating the MLflow store (%s)", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when this process dies
+
+
+@contextmanager
+def _database_lock(uri: str, scheme: str) -> Iterator[None]:
+    """A session-level advisory lock in the database of ``uri``: released by the server if this process dies."""
+    import sqlalchemy
+
+    take, give = (
+        (f"SELECT pg_advisory_lock({_PG_LOCK_KEY})", f"SELECT pg_advisory_unlock({_PG_LOCK_KEY})")
+        if scheme == "postgresql"
+        else (f"SELECT GET_LOCK('{_LOCK_NAME}', -1)", f"SELECT RELEASE_LOCK('{_LOCK_NAME}')")
+    )
+    engine = sqlalchemy.create_engine(uri, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            connection.execute(sqlalchemy.text(take))
+            try:
+                yield
+            finally:
+                connection.execute(sqlalchemy.text(give))
+    finally:
+        engine.dispose()
 
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
