@@ -65,7 +65,7 @@ def start_together(uri: str, workdir: Path, cache_dir: Path, *, drivers: int, tr
     Raises:
         AssertionError: A process failed; its output tail says why.
     """
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     go = workdir / "go"
     procs: dict[str, subprocess.Popen[str]] = {}
     for i in range(trainings):

@@ -40,7 +40,7 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     """
     if rank != 0 or cfg.kind != "mlflow":
         return
-    from urllib.parse import urlsplit
+    from urllib.parse import parse_qs, urlsplit
 
     uri = cfg.uri or default_uri()
     parts = urlsplit(uri)
@@ -53,11 +53,14 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     )
     if scheme in _SERVER_PORTS:
         host, port = parts.hostname or "localhost", parts.port or _SERVER_PORTS[scheme]
-        error = _http_error(uri, timeout_s) if scheme.startswith("http") else _connect_error(host, port, timeout_s)
+        socket_dir = parse_qs(parts.query).get("host", [""])[0] if scheme == "postgresql" else ""
+        address = f"{socket_dir}/.s.PGSQL.{port}" if socket_dir.startswith("/") else (host, port)  # libpq's socket
+        error = _http_error(uri, timeout_s) if scheme.startswith("http") else _connect_error(address, timeout_s)
         if error is not None:
             start = f"mlflow server --host {host} --port {port}" if scheme.startswith("http") else "the database"
+            where = address if isinstance(address, str) else f"{host}:{port}"
             raise ConfigError(
-                f"tracker.uri={shown}: nothing answers at {host}:{port} within {timeout_s:g} s "
+                f"tracker.uri={shown}: nothing answers at {where} within {timeout_s:g} s "
                 f"({error}); start the server ({start}), {fixes}"
             )
         return
@@ -93,10 +96,15 @@ def _http_error(uri: str, timeout_s: float) -> str | None:
         return str(e) or type(e).__name__
 
 
-def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
-    """Why a TCP connect to ``host:port`` failed (None: it succeeded)."""
+def _connect_error(address: tuple[str, int] | str, timeout_s: float) -> str | None:
+    """Why a connect to TCP ``(host, port)`` or to a Unix socket's path failed (None: it succeeded)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
+        if isinstance(address, str):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(timeout_s)
+                s.connect(address)
+                return None
+        with socket.create_connection(address, timeout=timeout_s):
             return None
     except OSError as e:
         return e.strerror or str(e) or type(e).__name__
