@@ -86,4 +86,4 @@ lint: install-dev
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .venv-neuron outputs multirun mlruns mlflow.db
+	rm -rf $(VENV) .venv-neuron outputs multirun mlruns mlflow.db mlflow.db.lock

@@ -27,21 +27,26 @@ def test_eight_runs_started_at_once_on_a_fresh_sqlite_store_all_land(tmp_path: P
     assert_every_point_arrived(uri, drivers=7, trainings=1)
 
 
+def _open_then_set(db: Path, opened: threading.Event) -> None:
+    open_client(f"sqlite:///{db}")
+    opened.set()
+
+
 def test_an_opener_waits_while_another_process_holds_the_store_lock(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The lock is ``<db>.lock`` beside the store, taken before MLflow touches the database."""
+    """The lock is ``<db>.lock`` beside the store, taken before MLflow touches the database; once the store is
+    migrated, the file names it (later openers of that very store need not queue)."""
     caplog.set_level(logging.INFO, logger="hlat.track.mlflow_store")
     db = tmp_path / "mlflow.db"
     opened = threading.Event()
     with open(f"{db}.lock", "a") as held:  # flock: another open file description, as another process would have
         fcntl.flock(held, fcntl.LOCK_EX)
-        opener = threading.Thread(target=lambda: (open_client(f"sqlite:///{db}"), opened.set()), daemon=True)
-        opener.start()
+        threading.Thread(target=_open_then_set, args=(db, opened), daemon=True).start()
         deadline = time.monotonic() + hang_guard(60)
         while "waiting for another process" not in caplog.text:
             assert time.monotonic() < deadline and not opened.is_set(), "opened the store without waiting"
             time.sleep(0.05)
         assert not db.exists()
     assert opened.wait(hang_guard(60))
-    assert db.exists()
+    assert Path(f"{db}.lock").read_text().endswith(f": inode {db.stat().st_ino}\n")

@@ -30,9 +30,10 @@ def test_eight_runs_started_at_once_on_the_fresh_team_server_all_land(
     assert listed and listed == on_disk
 
 
-def test_eight_runs_opening_a_fresh_postgresql_database_at_once_all_land(
+def test_runs_opening_a_fresh_postgresql_database_at_once_all_land(
     team_server: TeamServer, tmp_path: Path, cache_dir: Path
 ) -> None:
+    """Four tracker processes are enough for a race: without the lock, 7 of 8 (and 3 of 4) died in the migration."""
     uri = team_server.new_database("direct")
-    start_together(uri, tmp_path, cache_dir, drivers=8, trainings=0)
-    assert_every_point_arrived(uri, drivers=8, trainings=0)
+    start_together(uri, tmp_path, cache_dir, drivers=4, trainings=0)
+    assert_every_point_arrived(uri, drivers=4, trainings=0)

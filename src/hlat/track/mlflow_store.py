@@ -1,4 +1,4 @@
-"""Where hlat's MLflow data lives and how it is shown: the store's URI and its check, experiments, UI addresses.
+"""Where hlat's MLflow data lives and how it is shown: the store's URI, check and safe creation, experiments, UI.
 
 mlflow itself is imported only inside the functions that need it.
 """
@@ -166,7 +166,7 @@ def _store_lock(uri: str) -> Iterator[None]:
     scheme = _scheme(uri)
     db = uri.removeprefix("sqlite:///").split("?", 1)[0] if scheme == "sqlite" else ""
     if scheme == "sqlite" and db not in ("", ":memory:") and db != uri:  # in memory: one process only
-        with _file_lock(Path(f"{db}.lock")):
+        with _sqlite_lock(Path(db)):
             yield
     elif scheme in ("postgresql", "mysql"):
         with _database_lock(uri, scheme):
@@ -176,15 +176,37 @@ def _store_lock(uri: str) -> Iterator[None]:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created if need be), beside the store: every host that mounts it sees it."""
-    with open(path, "a") as lock:
+def _sqlite_lock(db: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<db>.lock``, beside the store: every host that mounts it sees it.
+
+    Held while the store is opened, unless the file says that an opener of this MLflow version created and migrated
+    this very db: then no schema changes, and the openers of a big job array need not queue.
+    """
+    path = Path(f"{db}.lock")
+    with open(path, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("waiting for another process that is creating the MLflow store (%s)", path)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock, also when this process dies
+        lock.seek(0)
+        if lock.read() == _migrated_mark(db):
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            yield
+            return
+        yield  # MLflow creates and migrates the store now; closing the file releases the lock, even if this dies
+        lock.truncate(0)
+        lock.write(_migrated_mark(db))
+
+
+def _migrated_mark(db: Path) -> str:
+    """What ``<db>.lock`` says once ``db`` is migrated.
+
+    MLflow's version (a newer one may migrate again) and the db's inode (a store deleted and made anew is new).
+    """
+    import mlflow
+
+    return f"migrated by mlflow {mlflow.__version__}: inode {db.stat().st_ino if db.exists() else None}\n"
 
 
 @contextmanager
