@@ -2,7 +2,7 @@
 # A team MLflow tracking server for hlat runs: PostgreSQL backend + an artifact directory, proxied artifacts.
 #
 #   scripts/mlflow-server.sh                                # 127.0.0.1:5000, everything in ./mlflow-server/
-#   MLFLOW_STORE=/shared/mlflow HOST=0.0.0.0 ALLOWED_HOSTS=mlflow.internal:5000 scripts/mlflow-server.sh  # the team's
+#   ARTIFACTS=/fsx/mlflow-artifacts HOST=0.0.0.0 ALLOWED_HOSTS=mlflow.internal:5000 scripts/mlflow-server.sh  # a team's
 #   MLFLOW_DB_URI=postgresql://mlflow:***@db.internal/mlflow scripts/mlflow-server.sh   # a database you already run
 #
 # Then train with `python train.py tracker.uri=http://<host>:5000`. Without MLFLOW_DB_URI it runs its own
