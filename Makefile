@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-slow test-neuron test-cluster test-readme lint install install-dev install-eval clean
+.PHONY: demo test test-slow test-neuron test-cluster test-postgres test-readme lint install install-dev install-eval clean
 
 # Three stamps: `make demo` installs what a run needs (torch + hlat), `make test` adds the dev tools on top, and
 # `make install-eval` lm-evaluation-harness (the `eval` extra: `hlat eval`, eval.every_tokens), which the demo skips.
@@ -65,6 +65,17 @@ test-cluster: install-dev
 	bash tests/cluster/install.sh
 	HLAT_CLUSTER_LANE=1 $(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 
+# The PostgreSQL lane (root): the team tracking server (scripts/mlflow-server.sh) on a real PostgreSQL in a temporary
+# directory, and runs started together on it; tests/postgres/install.sh apt-gets postgresql where missing, the `team`
+# extra brings its Python driver (psycopg).
+$(VENV)/.installed-team: $(VENV)/.installed-dev
+	$(PY) -m pip install -q -c constraints.txt -e ".[team]"
+	touch $@
+
+test-postgres: $(VENV)/.installed-team
+	bash tests/postgres/install.sh
+	HLAT_POSTGRES_LANE=1 $(PY) -m pytest -q tests/postgres $(ARGS)
+
 # The README lane: every command of README.md and docs/*.md, run as written in a fresh shell after `make demo` (tiny
 # overrides where a command trains; tests/readme/commands.py lists the few that cannot run here and why).
 test-readme: install-dev
@@ -75,4 +86,4 @@ lint: install-dev
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .venv-neuron outputs multirun mlruns mlflow.db
+	rm -rf $(VENV) .venv-neuron outputs multirun mlruns mlflow.db mlflow.db.lock

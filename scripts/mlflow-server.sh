@@ -1,22 +1,84 @@
 #!/usr/bin/env bash
-# A team MLflow tracking server for hlat runs: sqlite backend + an artifact directory, proxied artifacts.
+# A team MLflow tracking server for hlat runs: PostgreSQL backend + an artifact directory, proxied artifacts.
 #
-#   scripts/mlflow-server.sh                          # 127.0.0.1:5000, store in ./mlflow-server/
-#   HOST=0.0.0.0 ALLOWED_HOSTS=mlflow.internal:5000 scripts/mlflow-server.sh   # reachable by the team
+#   scripts/mlflow-server.sh                                # 127.0.0.1:5000, everything in ./mlflow-server/
+#   ARTIFACTS=/fsx/mlflow-artifacts HOST=0.0.0.0 ALLOWED_HOSTS=mlflow.internal:5000 scripts/mlflow-server.sh  # a team's
+#   MLFLOW_DB_URI=postgresql://mlflow:***@db.internal/mlflow scripts/mlflow-server.sh   # a database you already run
 #
-# Then train with `python train.py tracker.uri=http://<host>:5000`. Bound to loopback unless HOST says
-# otherwise; with HOST=0.0.0.0, MLflow 3's host-header check needs ALLOWED_HOSTS (the name clients use).
-# One worker and no job execution: starts in ~6 s and uses ~520 MB instead of ~20 s and ~3 GB
-# (MLflow 3.17, measured on a 2-core machine).
+# Then train with `python train.py tracker.uri=http://<host>:5000`. Without MLFLOW_DB_URI it runs its own
+# PostgreSQL (Debian's `postgresql` package; initdb on the first start) in $MLFLOW_STORE/postgres: no TCP port, only
+# a Unix socket in that directory, and stops it when the server stops (Ctrl-C). Artifacts (checkpoint records,
+# plots, configs) go to ARTIFACTS (default $MLFLOW_STORE/artifacts; a shared filesystem path for a team), served
+# through the server, so clients need no access to it. Bound to loopback unless HOST says otherwise; with
+# HOST=0.0.0.0, MLflow 3's host-header check needs ALLOWED_HOSTS (the name clients use). One worker and no job
+# execution: starts in ~6 s and uses ~520 MB instead of ~20 s and ~3 GB (MLflow 3.17, measured on a 2-core machine).
+# Needs psycopg (3) beside mlflow: pip install -c constraints.txt -e ".[team]".
 set -euo pipefail
-STORE="${MLFLOW_STORE:-$PWD/mlflow-server}"
+STORE="$(realpath -m "${MLFLOW_STORE:-$PWD/mlflow-server}")"
+ARTIFACTS="${ARTIFACTS:-$STORE/artifacts}"
 HOST="${HOST:-127.0.0.1}"
 PORT="${PORT:-5000}"
-mkdir -p "$STORE/artifacts"
-args=(--backend-store-uri "sqlite:///$STORE/mlflow.db" --artifacts-destination "$STORE/artifacts"
+DB_URI="${MLFLOW_DB_URI:-}"
+mkdir -p "$STORE" "$ARTIFACTS"
+
+python="$(dirname "$(command -v mlflow)")/python"
+[[ -x "$python" ]] || python=python3
+if [[ "$DB_URI" == postgresql* || -z "$DB_URI" ]] && ! "$python" -c "import psycopg" 2>/dev/null; then
+  echo "mlflow-server.sh: $python cannot import psycopg (SQLAlchemy 2.1's PostgreSQL driver); install it with" \
+       "pip install -c constraints.txt -e \".[team]\"" >&2
+  exit 2
+fi
+
+if [[ -z "$DB_URI" ]]; then
+  if [[ -z "${PG_BIN:-}" ]]; then
+    for bin in /usr/lib/postgresql/*/bin; do PG_BIN="$bin"; done  # the newest (versions 10 on sort as text)
+  fi
+  if [[ ! -x "$PG_BIN/initdb" ]]; then
+    echo "mlflow-server.sh: no PostgreSQL (initdb) in /usr/lib/postgresql/*/bin; install Debian's package" \
+         "(apt-get install postgresql), set PG_BIN, or give a database as MLFLOW_DB_URI" >&2
+    exit 2
+  fi
+  PGDATA="$STORE/postgres"
+  as_owner=()  # PostgreSQL refuses to run as root: root runs it as the postgres user (Debian's package makes it)
+  if [[ "$(id -u)" == 0 ]]; then
+    as_owner=(runuser -u postgres --)
+    mkdir -p "$PGDATA" && chown postgres: "$PGDATA" && chmod 700 "$PGDATA"
+    if ! runuser -u postgres -- test -w "$PGDATA"; then
+      echo "mlflow-server.sh: the postgres user cannot reach $PGDATA; choose an MLFLOW_STORE whose parent" \
+           "directories it may enter (chmod o+x), or give a database as MLFLOW_DB_URI" >&2
+      exit 2
+    fi
+  fi
+  if [[ ! -f "$PGDATA/PG_VERSION" ]]; then
+    # trust is safe here: no TCP listener, and only the cluster's owner (and root) can enter the socket directory
+    "${as_owner[@]}" "$PG_BIN/initdb" -D "$PGDATA" -U mlflow --auth=trust -E UTF8 >"$STORE/initdb.log"
+  fi
+  if ! "${as_owner[@]}" "$PG_BIN/pg_ctl" -D "$PGDATA" -l "$PGDATA/server.log" -w \
+      -o "-c listen_addresses='' -k '$PGDATA'" start >/dev/null; then
+    tail -n 20 "$PGDATA/server.log" >&2  # e.g. a socket path over 107 characters: a shorter MLFLOW_STORE
+    exit 1
+  fi
+  trap '"${as_owner[@]}" "$PG_BIN/pg_ctl" -D "$PGDATA" -m fast -w stop >/dev/null 2>&1 || true' EXIT
+  if ! "$PG_BIN/psql" -h "$PGDATA" -U mlflow -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname='mlflow'" \
+      | grep -q 1; then
+    "$PG_BIN/createdb" -h "$PGDATA" -U mlflow mlflow
+  fi
+  DB_URI="postgresql://mlflow@/mlflow?host=$PGDATA"
+fi
+
+args=(--backend-store-uri "$DB_URI" --artifacts-destination "$ARTIFACTS"
       --serve-artifacts --host "$HOST" --port "$PORT" --workers "${WORKERS:-1}")
 if [[ -n "${ALLOWED_HOSTS:-}" ]]; then
   args+=(--allowed-hosts "$ALLOWED_HOSTS")
 fi
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
-exec mlflow server "${args[@]}"
+# The server migrates a new database at its start, before it answers; then PostgreSQL stops with it.
+mlflow server "${args[@]}" &
+server=$!
+trap 'kill -TERM "$server" 2>/dev/null || true' INT TERM
+status=0
+wait "$server" || status=$?
+if kill -0 "$server" 2>/dev/null; then  # a signal ended the wait, not the server: let it finish
+  wait "$server" || status=$?
+fi
+exit "$status"

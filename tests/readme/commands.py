@@ -86,6 +86,7 @@ EXCEPTIONS: dict[str, Policy] = {
     "make test-cluster": Policy(
         "skip", "the cluster lane: .ci/run runs it before this lane (root, network namespaces)"
     ),
+    "make test-postgres": Policy("skip", "the PostgreSQL lane: .ci/run runs it (root; apt-get install postgresql)"),
     "make test-readme": Policy("skip", "this lane itself"),
     "mlflow ui --backend-store-uri sqlite:///mlflow.db": Policy(
         "serve",

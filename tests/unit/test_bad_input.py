@@ -200,6 +200,20 @@ def test_a_server_that_accepts_but_never_answers_is_named_after_the_timeout(monk
     assert timeouts == [0.5]  # one request, bounded by the timeout asked for
 
 
+def test_a_postgresql_unix_socket_is_checked_where_libpq_would_connect(tmp_path: Path) -> None:
+    """``postgresql://user@/db?host=<dir>``: a Unix socket in ``dir`` (scripts/mlflow-server.sh's PostgreSQL), not
+    TCP to localhost."""
+    from hlat.track.trackers import check_reachable
+
+    uri = f"postgresql://mlflow@/runs?host={tmp_path}"
+    with pytest.raises(ConfigError, match=f"nothing answers at {tmp_path}/.s.PGSQL.5432 within"):
+        check_reachable(TrackerConfig(uri=uri))
+    with socket.socket(socket.AF_UNIX) as s:  # a live socket where libpq looks: passes
+        s.bind(str(tmp_path / ".s.PGSQL.5432"))
+        s.listen()
+        check_reachable(TrackerConfig(uri=uri))
+
+
 def test_any_http_answer_and_other_ranks_pass(tmp_path: Path) -> None:
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer

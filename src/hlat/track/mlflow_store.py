@@ -1,16 +1,23 @@
-"""Where hlat's MLflow data lives and how it is shown: the store's URI and its check, experiments, UI addresses.
+"""Where hlat's MLflow data lives and how it is shown: the store's URI, check and safe creation, experiments, UI.
 
 mlflow itself is imported only inside the functions that need it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import socket
 import tempfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from hlat.config import ConfigError, TrackerConfig
+
+log = logging.getLogger(__name__)
 
 
 def default_uri() -> str:
@@ -33,7 +40,7 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     """
     if rank != 0 or cfg.kind != "mlflow":
         return
-    from urllib.parse import urlsplit
+    from urllib.parse import parse_qs, urlsplit
 
     uri = cfg.uri or default_uri()
     parts = urlsplit(uri)
@@ -46,11 +53,14 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     )
     if scheme in _SERVER_PORTS:
         host, port = parts.hostname or "localhost", parts.port or _SERVER_PORTS[scheme]
-        error = _http_error(uri, timeout_s) if scheme.startswith("http") else _connect_error(host, port, timeout_s)
+        socket_dir = parse_qs(parts.query).get("host", [""])[0] if scheme == "postgresql" else ""
+        address = f"{socket_dir}/.s.PGSQL.{port}" if socket_dir.startswith("/") else (host, port)  # libpq's socket
+        error = _http_error(uri, timeout_s) if scheme.startswith("http") else _connect_error(address, timeout_s)
         if error is not None:
             start = f"mlflow server --host {host} --port {port}" if scheme.startswith("http") else "the database"
+            where = address if isinstance(address, str) else f"{host}:{port}"
             raise ConfigError(
-                f"tracker.uri={shown}: nothing answers at {host}:{port} within {timeout_s:g} s "
+                f"tracker.uri={shown}: nothing answers at {where} within {timeout_s:g} s "
                 f"({error}); start the server ({start}), {fixes}"
             )
         return
@@ -86,10 +96,15 @@ def _http_error(uri: str, timeout_s: float) -> str | None:
         return str(e) or type(e).__name__
 
 
-def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
-    """Why a TCP connect to ``host:port`` failed (None: it succeeded)."""
+def _connect_error(address: tuple[str, int] | str, timeout_s: float) -> str | None:
+    """Why a connect to TCP ``(host, port)`` or to a Unix socket's path failed (None: it succeeded)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
+        if isinstance(address, str):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(timeout_s)
+                s.connect(address)
+                return None
+        with socket.create_connection(address, timeout=timeout_s):
             return None
     except OSError as e:
         return e.strerror or str(e) or type(e).__name__
@@ -110,6 +125,110 @@ def _store_dir_problem(where: Path, *, create: bool) -> str | None:
     except OSError as e:
         return f"cannot write into {probe} ({e.strerror or e})"
     return None
+
+
+def open_client(uri: str) -> Any:
+    """An ``MlflowClient`` on store ``uri``, whose tables are created and migrated once, whoever opens it first.
+
+    MLflow creates a database store's tables and runs its migrations when the first client of a process opens it,
+    unguarded: processes opening a new store at once (a shell loop, a job array, a team) run the migrations together
+    and die in them (``duplicate column name``), or find a half-migrated schema. Every opener here takes the
+    store's lock around that first open: a ``<db>.lock`` file beside a sqlite store (``flock``), an advisory lock in
+    a PostgreSQL or MySQL database. A server (``http://``) migrates its store itself when it starts.
+    """
+    from mlflow import MlflowClient
+
+    if _scheme(uri) in ("sqlite", "postgresql", "mysql", "mssql"):
+        # What opening a database store imports (~4 s on a busy machine), imported before the lock, not under it:
+        # the openers queue for the lock only as long as the open itself takes (~0.4 s).
+        import alembic.script  # noqa: F401  (MLflow's schema check reads the migrations' head with it)
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+
+    with _store_lock(uri):
+        return MlflowClient(tracking_uri=uri)  # builds the store: creates and migrates its tables if need be
+
+
+_LOCK_NAME = "hlat-mlflow-store-init"
+_PG_LOCK_KEY = zlib.crc32(_LOCK_NAME.encode())
+"""The PostgreSQL advisory lock id that openers of one database agree on (any fixed number would do)."""
+
+
+def _scheme(uri: str) -> str:
+    """The database or protocol of store ``uri``: ``postgresql+psycopg2://`` -> ``postgresql``."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(uri).scheme.split("+")[0].lower()
+
+
+@contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """Hold the lock that serializes the creation of store ``uri`` (nothing to hold for a server or ``file:``)."""
+    scheme = _scheme(uri)
+    db = uri.removeprefix("sqlite:///").split("?", 1)[0] if scheme == "sqlite" else ""
+    if scheme == "sqlite" and db not in ("", ":memory:") and db != uri:  # in memory: one process only
+        with _sqlite_lock(Path(db)):
+            yield
+    elif scheme in ("postgresql", "mysql"):
+        with _database_lock(uri, scheme):
+            yield
+    else:
+        yield
+
+
+@contextmanager
+def _sqlite_lock(db: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<db>.lock``, beside the store: every host that mounts it sees it.
+
+    Held while the store is opened, unless the file says that an opener of this MLflow version created and migrated
+    this very db: then no schema changes, and the openers of a big job array need not queue.
+    """
+    path = Path(f"{db}.lock")
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is creating the MLflow store (%s)", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        if lock.read() == _migrated_mark(db):
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            yield
+            return
+        yield  # MLflow creates and migrates the store now; closing the file releases the lock, even if this dies
+        lock.truncate(0)
+        lock.write(_migrated_mark(db))
+
+
+def _migrated_mark(db: Path) -> str:
+    """What ``<db>.lock`` says once ``db`` is migrated.
+
+    MLflow's version (a newer one may migrate again) and the db's inode (a store deleted and made anew is new).
+    """
+    import mlflow
+
+    return f"migrated by mlflow {mlflow.__version__}: inode {db.stat().st_ino if db.exists() else None}\n"
+
+
+@contextmanager
+def _database_lock(uri: str, scheme: str) -> Iterator[None]:
+    """A session-level advisory lock in the database of ``uri``: released by the server if this process dies."""
+    import sqlalchemy
+
+    take, give = (
+        (f"SELECT pg_advisory_lock({_PG_LOCK_KEY})", f"SELECT pg_advisory_unlock({_PG_LOCK_KEY})")
+        if scheme == "postgresql"
+        else (f"SELECT GET_LOCK('{_LOCK_NAME}', -1)", f"SELECT RELEASE_LOCK('{_LOCK_NAME}')")
+    )
+    engine = sqlalchemy.create_engine(uri, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            connection.execute(sqlalchemy.text(take))
+            try:
+                yield
+            finally:
+                connection.execute(sqlalchemy.text(give))
+    finally:
+        engine.dispose()
 
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

@@ -26,6 +26,7 @@ from hlat.track.mlflow_store import (  # noqa: F401  (re-exported: their home is
     check_reachable,
     default_uri,
     experiment_id,
+    open_client,
     ui_address,
     ui_page,
 )
@@ -166,10 +167,8 @@ class MLflowTracker(NoopTracker):
     """
 
     def __init__(self, cfg: TrackerConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> None:
-        from mlflow import MlflowClient  # imported here: mlflow takes ~3 s to import
-
         self.uri = cfg.uri or default_uri()
-        self.client = MlflowClient(tracking_uri=self.uri)
+        self.client = open_client(self.uri)  # imports mlflow (~3 s) only now; creates the store once, safely
         tags = {**tags, "host": socket.gethostname()}
         self._restart_tags = {k for k in tags if k.startswith(CHANGED_TAG)}
         """The changes the restart itself tagged (since its checkpoint): not overwritten from the first params."""

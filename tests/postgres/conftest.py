@@ -1,0 +1,117 @@
+"""Fixtures of the PostgreSQL lane: the team tracking server, ``scripts/mlflow-server.sh``, on a real PostgreSQL.
+
+The script starts PostgreSQL (Debian's package) in a temporary directory and MLflow's server on it, as a team would;
+the tests run against that. The main suite leaves the lane out: it is collected only with
+``HLAT_POSTGRES_LANE=1`` (``make test-postgres``, which installs PostgreSQL and the ``team`` extra first).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.integration.mlflow_ui import free_port
+from tests.timeouts import hang_guard
+
+if os.environ.get("HLAT_POSTGRES_LANE") != "1":
+    collect_ignore_glob = ["test_*.py"]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "mlflow-server.sh"
+
+
+@dataclass(frozen=True)
+class TeamServer:
+    """The running team server: its address and the directory the script keeps everything in."""
+
+    uri: str
+    store: Path
+
+    @property
+    def pg_bin(self) -> Path:
+        """The PostgreSQL programs the script runs (the newest installed)."""
+        return Path(sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1])
+
+    def new_database(self, name: str) -> str:
+        """A new, empty database beside the server's, on the script's PostgreSQL: its SQLAlchemy URI."""
+        socket_dir = self.store / "postgres"
+        subprocess.run([self.pg_bin / "createdb", "-h", socket_dir, "-U", "mlflow", name], check=True)
+        return f"postgresql://mlflow@/{name}?host={socket_dir}"
+
+
+def _unavailable() -> str | None:
+    """Why the lane cannot run here (None: it can)."""
+    if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
+        return "PostgreSQL is not installed (tests/postgres/install.sh: apt-get install postgresql)"
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return "the psycopg package is not installed (pip install -c constraints.txt -e '.[team]')"
+    return None
+
+
+def _wait_healthy(uri: str, server: subprocess.Popen, log: Path) -> None:
+    """Wait until the server answers ``/health``; fail with its log if the script ends first or it never does."""
+    deadline = time.monotonic() + hang_guard(180)
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"scripts/mlflow-server.sh exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"the team server did not answer within the hang guard:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def team_server() -> Iterator[TeamServer]:
+    """``scripts/mlflow-server.sh`` on a free loopback port, its PostgreSQL and artifacts in a fresh directory.
+
+    After the session the script is stopped as Ctrl-C would, and must have stopped its PostgreSQL.
+    """
+    why = _unavailable()
+    if why:
+        pytest.fail(f"the PostgreSQL lane cannot run here: {why}")
+    # Under /tmp, short: the postgres user (the script runs PostgreSQL as it under root) must reach the directory,
+    # and the socket's path must stay under 108 characters.
+    store = Path(tempfile.mkdtemp(prefix="hlat-pg-", dir="/tmp"))
+    store.chmod(0o755)
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "MLFLOW_STORE": str(store),
+        "PORT": str(port),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # this venv's mlflow
+    }
+    log = store / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(uri, server, log)
+        yield TeamServer(uri, store)
+        server.send_signal(signal.SIGINT)  # what Ctrl-C sends it
+        server.wait(timeout=hang_guard(120))
+        assert not (store / "postgres" / "postmaster.pid").exists(), "the script left PostgreSQL running"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        pid_file = store / "postgres" / "postmaster.pid"
+        if pid_file.exists():  # the script failed to stop it: stop it here, so nothing outlives the lane
+            postmaster = int(pid_file.read_text().split()[0])
+            os.kill(postmaster, signal.SIGQUIT)
+        shutil.rmtree(store, ignore_errors=True)
