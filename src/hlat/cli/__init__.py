@@ -52,7 +52,7 @@ commands:
             (see `hlat data --help`)
   compare   compare MLflow runs: `hlat compare --experiment NAME | --runs ID... | --sweep DIR [--out DIR]`
   track     `hlat track sync PATH...`: send the metrics a run kept in its spool while the tracking server was away
-            (PATH: a run's checkpoint directory or a spool file; docs/run.md)
+            (PATH: a run's checkpoint directory or a spool file; docs/telemetry.md)
   doctor    pre-flight health check of the configured cluster: per rank, device, matmul TFLOP/s, all-reduce /
             all-gather bandwidth and latency; names the failing nodes; writes the report to outputs/doctor/
             (MLflow with --mlflow): `hlat doctor [--out FILE.md] [--mlflow] [overrides]` (docs/health.md)
