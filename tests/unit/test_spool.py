@@ -12,6 +12,7 @@ import pytest
 from hlat.config import TrackerConfig
 from hlat.track import spool
 from hlat.track.trackers import MLflowTracker
+from tests.timeouts import hang_guard
 
 
 def points(steps: range, key: str = "train/loss") -> list[spool.Point]:
@@ -107,3 +108,31 @@ def test_a_continued_run_sends_the_spool_first_and_one_value_per_step(tmp_path: 
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["hlat.preempted"] == "true"
     assert not first.spool.path.exists()
+
+
+def test_a_checkpoint_keeps_the_points_on_disk_while_a_send_is_stuck(tmp_path: Path, monkeypatch) -> None:
+    """sync() before a checkpoint writes the unsent points to the spool and returns: it never waits on a send."""
+    import threading
+
+    from mlflow import MlflowClient
+
+    cfg = TrackerConfig(uri=f"sqlite:///{tmp_path}/m.db", flush_every_s=0, system_metrics=False)
+    ml = MLflowTracker(cfg, "r", {}, spool_dir=tmp_path / "spool")
+    real, entered, gate, released = ml.outbox.transport.log_batch, threading.Event(), threading.Event(), []
+
+    def stuck(*a, **k):
+        entered.set()
+        if not gate.wait(hang_guard(120)):  # the "server" answers only when the test lets it (a hang guard)
+            released.append(1)  # the guard ran out: the send was not stuck any more when the test looked
+        return real(*a, **k)
+
+    monkeypatch.setattr(ml.outbox.transport, "log_batch", stuck)
+    ml.log_metrics([(s, {"train/loss": float(s)}) for s in range(1, 6)])
+    assert entered.wait(hang_guard(60))  # the sender is now stuck in a send of steps 1-5
+    ml.log_metrics([(6, {"train/loss": 6.0})])
+    assert ml.sync() and not released  # returned while the send was stuck
+    assert [p[3] for _, p in spool.read(ml.spool.path).points] == [1, 2, 3, 4, 5, 6]  # on disk, fsync'd
+    gate.set()
+    ml.finish()
+    history = MlflowClient(tracking_uri=cfg.uri).get_metric_history(ml.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6] and not ml.spool.path.exists()

@@ -150,11 +150,16 @@ class Outbox:
         """Append what MLflow does not hold yet to the spool and fsync it: local disk only, never the network."""
         assert self.spool is not None
         with self._lock:
-            fresh = [p for seq, p in self._queue if seq >= self._spooled]
+            fresh = self._fresh()
             if fresh and self.spool.append(self._next_seq - len(fresh), fresh):
                 self._spooled = self._next_seq
             self.spool.set_meta(self._meta())
             self.spool.sync()
+
+    def _fresh(self) -> list[Point]:
+        """The queued points not in the spool yet: the newest ones (numbers run on, oldest first; under the lock)."""
+        n = min(len(self._queue), self._next_seq - self._spooled)
+        return [self._queue[-i][1] for i in range(n, 0, -1)]
 
     def _meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"tags": dict(self.tags), "artifacts": list(self.artifacts)}
@@ -174,15 +179,15 @@ class Outbox:
                 self._stop.wait(RETRY_S)  # a dead server is asked again at most every RETRY_S
 
     def send(self, *, everything: bool, points_only: bool = False) -> bool:
-        """Send the queued points, then (``everything``) the artifacts and status; False at the first failure.
+        """Send the queued points, then the artifacts and (``everything``) the status; False at the first failure.
 
         ``everything``: the points do not wait for the first loss. ``points_only``: not the artifacts and status.
         """
         try:
             while self._send_batch(everything):
                 pass
-            if everything and not points_only:
-                self._send_rest()
+            if not points_only:
+                self._send_rest(final=everything)
         except Exception as e:
             if not self._failing:
                 log.warning("MLflow did not take the run's metrics (%s); they wait and are sent when it answers", e)
@@ -226,14 +231,14 @@ class Outbox:
                 self._on_first_send()
         return True
 
-    def _send_rest(self) -> None:
-        """The artifacts, then the final status: only once every point is in MLflow."""
+    def _send_rest(self, *, final: bool) -> None:
+        """The artifacts, then (``final``) the status: only once every point is in MLflow."""
         while self.artifacts:
             self.transport.log_artifact(self.run_id, self.artifacts[0])
             with self._lock:
                 self.artifacts.pop(0)
                 self._sends += 1
-        if self.status is not None:
+        if final and self.status is not None:
             self.transport.terminate(self.run_id, *self.status)
             with self._lock:
                 self.status = None
@@ -264,7 +269,7 @@ class Outbox:
                     self.spool.close(remove=True)
                 return None
             if self.spool is not None:
-                fresh = [p for seq, p in self._queue if seq >= self._spooled]
+                fresh = self._fresh()
                 if not self.spool.append(self._next_seq - len(fresh), fresh):
                     self.dropped += len(fresh)
                 self.spool.set_meta(self._meta())

@@ -315,7 +315,7 @@ class MLflowTracker(NoopTracker):
 def unsent_message(left: dict[str, Any], uri: str, run_id: str, spool: Path | None) -> str:
     """The one line a run ends with when MLflow did not take everything: how much, of which steps, where it is."""
     parts = [f"{left['points']} points" + (" (steps {}-{})".format(*left["steps"]) if left["steps"] else "")]
-    parts += [f"{left[k]} {k}" for k in ("tags", "artifacts") if left[k]]
+    parts += [f"{left[k]} {k if left[k] > 1 else k[:-1]}" for k in ("tags", "artifacts") if left[k]]
     parts += [f"its status {left['status']}"] if left["status"] else []
     lost = f"; {left['dropped']} points beyond the spool's bound are lost" if left["dropped"] else ""
     if spool is None:
