@@ -16,7 +16,7 @@ from collections import deque
 from itertools import islice
 from typing import Any
 
-from hlat.track.spool import Point, Spool
+from hlat.track.spool import Point, Spool, not_yet_stored
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,17 @@ class Outbox:
 
     def start(self) -> None:
         self._thread.start()
+
+    def resume(self, stored: dict[str, int]) -> int:
+        """A continued run, given the latest step MLflow holds per key (``stored``); returns the points still waiting.
+
+        The spool's points MLflow already has are dropped; later, so are the replayed steps MLflow or the spool holds.
+        """
+        self._queue = deque(not_yet_stored(list(self._queue), stored))
+        self.skip = dict(stored)
+        for _, (key, _, _, step) in self._queue:
+            self.skip[key] = max(self.skip.get(key, -1), step)
+        return len(self._queue)
 
     def put(self, rows: list[tuple[int, dict[str, float]]], now_ms: int) -> None:
         """Queue metric rows (the caller's thread: memory only); a replayed step already stored is left out."""

@@ -31,7 +31,7 @@ from hlat.track.mlflow_store import (  # noqa: F401  (re-exported: their home is
 )
 from hlat.track.outbox import SEND_TIMEOUT_S, Outbox, Transport
 from hlat.track.progress import ProgressBar  # noqa: F401  (its home is hlat.track.progress; re-exported)
-from hlat.track.spool import Spool, latest_steps, not_yet_stored, spool_path
+from hlat.track.spool import Spool, latest_steps, spool_path
 
 log = logging.getLogger(__name__)
 
@@ -215,20 +215,13 @@ class MLflowTracker(NoopTracker):
     def _continue(self, previous: Any, tags: dict[str, str]) -> None:
         """A continued run: the previous attempt's tags now, its unsent points first; replayed steps are skipped."""
         stored = latest_steps(previous.data._metric_objs)  # per key, the latest step MLflow holds: one cheap read
-        box = self.outbox
+        waiting = self.outbox.resume(stored)
         if self.spool is not None:
             tags = {**self.spool.loaded.meta.get("tags", {}), **tags}  # before the restart's own (resumable goes)
-            box._queue = deque(not_yet_stored(list(box._queue), stored))
-        if box._queue:
-            log.info(
-                "sending %d points (steps %s) that MLflow did not take before the restart, from %s",
-                len(box._queue),
-                self.spool.loaded.steps() if self.spool else "-",
-                self.spool.path if self.spool else "-",
-            )
-        box.skip = dict(stored)
-        for _, (key, _, _, step) in box._queue:
-            box.skip[key] = max(box.skip.get(key, -1), step)
+            if waiting:
+                log.info(
+                    "sending first the %d points MLflow did not take before the restart (%s)", waiting, self.spool.path
+                )
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
         self._start_system_metrics()
