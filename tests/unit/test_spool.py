@@ -35,6 +35,10 @@ def test_a_torn_last_line_is_dropped_and_the_spool_goes_on(tmp_path: Path) -> No
     healed = spool.read(path)
     assert [(seq, p[3]) for seq, p in healed.points] == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
     assert healed.damaged == 0 and healed.next_seq == 5
+    with open(path, "ab") as f:  # a torn batch longer than the window the tail is searched in
+        f.write(b'{"seq":5,"m":[' + b'["train/loss",1.0,1,6],' * 8000)
+    spool.Spool(path, "run", "http://x").close()
+    assert spool.read(path).points == healed.points and spool.read(path).damaged == 0
 
 
 def test_watermarks_leave_only_the_unsent_and_a_drained_spool_shrinks(tmp_path: Path) -> None:

@@ -125,18 +125,19 @@ class Spool:
 
     def _drop_torn_tail(self) -> None:
         """Cut a last line without its newline (a write cut short by a crash), so the next line starts clean."""
-        self._file.seek(0, os.SEEK_END)
-        size = self._file.tell()
-        if size == 0:
-            return
-        self._file.seek(max(0, size - (1 << 16)))
-        tail = self._file.read()
-        if tail.endswith(b"\n"):
-            return
-        cut = tail.rfind(b"\n")
-        keep = size - len(tail) + cut + 1 if cut >= 0 else 0
-        if cut < 0 and size > len(tail):  # a torn line longer than the window: keep what is before the window
-            keep = size - len(tail)
+        end = self._file.seek(0, os.SEEK_END)
+        keep = end
+        while keep > 0:
+            start = max(0, keep - (1 << 16))
+            self._file.seek(start)
+            chunk = self._file.read(keep - start)
+            if keep == end and chunk.endswith(b"\n"):
+                return  # the last line is whole
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            keep = start
         self._file.truncate(keep)
         self._file.seek(0, os.SEEK_END)
 
