@@ -5,6 +5,7 @@ The end-to-end runs against a real ``mlflow server`` killed under a trainer: tes
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,15 @@ def test_one_writer_at_a_time_and_sync_says_so(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(SystemExit) as missing:
         main(["track", "sync", str(tmp_path / "mlflow-spool" / "x")])
     assert missing.value.code == 2 and "no such file or directory" in capsys.readouterr().err
+    with socket.socket() as s:  # a port nothing listens on: the server is still away
+        s.bind(("127.0.0.1", 0))
+        away = spool.Spool(tmp_path / "away.jsonl", "run", f"http://127.0.0.1:{s.getsockname()[1]}")
+    away.append(0, points(range(1, 3)))
+    away.close()
+    with pytest.raises(SystemExit) as down:
+        main(["track", "sync", str(tmp_path / "away.jsonl")])
+    assert down.value.code == 1 and "nothing answers at 127.0.0.1" in capsys.readouterr().err
+    assert len(spool.read(tmp_path / "away.jsonl").points) == 2  # kept for the next try
 
 
 def test_a_continued_run_sends_the_spool_first_and_one_value_per_step(tmp_path: Path) -> None:

@@ -280,5 +280,5 @@ def main(argv: list[str]) -> int:
                 print(f"{f}: {send(f, args.uri)}")
         except (ValueError, ConfigError, SpoolBusyError) as e:
             print(f"hlat track sync: error: {e}", file=sys.stderr)
-            code = 2 if isinstance(e, ValueError) else 1
+            code = 1 if isinstance(e, (ConfigError, SpoolBusyError)) else 2  # 1: try again later; 2: a wrong path
     return code
