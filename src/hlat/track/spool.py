@@ -217,12 +217,19 @@ def send(path: Path, uri: str | None = None) -> str:
     from mlflow import MlflowClient
     from mlflow.entities import Metric, RunTag
 
-    from hlat.config import TrackerConfig
+    from hlat.config import ConfigError, TrackerConfig
     from hlat.track.mlflow_store import check_reachable
 
     head = read(path)
     uri = uri or head.uri
-    check_reachable(TrackerConfig(uri=uri))  # one short request, not minutes of MLflow's retries
+    try:  # one short request, not minutes of MLflow's retries
+        check_reachable(TrackerConfig(uri=uri))
+    except ConfigError as e:  # its fixes speak of tracker.uri: say what to do here
+        why = str(e).partition(": ")[2].partition("; ")[0]
+        raise ConfigError(
+            f"{uri}: {why}; start the tracking server and run `hlat track sync` again, or pass --uri where it moved "
+            "(the spool is kept)"
+        ) from None
     spool = Spool(path, head.run_id, head.uri)
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(head.run_id)
