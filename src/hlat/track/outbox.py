@@ -266,7 +266,7 @@ class Outbox:
             self._stopping = True
         self._wake.set()
         self._stop.set()
-        if not self._thread.is_alive():  # never started (a failure before the first step): send from here
+        if not self._thread.is_alive():  # the sender thread is gone (an error outside a send): one try from here
             self.send(everything=True)
         seen = -1
         while self._thread.is_alive() and self._sends != seen:
