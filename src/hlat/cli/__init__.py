@@ -26,6 +26,7 @@ COMMANDS = (
     "plan",
     "data",
     "compare",
+    "track",
     "doctor",
     "bench",
     "eval",
@@ -50,6 +51,8 @@ commands:
   data      prepare data: `hlat data prepare INPUT... --output DIR`, `hlat data tokenizer --data PATH ...`
             (see `hlat data --help`)
   compare   compare MLflow runs: `hlat compare --experiment NAME | --runs ID... | --sweep DIR [--out DIR]`
+  track     `hlat track sync PATH...`: send the metrics a run kept in its spool while the tracking server was away
+            (PATH: a run's checkpoint directory or a spool file; docs/telemetry.md)
   doctor    pre-flight health check of the configured cluster: per rank, device, matmul TFLOP/s, all-reduce /
             all-gather bandwidth and latency; names the failing nodes; writes the report to outputs/doctor/
             (MLflow with --mlflow): `hlat doctor [--out FILE.md] [--mlflow] [overrides]` (docs/health.md)
@@ -276,6 +279,10 @@ def main(argv: list[str] | None = None) -> None:
         from hlat.track.compare import main as compare_main
 
         raise SystemExit(compare_main(argv[1:]))
+    if argv and argv[0] == "track":
+        from hlat.track.spool import main as track_main
+
+        raise SystemExit(track_main(argv[1:]))
     if argv and argv[0] in ("launch", "compile"):
         from hlat.deploy.commands import main as deploy_main
 

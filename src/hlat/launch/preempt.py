@@ -244,11 +244,8 @@ def record(stop: PreemptedError, run_dir: Path, mlflow_tracker: Any) -> None:
     tmp = path.with_name(f".{MARKER}.tmp")
     tmp.write_text(json.dumps(stop.to_dict()) + "\n")
     os.replace(tmp, path)
-    if mlflow_tracker is not None:
-        client, run_id = mlflow_tracker.client, mlflow_tracker.run_id
-        for key in TAGS:
-            client.set_tag(run_id, key, "true")
-        client.set_tag(run_id, "hlat.preempted_at_step", str(stop.step))
+    if mlflow_tracker is not None:  # sent from the tracker's thread: a tracking server that is away never holds it
+        mlflow_tracker.set_tags({**dict.fromkeys(TAGS, "true"), "hlat.preempted_at_step": str(stop.step)})
 
 
 def unmark(run_dir: Path, mlflow_tracker: Any) -> None:

@@ -30,14 +30,16 @@ from hlat.track.mlflow_store import (  # noqa: F401  (re-exported: their home is
     ui_address,
     ui_page,
 )
+from hlat.track.outbox import SEND_TIMEOUT_S, Outbox, Transport
 from hlat.track.progress import ProgressBar  # noqa: F401  (its home is hlat.track.progress; re-exported)
+from hlat.track.spool import Spool, latest_steps, spool_path
 
 log = logging.getLogger(__name__)
 
 Rows = list[tuple[int, dict[str, float]]]
 
 # MLflow REST limits per log_batch request.
-_MAX_METRICS, _MAX_PARAMS, _MAX_PARAM_LEN = 1000, 100, 6000
+_MAX_PARAMS, _MAX_PARAM_LEN = 100, 6000
 CHANGED_TAG = "restart.changed."
 """Prefix of the tags of a setting a restart changed: ``restart.changed.<key>`` = ``"old -> new"``."""
 
@@ -159,14 +161,23 @@ class MultiTracker:
 
 
 class MLflowTracker(NoopTracker):
-    """Logs to MLflow through ``MlflowClient.log_batch`` from a background thread, so logging never blocks a step.
+    """Logs to MLflow from a background thread (:mod:`hlat.track.outbox`): nothing waits on the tracking server.
 
     Batches, sent every ``flush_every_s``: one HTTP call per point manages ~160 points/s, batches ~5,000/s. A failed
-    send is retried at the next flush. A run's first metric is ``train/loss``, which MLflow's compare view then
-    charts by default.
+    send is retried a few seconds later, never waited for. With a ``spool_dir`` (the trainer's checkpoint directory),
+    :meth:`sync` keeps what MLflow does not hold yet in the run's spool file there, and a continued run sends a
+    previous attempt's spool first and skips the steps it replays that MLflow already holds (one value per step).
+    A run's first metric is ``train/loss``, which MLflow's compare view then charts by default.
     """
 
-    def __init__(self, cfg: TrackerConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrackerConfig,
+        run_name: str,
+        tags: dict[str, str],
+        run_id: str | None = None,
+        spool_dir: Path | None = None,
+    ) -> None:
         self.uri = cfg.uri or default_uri()
         self.client = open_client(self.uri)  # imports mlflow (~3 s) only now; creates the store once, safely
         tags = {**tags, "host": socket.gethostname()}
@@ -179,23 +190,40 @@ class MLflowTracker(NoopTracker):
             self.run_id, self.experiment_id = previous.info.run_id, previous.info.experiment_id
             self.existing_params = dict(previous.data.params)
             self.client.update_run(self.run_id, status="RUNNING")
-            for key, value in tags.items():
-                self.client.set_tag(self.run_id, key, value)
         else:
             self.experiment_id = experiment_id(self.client, cfg.experiment)
             self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+        self.spool = Spool(spool_path(spool_dir, self.run_id), self.run_id, self.uri) if spool_dir else None
         self.flush_every_s = cfg.flush_every_s
         self._system: Any = None
         self._system_metrics, self._continued = cfg.system_metrics, previous is not None
-        self._loss_sent = previous is not None  # a continued run's metrics are in MLflow's order already
-        self._pending: list[Any] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._stopping = False
-        if self._loss_sent:
-            self._start_system_metrics()
-        self._thread = threading.Thread(target=self._background, name="hlat-mlflow-flush", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self.outbox = Outbox(
+            Transport(self.client, self.uri),
+            self.run_id,
+            cfg.flush_every_s,
+            self.spool,
+            loss_first=previous is None,  # a continued run's metrics are in MLflow's order already
+            on_first_send=self._start_system_metrics,
+        )
+        if previous is not None:
+            self._continue(previous, tags)
+        self.outbox.start()
+
+    def _continue(self, previous: Any, tags: dict[str, str]) -> None:
+        """A continued run: the previous attempt's tags now, its unsent points first; replayed steps are skipped."""
+        stored = latest_steps(previous.data._metric_objs)  # per key, the latest step MLflow holds: one cheap read
+        waiting = self.outbox.resume(stored)
+        if self.spool is not None:
+            tags = {**self.spool.loaded.meta.get("tags", {}), **tags}  # before the restart's own (resumable goes)
+            if waiting:
+                log.info(
+                    "sending first the %d points MLflow did not take before the restart (%s)", waiting, self.spool.path
+                )
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, value)
+        self._start_system_metrics()
 
     def _start_system_metrics(self) -> None:
         """Start MLflow's system metrics monitor (``tracker.system_metrics``), once, unless the run is finishing."""
@@ -233,84 +261,61 @@ class MLflowTracker(NoopTracker):
             self.client.log_batch(self.run_id, params=items[i : i + _MAX_PARAMS])
 
     def log_metrics(self, rows: Rows) -> None:
-        from mlflow.entities import Metric
+        self.outbox.put(rows, int(time.time() * 1000))
 
-        now = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, step) for step, row in rows for k, v in row.items()]
-        with self._lock:
-            self._pending.extend(metrics)
-            full = len(self._pending) >= _MAX_METRICS
-        if full or self.flush_every_s == 0:
-            self._wake.set()
-
-    def _background(self) -> None:
-        while not self._stopping:
-            self._wake.wait(self.flush_every_s or None)
-            self._wake.clear()
-            if self._stopping:
-                return
-            try:
-                self.flush()
-            except Exception:  # a server hiccup must not kill the thread; the batch is retried next time
-                log.warning("MLflow log_batch failed; retrying at the next flush", exc_info=True)
-
-    def flush(self, *, everything: bool = False) -> None:
-        """Send buffered metrics, at most 1000 per request; unsent ones go back to the buffer on error.
-
-        Until the first ``train/loss`` is sent the others wait for it, unless ``everything`` or they fill a batch.
-        """
-        with self._lock:
-            if not self._loss_sent:
-                if not everything and len(self._pending) < _MAX_METRICS and all(m.key != LOSS for m in self._pending):
-                    return
-                self._pending.sort(key=lambda m: m.key != LOSS)  # stable: the losses first, the rest in order
-            pending, self._pending = self._pending, []
-        for i in range(0, len(pending), _MAX_METRICS):
-            try:
-                self.client.log_batch(self.run_id, metrics=pending[i : i + _MAX_METRICS])
-            except Exception:
-                with self._lock:
-                    self._pending[:0] = pending[i:]
-                raise
-        if pending and not self._loss_sent:
-            self._loss_sent = True
-            self._start_system_metrics()
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Tag the run, from the sender thread (kept in the spool while the server is away)."""
+        self.outbox.put_tags(tags)
 
     def sync(self) -> bool:
-        """Send every buffered metric now, from the caller; a failure is logged, not raised. Returns success.
+        """Before a checkpoint is declared complete: every metric up to now is in MLflow or in the spool on disk.
 
-        Called before a checkpoint is declared complete: a restart replays only later steps, so metrics lost with a
-        dying process would leave a hole in the history.
+        With a spool this writes and fsyncs a local file, never waits on the server (a restart from the checkpoint
+        replays only later steps, so none is missing). Without one it sends from the caller; a failure is logged and
+        False returned.
         """
-        try:
-            self.flush(everything=True)
-        except Exception:
-            log.warning(
-                "MLflow log_batch failed before a checkpoint; the metrics are retried at the next flush", exc_info=True
-            )
-            return False
-        return True
+        if self.spool is not None:
+            self.outbox.persist()
+            return True
+        if self.outbox.send(everything=True, points_only=True):
+            return True
+        log.warning("MLflow log_batch failed before a checkpoint; the metrics are retried at the next flush")
+        return False
 
     def log_artifact(self, path: Path) -> None:
-        self.client.log_artifact(self.run_id, str(path))
+        self.outbox.put_artifact(str(path))
 
     def finish(self, status: str = "FINISHED") -> None:
+        """Stop the system metrics, send what is left while the store answers; say what it did not take, and where."""
         with self._lock:
             self._stopping = True  # from here on no system metrics monitor starts
-        self._wake.set()
-        self._thread.join()
-        try:
-            if self._system is not None:
-                self._system.finish()
-            self.flush(everything=True)
-        finally:
-            self.client.set_terminated(self.run_id, status)
+        if self._system is not None:  # its last flush waits out MLflow's retries when the server is away: bounded
+            stopper = threading.Thread(target=self._system.finish, name="hlat-mlflow-system-stop", daemon=True)
+            stopper.start()
+            stopper.join(SEND_TIMEOUT_S)
+        left = self.outbox.close(status)
+        if left is not None:
+            log.warning("%s", unsent_message(left, self.uri, self.run_id, self.spool.path if self.spool else None))
 
     def ui_hint(self) -> str:
         """One line telling the user how to open this run (in the UI's model-training view)."""
         where = ui_address(self.uri, ui_page(self.experiment_id, self.run_id))
         sep = ":" if self.uri.startswith(("http://", "https://")) else ". Open it with:"
         return f"MLflow run {self.run_id} (experiment {self.experiment_id}){sep} {where}"
+
+
+def unsent_message(left: dict[str, Any], uri: str, run_id: str, spool: Path | None) -> str:
+    """The one line a run ends with when MLflow did not take everything: how much, of which steps, where it is."""
+    parts = [f"{left['points']} points" + (" (steps {}-{})".format(*left["steps"]) if left["steps"] else "")]
+    parts += [f"{left[k]} {k if left[k] > 1 else k[:-1]}" for k in ("tags", "artifacts") if left[k]]
+    parts += [f"its status {left['status']}"] if left["status"] else []
+    lost = f"; {left['dropped']} points beyond the spool's bound are lost" if left["dropped"] else ""
+    if spool is None:
+        return f"MLflow at {uri} did not take {', '.join(parts)} of run {run_id}; they are lost{lost}"
+    return (
+        f"MLflow at {uri} did not answer: {', '.join(parts)} of run {run_id} were not sent; they are kept in {spool}"
+        f"{lost}. Send them with `hlat track sync {spool}` once it answers (resuming this job also sends them)"
+    )
 
 
 def build_tracker(
@@ -321,17 +326,19 @@ def build_tracker(
     tags: dict[str, str],
     extra: list[Tracker],
     run_id: str | None = None,
+    spool_dir: Path | None = None,
 ) -> tuple[Tracker, MLflowTracker | None]:
     """The tracker for this rank (a no-op off rank 0) and the MLflow tracker inside it, if any.
 
-    ``run_id``: the MLflow run of a resumed job, continued instead of a new one.
+    ``run_id``: the MLflow run of a resumed job, continued instead of a new one. ``spool_dir``: where points wait
+    while the tracking server is away (the trainer's checkpoint directory).
     """
     if rank != 0:
         return NoopTracker(), None
     trackers: list[Tracker] = list(extra)
     mlflow_tracker = None
     if cfg.kind == "mlflow":
-        mlflow_tracker = MLflowTracker(cfg, run_name, tags, run_id=run_id)
+        mlflow_tracker = MLflowTracker(cfg, run_name, tags, run_id=run_id, spool_dir=spool_dir)
         trackers.append(mlflow_tracker)
     else:
         trackers.append(ConsoleTracker())

@@ -78,8 +78,8 @@ class CheckpointContent:
             self.uptime.ledger.saving(state.step)
         self.logger.flush(state)  # the spike statistics and productive time in the checkpoint cover every step up to it
         self.guard(state)  # never checkpoint a non-finite state
-        if self.tracking.mlflow is not None:  # the metrics up to this step reach MLflow before the checkpoint is
-            self.tracking.mlflow.sync()  # complete: a restart from it replays only later steps, so none is missing
+        if self.tracking.mlflow is not None:  # the metrics up to this step are in MLflow or in the spool on disk
+            self.tracking.mlflow.sync()  # before the checkpoint is complete (a restart replays only later steps)
         record = {"mlflow_run_id": self.tracking.run_id, "uptime": self.uptime.state_dict()}  # a restart continues it
         return {
             "train_state": dataclasses.asdict(state),

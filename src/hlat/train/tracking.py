@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 PLOTTED = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "spike/active")
 """The series kept in memory for the end-of-run plots."""
+SPOOL_DIR = "mlflow-spool"
+"""The checkpoint directory's folder of MLflow spools: the metrics the tracking server has not taken yet."""
 
 
 @dataclass
@@ -83,7 +85,8 @@ def start(
     }
     history, recorder = History(), SeriesRecorder(PLOTTED)
     extra = [history, recorder] + ([progress] if progress else [])
-    tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id)
+    spool_dir = job.root / SPOOL_DIR
+    tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id, spool_dir)
     run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
     if env.rank == 0:
         checkpoint.write_job(job.root, {"mlflow_run_id": run_id, "uptime": uptime_state})
@@ -126,12 +129,22 @@ def _open(
     extra: list,
     derived: dict[str, Any],
     run_id: str | None,
+    spool_dir: Path,
 ) -> tuple:
-    """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files."""
+    """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files.
+
+    ``spool_dir``: where metrics wait while the tracking server is away (beside the checkpoints they belong to).
+    """
     prov_tags, files = write_provenance(run_dir, to_yaml(cfg)) if rank == 0 else ({}, [])
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
     tracker, mlflow_tracker = build_tracker(
-        cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra, run_id=run_id
+        cfg.tracker,
+        rank=rank,
+        run_name=run_name,
+        tags={**prov_tags, **tags},
+        extra=extra,
+        run_id=run_id,
+        spool_dir=spool_dir,
     )
     params = flatten(dataclasses.asdict(cfg))
     tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
