@@ -138,12 +138,13 @@ class MlflowSink:
 
     def run_id(self, ckpt: Path) -> str:
         """The run to log into (created on first use when the training run is not in this store)."""
-        from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
+
+        from hlat.track.mlflow_store import open_client
 
         if self._run_id is not None:
             return self._run_id
-        self._client = MlflowClient(tracking_uri=self.uri)
+        self._client = open_client(self.uri)
         if self.train_run_id:
             try:
                 self._client.get_run(self.train_run_id)

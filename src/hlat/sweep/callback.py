@@ -51,9 +51,9 @@ def _logs(job_dir: Path, record: dict[str, Any]) -> list[str]:
 
 def _close_job_runs(uri: str, undone: dict[Path, dict[str, Any]]) -> None:
     """Mark the MLflow runs of jobs that died without closing them KILLED or FAILED; a rerun continues them."""
-    from mlflow import MlflowClient
+    from hlat.track.mlflow_store import open_client
 
-    client = MlflowClient(tracking_uri=uri)
+    client = open_client(uri)
     for job_dir, record in undone.items():
         run_id = record.get("mlflow_run_id")
         try:
@@ -95,11 +95,10 @@ class SweepCallback(Callback):
     @staticmethod
     def _create_parent(config: DictConfig, uri: str, sweep_dir: Path) -> None:
         """Open the sweep's MLflow parent run and record it in ``sweep.json``."""
-        from mlflow import MlflowClient
-
+        from hlat.track.mlflow_store import open_client
         from hlat.track.trackers import experiment_id as get_experiment
 
-        client = MlflowClient(tracking_uri=uri)
+        client = open_client(uri)
         name = config.tracker.experiment
         experiment_id = get_experiment(client, name)
         overrides = " ".join(config.hydra.overrides.task)
@@ -145,10 +144,10 @@ class SweepCallback(Callback):
         if uri is not None and sweep.recorded_run_ids(sweep_dir):
             self._compare(uri, sweep_dir, parent)
         if parent is not None:
-            from mlflow import MlflowClient
+            from hlat.track.mlflow_store import open_client
 
             status = "FAILED" if counts["failed"] else "KILLED" if undone else "FINISHED"
-            MlflowClient(tracking_uri=uri).set_terminated(parent["parent_run_id"], status)
+            open_client(uri).set_terminated(parent["parent_run_id"], status)
         self._release()
         if undone:
             jobs = "; ".join(
@@ -175,9 +174,9 @@ class SweepCallback(Callback):
         uri, parent_run_id, sweep_dir = self._open
         self._open = None
         try:
-            from mlflow import MlflowClient
+            from hlat.track.mlflow_store import open_client
 
-            client = MlflowClient(tracking_uri=uri)
+            client = open_client(uri)
             client.set_tag(parent_run_id, "hlat.interrupted", "true")
             client.set_terminated(parent_run_id, "KILLED")
         except Exception:  # exiting anyway: report, never raise from atexit
@@ -192,14 +191,13 @@ class SweepCallback(Callback):
     @staticmethod
     def _compare(uri: str, sweep_dir: Path, parent: dict[str, Any] | None) -> None:
         """``hlat compare --sweep`` over this sweep, then the parent run's summary (failures: logged)."""
-        from mlflow import MlflowClient
-
         from hlat.track.compare import summary_table, write_report
+        from hlat.track.mlflow_store import open_client
         from hlat.track.runs import select_runs
         from hlat.track.sweep_views import summarize
         from hlat.track.trackers import ui_address
 
-        client = MlflowClient(tracking_uri=uri)
+        client = open_client(uri)
         try:
             runs = select_runs(uri, sweep_dir=str(sweep_dir), status=None)
             md, png = write_report(runs, sweep_dir, title=f"Sweep {sweep_dir}: {len(runs)} MLflow runs")

@@ -82,11 +82,10 @@ def decide(cfg: Any, job_dir: Path) -> Decision:
 
 def _look_up(cfg: Any, h: str, job_dir: Path) -> Decision:
     """Search the experiment for runs of config hash ``h``: a FINISHED one is reused, a dead one continued."""
-    from mlflow import MlflowClient
-
+    from hlat.track.mlflow_store import open_client
     from hlat.track.trackers import default_uri
 
-    client = MlflowClient(tracking_uri=cfg.tracker.uri or default_uri())
+    client = open_client(cfg.tracker.uri or default_uri())
     exp = client.get_experiment_by_name(cfg.tracker.experiment)
     if exp is None:
         return Decision("train", h)
