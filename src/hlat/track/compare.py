@@ -156,7 +156,12 @@ def label(run: RunData, keys: Sequence[str]) -> str:
 
 def _smooth(values: Sequence[float], k: int = _SMOOTH) -> list[float]:
     """Trailing moving average over ``k`` points (fewer at the start)."""
-    return [statistics.fmean(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))]
+    import numpy as np
+
+    sums = np.cumsum(np.concatenate([[0.0], np.asarray(values, dtype=np.float64)]))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(0, ends - k)
+    return ((sums[ends] - sums[starts]) / (ends - starts)).tolist()
 
 
 def plot(runs: Sequence[RunData], path: Path | str) -> Path:
@@ -177,11 +182,9 @@ def plot(runs: Sequence[RunData], path: Path | str) -> Path:
     for i, (run, text) in enumerate(zip(runs, labels, strict=True)):
         color = f"C{i % 10}"  # the same colour for a run in both panels
         if loss := run.series("train/loss"):
-            steps, values = zip(*loss, strict=True)
-            ax_loss.plot(steps, _smooth(values), color=color, linewidth=1.2)
+            ax_loss.plot(loss.steps, _smooth(loss.values), color=color, linewidth=1.2)
         if gn := run.series("train/grad_norm"):
-            steps, values = zip(*gn, strict=True)
-            ax_gn.plot(steps, values, color=color, linewidth=0.9)
+            ax_gn.plot(gn.steps, gn.values, color=color, linewidth=0.9)
         handles.append(Line2D([], [], color=color, linewidth=1.5, label=text))
     ax_loss.set(title=f"training loss (moving average of {_SMOOTH} logs)", xlabel="step", ylabel="loss")
     ax_gn.set(title="gradient L2 norm before clipping", xlabel="step", ylabel="grad norm")

@@ -73,6 +73,7 @@ class CheckpointContent:
     def __call__(self, state: TrainState) -> dict:
         self.logger.flush(state)  # the spike statistics and productive time in the checkpoint cover every step up to it
         self.guard(state)  # never checkpoint a non-finite state
+        self.tracking.checkpointed(state.step)  # the full-resolution series up to this step is on disk
         if self.tracking.mlflow is not None:  # the metrics up to this step reach MLflow before the checkpoint is
             self.tracking.mlflow.sync()  # complete: a restart from it replays only later steps, so none is missing
         record = {"mlflow_run_id": self.tracking.run_id, "uptime": self.uptime.state_dict()}  # a restart continues it

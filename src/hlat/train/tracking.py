@@ -22,6 +22,7 @@ from hlat.track import sweep
 from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
+from hlat.track.series import SERIES_DIR, SeriesWriter
 from hlat.track.trackers import CHANGED_TAG, History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train.resume import JobStart
 
@@ -44,6 +45,13 @@ class Tracking:
     recorder: SeriesRecorder
     progress: ProgressBar | None
     throughput: Throughput
+    series: SeriesWriter | None = None
+    """Every point at full resolution as Parquet beside the checkpoints (rank 0; None elsewhere)."""
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of ``step`` is being made: the series up to it is written (a restart continues from there)."""
+        if self.series is not None:
+            self.series.checkpoint(step)
 
     def plot(self, spikes: SpikeDetector, out_dir: Path) -> None:
         """End-of-run plots as artifacts; a plotting failure is logged, never fails a finished run."""
@@ -82,15 +90,20 @@ def start(
         "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
     }
     history, recorder = History(), SeriesRecorder(PLOTTED)
-    extra = [history, recorder] + ([progress] if progress else [])
+    series = SeriesWriter(job.root, first_step) if env.rank == 0 else None
+    extra = [history, recorder] + ([series] if series else []) + ([progress] if progress else [])
     tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id)
     run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
+    if series is not None and mlflow_tracker is not None:
+        client, mlflow_run = mlflow_tracker.client, mlflow_tracker.run_id
+        logged = [a.path for a in client.list_artifacts(mlflow_run, SERIES_DIR)] if first_step else []
+        series.upload_with(lambda path: client.log_artifact(mlflow_run, str(path), SERIES_DIR), mlflow_run, logged)
     if env.rank == 0:
         checkpoint.write_job(job.root, {"mlflow_run_id": run_id, "uptime": uptime_state})
         preempt.unmark(run_dir, mlflow_tracker)  # a preempted run that continues is no longer waiting to resume
     if throughput.peak_flops is None and env.rank == 0 and first_peak_hint(peak_source, cfg.data.cache_dir):
         log.info("no MFU metric: %s (said once per host; the run's tag perf.peak_source keeps it)", peak_source)
-    return Tracking(tracker, mlflow_tracker, run_id, history, recorder, progress, throughput)
+    return Tracking(tracker, mlflow_tracker, run_id, history, recorder, progress, throughput, series)
 
 
 def log_health(tracking: Tracking, health: Any, env: Env, run_dir: Path) -> None:
