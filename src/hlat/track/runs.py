@@ -171,8 +171,7 @@ def run_series(client: Any, run: Any, keys: list[str]) -> dict[str, Points] | No
 
     Read from the run's MLflow artifacts, else from the files beside its checkpoints (tag ``checkpoint_dir``) here.
     """
-    from hlat.track.series import SERIES_DIR, SeriesError, latest_files, read_files, to_points
-    from hlat.track.series import read_series as read_dir
+    from hlat.track.series import SERIES_DIR, SeriesError, latest_files, read_files, read_points
 
     run_id = run.info.run_id
     try:
@@ -180,17 +179,17 @@ def run_series(client: Any, run: Any, keys: list[str]) -> dict[str, Points] | No
         local = Path(run.data.tags.get("checkpoint_dir") or "/nonexistent") / SERIES_DIR
         if names:
             with tempfile.TemporaryDirectory() as tmp:
-                table = read_files([Path(client.download_artifacts(run_id, n, tmp)) for n in names], keys)
+                points = read_files([Path(client.download_artifacts(run_id, n, tmp)) for n in names], keys)
         elif local.is_dir():
-            table = read_dir(local, keys, run_id=run_id)
+            points = read_points(local, keys, run_id=run_id)
         else:
             return None
     except SeriesError as e:
         log.warning("run %s: %s; reading its MLflow histories instead", run_id, e)
         return None
-    if table.num_rows == 0:
+    if not points:
         return None
-    return {key: Points(*to_points(table, key)) for key in keys}
+    return {key: Points(*points[key]) if key in points else Points() for key in keys}
 
 
 def tail_mean(values: list[float]) -> float:

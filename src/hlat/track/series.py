@@ -15,6 +15,7 @@ May import: the rest of ``hlat.track``; pyarrow and numpy (mlflow only inside fu
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -42,6 +43,8 @@ STORE_EVERY = 100
 AFTER_STEP = b"hlat.after_step"
 """Part metadata: this attempt resumed from that step, so earlier parts' rows after it are replaced."""
 RUN_ID = b"hlat.run_id"
+KEYS = b"hlat.keys"
+"""File metadata: the metric of each row group, in order (JSON)."""
 _PART = re.compile(r"^(part|compact)-(\d{6,})\.parquet$")
 _SCHEMA = pa.schema([("key", pa.dictionary(pa.int32(), pa.string())), ("step", pa.int64()), ("value", pa.float64())])
 _UPLOAD_WAIT_S = 60.0
@@ -80,72 +83,106 @@ def _complete(first: tuple[int, str, Path]) -> bool:
         return False
 
 
-def _newest_per_key_step(codes: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """Indices of the last occurrence of each ``(code, step)``, sorted by code then step."""
-    composite = (codes.astype(np.int64) << 40) | steps.astype(np.int64)
-    _, first_in_reversed = np.unique(composite[::-1], return_index=True)
-    return len(composite) - 1 - first_in_reversed
+Arrays = tuple[np.ndarray, np.ndarray]
+"""``(steps, values)`` of one metric."""
 
 
-def dedup(table: pa.Table) -> pa.Table:
-    """``table`` with one row per ``(key, step)``, the LAST one (rows are in write order), grouped by key, by step."""
-    if table.num_rows == 0:
-        return table
-    keys = table.column("key").cast(pa.string()).combine_chunks().dictionary_encode()
-    codes = keys.indices.to_numpy(zero_copy_only=False)
-    idx = _newest_per_key_step(codes, table.column("step").to_numpy())
-    out = pa.table({"key": keys.take(idx), "step": table.column("step").take(idx), "value": table["value"].take(idx)})
-    return out.cast(_SCHEMA)
+def _last_per_step(chunks: list[Arrays]) -> Arrays:
+    """One point per step, the LAST one given (``chunks`` in write order), in step order."""
+    if len(chunks) == 1:  # one file: deduplicated and sorted when written
+        return chunks[0]
+    steps, values = np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks])
+    _, first_in_reversed = np.unique(steps[::-1], return_index=True)
+    idx = len(steps) - 1 - first_in_reversed
+    return steps[idx], values[idx]
 
 
-def _read_one(path: Path, keys: list[str] | None) -> tuple[pa.Table, int | None, str]:
-    """One file's rows (``keys`` only, if given), resume marker and run id; :class:`SeriesError` if unreadable."""
+def _damaged(path: Path, e: Exception) -> SeriesError:
+    return SeriesError(
+        f"metric series file {path} is damaged ({type(e).__name__}: {e}); delete it (readers then use the run's "
+        "MLflow histories) or restore it from the run's MLflow artifacts (series/)"
+    )
+
+
+def _read_one(path: Path, keys: Iterable[str] | None) -> tuple[dict[str, Arrays], int | None, str]:
+    """One file's points by key (``keys`` only, if given), resume marker and run id; :class:`SeriesError` if damaged.
+
+    Each key is a row group of its own (:data:`KEYS`), so a reader decodes only the keys it asks for.
+    """
+    wanted = None if keys is None else set(keys)
     try:
-        meta = pq.read_schema(path).metadata or {}
-        table = pq.read_table(path, filters=[("key", "in", keys)] if keys else None)
-    except Exception as e:  # ArrowInvalid, OSError: a truncated or foreign file
-        raise SeriesError(
-            f"metric series file {path} is damaged ({type(e).__name__}: {e}); delete it (readers then use the run's "
-            "MLflow histories) or restore it from the run's MLflow artifacts (series/)"
-        ) from e
+        pf = pq.ParquetFile(path)
+        meta = pf.schema_arrow.metadata or {}
+        out = {}
+        for i, key in enumerate(json.loads(meta[KEYS])):
+            if wanted is None or key in wanted:
+                group = pf.read_row_group(i, columns=["step", "value"])
+                out[key] = group["step"].to_numpy(), group["value"].to_numpy()
+    except Exception as e:  # ArrowInvalid, OSError, KeyError: a truncated or foreign file
+        raise _damaged(path, e) from e
     after = int(meta[AFTER_STEP]) if AFTER_STEP in meta else None
-    return table.select(["key", "step", "value"]).cast(_SCHEMA), after, meta.get(RUN_ID, b"").decode()
+    return out, after, meta.get(RUN_ID, b"").decode()
 
 
-def read_files(paths: list[Path], keys: list[str] | None = None, run_id: str | None = None) -> pa.Table:
-    """The deduplicated series of ``paths`` (in write order): each resume marker drops the earlier rows after it.
+def read_files(paths: list[Path], keys: Iterable[str] | None = None, run_id: str | None = None) -> dict[str, Arrays]:
+    """The points of ``paths`` (in write order) by key, one per step; a resume marker drops earlier ones after it.
 
     ``run_id``: only the files of that MLflow run (a checkpoint directory reused by a new run holds both).
     """
-    tables: list[pa.Table] = []
+    chunks: dict[str, list[Arrays]] = {}
     for path in paths:
-        table, after, owner = _read_one(path, keys)
+        points, after, owner = _read_one(path, keys)
         if run_id is not None and owner != run_id:
             continue
         if after is not None:
-            import pyarrow.compute as pc
-
-            tables = [t.filter(pc.less_equal(t["step"], after)) for t in tables]
-        tables.append(table)
-    if not tables:
-        return _SCHEMA.empty_table()
-    return dedup(pa.concat_tables(tables, promote_options="permissive"))
+            chunks = {k: [(s[s <= after], v[s <= after]) for s, v in c] for k, c in chunks.items()}
+        for key, arrays in points.items():
+            chunks.setdefault(key, []).append(arrays)
+    return {key: _last_per_step(c) for key, c in chunks.items()}
 
 
-def read_series(directory: Path | str, keys: list[str] | None = None, run_id: str | None = None) -> pa.Table:
-    """A series directory as one table ``(key, step, value)``: the newest value per ``(key, step)``.
-
-    ``run_id``: only the files of that MLflow run.
+def read_points(
+    directory: Path | str, keys: Iterable[str] | None = None, run_id: str | None = None
+) -> dict[str, Arrays]:
+    """A series directory's points by key, the newest value per step (``run_id``: only that MLflow run's files).
 
     Raises:
         SeriesError: A file in it cannot be read (the message names it and the way out).
     """
-    directory = Path(directory)
-    by_name = {p.name: p for _, _, p in _files(directory)}
+    by_name = {p.name: p for _, _, p in _files(Path(directory))}
     return read_files([by_name[n] for n in latest_files(by_name)], keys, run_id)
 
 
-def to_points(table: pa.Table, key: str) -> tuple[np.ndarray, np.ndarray]:
+def read_series(directory: Path | str, keys: Iterable[str] | None = None, run_id: str | None = None) -> pa.Table:
+    """A series directory as one long table ``(key, step, value)``, the newest value per ``(key, step)``."""
+    return _table(read_points(directory, keys, run_id))
+
+
+def _table(points: dict[str, Arrays]) -> pa.Table:
+    """The long table of ``points``, grouped by key."""
+    names = list(points)
+    codes = np.concatenate([np.full(len(points[k][0]), i, np.int32) for i, k in enumerate(names)] or [[]])
+    return pa.table(
+        {
+            "key": pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(names, pa.string())),
+            "step": np.concatenate([points[k][0] for k in names] or [np.zeros(0, np.int64)]).astype(np.int64),
+            "value": np.concatenate([points[k][1] for k in names] or [np.zeros(0)]).astype(np.float64),
+        },
+        schema=_SCHEMA,
+    )
+
+
+def _write(points: dict[str, Arrays], path: Path, meta: dict[bytes, bytes]) -> None:
+    """Write ``points`` atomically as a series file: one row group per key (readers never see half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    meta = {**meta, KEYS: json.dumps(list(points)).encode()}
+    with pq.ParquetWriter(tmp, _SCHEMA.with_metadata(meta), compression="zstd") as out:
+        for key, arrays in points.items():
+            out.write_table(_table({key: arrays}), row_group_size=len(arrays[0]) + 1)
+    os.replace(tmp, path)
+
+
+def to_points(table: pa.Table, key: str) -> Arrays:
     """``(steps, values)`` of one key of a :func:`read_series` table, in step order."""
     import pyarrow.compute as pc
 
@@ -213,25 +250,25 @@ class SeriesWriter(NoopTracker):
         """Write the buffered points selected by ``mask`` as the next part; keep the others buffered."""
         codes = np.frombuffer(self._keys, dtype=np.int32)
         steps, values = np.frombuffer(self._steps, dtype=np.int64), np.frombuffer(self._values, dtype=np.float64)
-        names = pa.array(list(self._codes), pa.string())
-        keys = pa.DictionaryArray.from_arrays(pa.array(codes[mask], pa.int32()), names)
-        table = dedup(pa.table({"key": keys, "step": steps[mask], "value": values[mask]}))
+        points = {}
+        for key, code in self._codes.items():
+            mine = mask & (codes == code)
+            if mine.any():
+                points[key] = _last_per_step([(steps[mine], values[mine]), (steps[:0], values[:0])])
         meta = {RUN_ID: self.run_id.encode()}
         if self._after is not None:
             meta[AFTER_STEP] = str(self._after).encode()
-        path = self._save(table.replace_schema_metadata(meta), f"part-{self._seq:06d}.parquet")
+        path = self._save(points, f"part-{self._seq:06d}.parquet", meta)
         self._seq, self._after = self._seq + 1, None
         rest = ~mask
         self._keys, self._steps = array("i", codes[rest].tobytes()), array("q", steps[rest].tobytes())
         self._values = array("d", values[rest].tobytes())
         return path
 
-    def _save(self, table: pa.Table, name: str) -> Path:
-        """Write ``table`` as ``name`` atomically (readers never see half a file) and queue its upload."""
+    def _save(self, points: dict[str, Arrays], name: str, meta: dict[bytes, bytes]) -> Path:
+        """Write ``points`` as ``name`` and queue its upload."""
         path = self.dir / name
-        tmp = self.dir / f".{name}.tmp"
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, path)
+        _write(points, path, meta)
         if self._uploads is not None:
             self._uploads.put(path)
         return path
@@ -242,8 +279,7 @@ class SeriesWriter(NoopTracker):
         if not files or not _complete(files[0]):
             return None  # this directory holds a restart's part only: the run's artifacts hold the rest
         last = files[-1][0]
-        table = read_series(self.dir)
-        path = self._save(table.replace_schema_metadata({RUN_ID: self.run_id.encode()}), f"compact-{last:06d}.parquet")
+        path = self._save(read_points(self.dir), f"compact-{last:06d}.parquet", {RUN_ID: self.run_id.encode()})
         for _, _, p in files:
             if p != path:
                 p.unlink(missing_ok=True)
