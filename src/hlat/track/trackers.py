@@ -12,6 +12,7 @@ import threading
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -331,20 +332,20 @@ def build_tracker(
     tags: dict[str, str],
     extra: list[Tracker],
     run_id: str | None = None,
+    thin: Callable[[Tracker], Tracker] | None = None,
 ) -> tuple[Tracker, MLflowTracker | None]:
     """The tracker for this rank (a no-op off rank 0) and the MLflow tracker inside it, if any.
 
-    ``run_id``: the MLflow run of a resumed job, continued instead of a new one.
+    ``run_id``: the MLflow run of a resumed job, continued instead of a new one. ``thin``: wraps the MLflow tracker
+    (``hlat.track.series.LeanTracker``: what the store keeps per step).
     """
     if rank != 0:
         return NoopTracker(), None
     trackers: list[Tracker] = list(extra)
     mlflow_tracker = None
     if cfg.kind == "mlflow":
-        from hlat.track.series import LeanTracker  # imports this module
-
         mlflow_tracker = MLflowTracker(cfg, run_name, tags, run_id=run_id)
-        trackers.append(LeanTracker(mlflow_tracker))  # per-step loss and grad norm; the rest thinned
+        trackers.append(thin(mlflow_tracker) if thin is not None else mlflow_tracker)
     else:
         trackers.append(ConsoleTracker())
     return MultiTracker(trackers), mlflow_tracker

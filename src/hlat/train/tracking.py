@@ -22,7 +22,7 @@ from hlat.track import sweep
 from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
-from hlat.track.series import SERIES_DIR, SeriesWriter
+from hlat.track.series import SERIES_DIR, LeanTracker, SeriesWriter
 from hlat.track.trackers import CHANGED_TAG, History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train.resume import JobStart
 
@@ -144,7 +144,13 @@ def _open(
     prov_tags, files = write_provenance(run_dir, to_yaml(cfg)) if rank == 0 else ({}, [])
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
     tracker, mlflow_tracker = build_tracker(
-        cfg.tracker, rank=rank, run_name=run_name, tags={**prov_tags, **tags}, extra=extra, run_id=run_id
+        cfg.tracker,
+        rank=rank,
+        run_name=run_name,
+        tags={**prov_tags, **tags},
+        extra=extra,
+        run_id=run_id,
+        thin=LeanTracker,  # MLflow gets the loss and grad norm every step, the rest thinned; the series has all
     )
     params = flatten(dataclasses.asdict(cfg))
     tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
