@@ -134,3 +134,16 @@ def new_run_artifacts(uri: str, run_id: str) -> str:
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri).get_run(run_id).info.artifact_uri.removeprefix("file://")
+
+
+def test_a_long_line_is_plotted_as_its_envelope_spikes_kept() -> None:
+    import numpy as np
+
+    steps = np.arange(1, 450_001)
+    values = 2 + np.sin(steps / 50.0)
+    values[77_776], values[300_000] = 40.0, -3.0  # one-step spikes
+    xs, ys = compare._envelope(steps, values, buckets=1000)
+    assert len(xs) <= 2000 and (np.diff(xs) > 0).all()
+    assert {77_777, 300_001} <= set(xs.tolist()) and ys.max() == 40.0 and ys.min() == -3.0
+    short = np.arange(10.0)
+    assert compare._envelope(short, short, buckets=1000)[1] is short  # a short line is drawn as it is

@@ -28,7 +28,7 @@ IGNORED_PREFIXES = ("hydra.", "fault.")
 IGNORED_KEYS = frozenset({"tracker.run_name", "train.checkpoint_dir", "train.resume"})
 
 _SMOOTH = 5  # moving-average window of the loss plot, in logged points
-_PIXELS = 2000  # a plotted line keeps the lowest and highest point of this many step ranges (more than it has pixels)
+_PIXELS = 1000  # a plotted line keeps the lowest and highest point of this many step ranges (more than it has pixels)
 
 
 # --------------------------------------------------------------------------------------------------- analysis
@@ -162,10 +162,10 @@ def label(run: RunData, keys: Sequence[str]) -> str:
 
 def _smooth(values: Sequence[float], k: int = _SMOOTH) -> np.ndarray:
     """Trailing moving average over ``k`` points (fewer at the start)."""
-    sums = np.cumsum(np.concatenate([[0.0], np.asarray(values, dtype=np.float64)]))
-    ends = np.arange(1, len(values) + 1)
-    starts = np.maximum(0, ends - k)
-    return (sums[ends] - sums[starts]) / (ends - starts)
+    v = np.asarray(values, dtype=np.float64)
+    out = np.convolve(v, np.ones(k))[: len(v)]
+    out /= np.minimum(np.arange(1, len(v) + 1), k)
+    return out
 
 
 def _envelope(steps: Any, values: Any, buckets: int = _PIXELS) -> tuple[Any, Any]:
