@@ -199,6 +199,8 @@ class SeriesWriter(NoopTracker):
     def __init__(self, root: Path, first_step: int) -> None:
         self.dir = Path(root) / SERIES_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".*.tmp"):  # a write a kill cut short
+            stale.unlink(missing_ok=True)
         files = _files(self.dir)
         self._seq = max((seq for seq, _, _ in files), default=0) + 1
         self._after: int | None = first_step
@@ -273,23 +275,21 @@ class SeriesWriter(NoopTracker):
             self._uploads.put(path)
         return path
 
-    def compact(self) -> Path | None:
-        """Merge every file into ``compact-<last seq>.parquet`` and delete the merged ones; None: nothing to merge."""
+    def compact(self) -> list[Path]:
+        """Merge every file into ``compact-<last seq>.parquet``; returns the merged files (the caller deletes them)."""
         files = _files(self.dir)
         if not files or not _complete(files[0]):
-            return None  # this directory holds a restart's part only: the run's artifacts hold the rest
+            return []  # this directory holds a restart's part only: the run's artifacts hold the rest
         last = files[-1][0]
         path = self._save(read_points(self.dir), f"compact-{last:06d}.parquet", {RUN_ID: self.run_id.encode()})
-        for _, _, p in files:
-            if p != path:
-                p.unlink(missing_ok=True)
-        return path
+        return [p for _, _, p in files if p != path]
 
     def finish(self, status: str = "FINISHED") -> None:
+        merged: list[Path] = []
         try:
             if self._steps or self._after is not None:
                 self._write(np.ones(len(self._steps), dtype=bool))
-            self.compact()
+            merged = self.compact()
         except Exception:  # the run's outcome must not depend on its metric file; the parts written so far stay
             log.exception("could not write the metric series in %s", self.dir)
         if self._uploader is not None and self._uploads is not None:
@@ -297,6 +297,8 @@ class SeriesWriter(NoopTracker):
             self._uploader.join(_UPLOAD_WAIT_S)
             if self._uploader.is_alive():
                 log.warning("the metric series is not yet logged to MLflow; it is kept in %s", self.dir)
+        for path in merged:  # after their uploads: the compact file holds them now
+            path.unlink(missing_ok=True)
 
 
 class LeanTracker:

@@ -96,14 +96,27 @@ def start(
     run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
     if series is not None and mlflow_tracker is not None:
         client, mlflow_run = mlflow_tracker.client, mlflow_tracker.run_id
-        logged = [a.path for a in client.list_artifacts(mlflow_run, SERIES_DIR)] if first_step else []
-        series.upload_with(lambda path: client.log_artifact(mlflow_run, str(path), SERIES_DIR), mlflow_run, logged)
+        upload = functools.partial(_log_artifact, client, mlflow_run)
+        series.upload_with(upload, mlflow_run, _series_logged(client, mlflow_run) if first_step else [])
     if env.rank == 0:
         checkpoint.write_job(job.root, {"mlflow_run_id": run_id, "uptime": uptime_state})
         preempt.unmark(run_dir, mlflow_tracker)  # a preempted run that continues is no longer waiting to resume
     if throughput.peak_flops is None and env.rank == 0 and first_peak_hint(peak_source, cfg.data.cache_dir):
         log.info("no MFU metric: %s (said once per host; the run's tag perf.peak_source keeps it)", peak_source)
     return Tracking(tracker, mlflow_tracker, run_id, history, recorder, progress, throughput, series)
+
+
+def _log_artifact(client: Any, run_id: str, path: Path) -> None:
+    client.log_artifact(run_id, str(path), SERIES_DIR)
+
+
+def _series_logged(client: Any, run_id: str) -> list[str]:
+    """The series files a continued run has in MLflow (its next part numbers on); empty if they cannot be listed."""
+    try:
+        return [a.path for a in client.list_artifacts(run_id, SERIES_DIR)]
+    except Exception as e:  # a server hiccup: the next part may reuse a number, readers then see the newer file
+        log.warning("could not list run %s's metric series in MLflow (%s)", run_id, e)
+        return []
 
 
 def log_health(tracking: Tracking, health: Any, env: Env, run_dir: Path) -> None:
