@@ -173,14 +173,14 @@ def run_series(client: Any, run: Any, keys: list[str]) -> dict[str, Points] | No
     """
     from hlat.track.series import SERIES_DIR, SeriesError, latest_files, read_files, read_points
 
-    run_id = run.info.run_id
+    run_id, checkpoints = run.info.run_id, run.data.tags.get("checkpoint_dir")
+    local = Path(checkpoints) / SERIES_DIR if checkpoints else None
     try:
         names = latest_files(a.path for a in client.list_artifacts(run_id, SERIES_DIR))
-        local = Path(run.data.tags.get("checkpoint_dir") or "/nonexistent") / SERIES_DIR
         if names:
             with tempfile.TemporaryDirectory() as tmp:
                 points = read_files([Path(client.download_artifacts(run_id, n, tmp)) for n in names], keys)
-        elif local.is_dir():
+        elif local is not None and local.is_dir():
             points = read_points(local, keys, run_id=run_id)
         else:
             return None
