@@ -7,8 +7,10 @@ inside the functions, so importing this module stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import statistics
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -166,6 +168,21 @@ def history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(step, by_step[step][1]) for step in sorted(by_step)]
 
 
+@contextlib.contextmanager
+def _quiet_downloads() -> Iterator[None]:
+    """No MLflow download progress bar inside (it would interleave with ``hlat compare``'s table)."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    saved = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def run_series(client: Any, run: Any, keys: list[str]) -> dict[str, Points] | None:
     """``keys`` of the run's Parquet series (``hlat.track.series``), or None when it has none or it is damaged.
 
@@ -178,7 +195,7 @@ def run_series(client: Any, run: Any, keys: list[str]) -> dict[str, Points] | No
     try:
         names = latest_files(a.path for a in client.list_artifacts(run_id, SERIES_DIR))
         if names:
-            with tempfile.TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory() as tmp, _quiet_downloads():
                 points = read_files([Path(client.download_artifacts(run_id, n, tmp)) for n in names], keys)
         elif local is not None and local.is_dir():
             points = read_points(local, keys, run_id=run_id)
