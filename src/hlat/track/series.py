@@ -275,6 +275,20 @@ class SeriesWriter(NoopTracker):
             self._uploads.put(path)
         return path
 
+    def whole(self, keys: Iterable[str]) -> dict[str, Arrays] | None:
+        """``keys`` over the whole run so far (every attempt), or None when this directory does not hold its start.
+
+        The points buffered here are written as a part first.
+        """
+        if self._steps or self._after is not None:
+            self._write(np.ones(len(self._steps), dtype=bool))
+        files = _files(self.dir)
+        by_name = {p.name: p for _, _, p in files}
+        names = latest_files(by_name)
+        if not names or not _complete(next(f for f in files if f[2].name == names[0])):
+            return None
+        return read_files([by_name[n] for n in names], keys)
+
     def compact(self) -> list[Path]:
         """Merge every file into ``compact-<last seq>.parquet``; returns the merged files (the caller deletes them)."""
         files = _files(self.dir)

@@ -22,7 +22,7 @@ from hlat.track import sweep
 from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
-from hlat.track.series import SERIES_DIR, LeanTracker, SeriesWriter
+from hlat.track.series import SERIES_DIR, LeanTracker, SeriesError, SeriesWriter
 from hlat.track.trackers import CHANGED_TAG, History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train.resume import JobStart
 
@@ -48,6 +48,17 @@ class Tracking:
     series: SeriesWriter | None = None
     """Every point at full resolution as Parquet beside the checkpoints (rank 0; None elsewhere)."""
 
+    def _plotted(self) -> dict[str, list[tuple[int, float]]]:
+        """The plotted metrics of the whole job (its Parquet series, if kept here in full), else this process's."""
+        try:
+            whole = self.series.whole(PLOTTED) if self.series is not None else None
+        except SeriesError as e:
+            log.warning("plotting this process's points only: %s", e)
+            whole = None
+        if whole is None:
+            return {k: self.recorder.series(k) for k in PLOTTED}
+        return {k: list(zip(*(a.tolist() for a in whole[k]), strict=True)) for k in PLOTTED if k in whole}
+
     def checkpointed(self, step: int) -> None:
         """A checkpoint of ``step`` is being made: the series up to it is written (a restart continues from there)."""
         if self.series is not None:
@@ -58,7 +69,7 @@ class Tracking:
         from hlat.track.plots import training_plots
 
         try:
-            for f in training_plots({k: self.recorder.series(k) for k in PLOTTED}, spikes.histogram(), out_dir):
+            for f in training_plots(self._plotted(), spikes.histogram(), out_dir):
                 self.tracker.log_artifact(f)
         except Exception:  # the run itself succeeded; losing a plot must not change that
             log.exception("could not write the end-of-run plots to %s", out_dir)
