@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from hlat import checkpoint
 from hlat.checkpoint import CheckpointError
 from hlat.state import HaltedError
+from hlat.track.runs import run_series
 from hlat.train.run import main
 from tests.conftest import run_config
 from tests.integration.test_train import SMALL_RUN, cli
@@ -112,6 +113,8 @@ def test_random_sigkills_under_supervision_end_bitwise_equal(tmp_path: Path, cac
         assert m.value == pytest.approx(reference[1][m.step], rel=0, abs=0), f"step {m.step}, fault.seed={seed}"
     restarts = max(client.get_metric_history(run.info.run_id, "uptime/restarts"), key=lambda m: m.step)
     assert restarts.value == 3.0
+    series = run_series(client, run, ["train/loss"])  # the Parquet series across the kills: one value a step
+    assert series is not None and list(series["train/loss"]) == sorted(reference[1].items()), f"fault.seed={seed}"
 
 
 def test_restarts_that_die_in_start_up_are_counted(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:

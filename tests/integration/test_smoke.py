@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from hlat.track.runs import run_series
+from hlat.track.series import read_series, to_points
 from hlat.train.run import main
 from tests.conftest import run_config
 from tests.integration.test_fault_recovery import check_nonfinite_policy
@@ -69,7 +71,8 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(
         "data/padding_fraction",
     ):
         assert client.get_metric_history(run.info.run_id, key), key
-    lr = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
+    steps, values = to_points(read_series(tmp_path / "full" / "checkpoints" / "series"), "train/lr")
+    lr = dict(zip(steps.tolist(), values.tolist(), strict=True))  # every step in the Parquet series, not in MLflow
     assert lr[2] == pytest.approx(3e-3) and lr[6] < lr[4] < lr[2]  # warm-up, then cosine decay
     assert run.data.params["model.dim"] == "64" and run.data.tags["backend"] == "torch"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -90,6 +93,8 @@ def test_a_run_lands_in_mlflow_and_a_resumed_job_continues_its_run_bit_for_bit(
     assert sorted(m.step for m in client.get_metric_history(job.info.run_id, "train/loss")) == [1, 2, 3, 4, 5, 6]
     assert job.data.tags["restart.changed.train.steps"] == "3 -> 6"
     assert job.data.tags["resumed_from"].endswith("step_00000003")
+    series = run_series(client, job, ["train/loss"])  # both legs' Parquet parts, from the run's artifacts
+    assert series is not None and list(series["train/loss"]) == full.history.series("train/loss")
 
     def last(key: str) -> float:
         return max(client.get_metric_history(job.info.run_id, key), key=lambda m: (m.step, m.timestamp)).value

@@ -71,6 +71,14 @@ def short_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tupl
         return tmp, main(cfg, run_dir=tmp / "run")
 
 
+def series(tmp_path: Path, key: str) -> dict[int, float]:
+    """One metric of the short run's Parquet series (beside its checkpoints): step -> value."""
+    from hlat.track.series import read_series, to_points
+
+    steps, values = to_points(read_series(tmp_path / "run" / "checkpoints" / "series"), key)
+    return dict(zip(steps.tolist(), values.tolist(), strict=True))
+
+
 @pytest.mark.slow
 def test_short_run_loss_falls_and_lands_in_mlflow(short_run: tuple[Path, Any]) -> None:
     from mlflow import MlflowClient
@@ -82,7 +90,8 @@ def test_short_run_loss_falls_and_lands_in_mlflow(short_run: tuple[Path, Any]) -
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
-    loss = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    loss_points = client.get_metric_history(run.info.run_id, "train/loss")
+    loss = sorted((m.step, m.value) for m in loss_points)
     assert [s for s, _ in loss] == list(range(1, 81))  # every step, logged in batches
     assert loss[0][1] == pytest.approx(math.log(4096), abs=0.3)  # ~ln(vocab) at init
     # Single-batch losses are noisy (the last one ranges 6.3-6.7 over seeds): compare averages.
@@ -100,8 +109,9 @@ def test_short_run_loss_falls_and_lands_in_mlflow(short_run: tuple[Path, Any]) -
         "data/producer_tokens_per_s",
     ):
         assert client.get_metric_history(run.info.run_id, key), key
-    lr = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
+    lr = series(tmp_path, "train/lr")  # every step in the Parquet series; MLflow keeps loss and grad norm per step
     assert lr[5] == pytest.approx(3e-3) and lr[80] < lr[40] < lr[5]
+    assert set(series(tmp_path, "train/loss").items()) == {(m.step, m.value) for m in loss_points}
     assert run.data.params["model.dim"] == "128" and run.data.params["optimizer.beta2"] == "0.95"
     assert run.data.tags["backend"] == "torch"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -123,13 +133,15 @@ def test_telemetry_spikes_mfu_and_memory_land_in_mlflow(short_run: tuple[Path, A
     rid = result.mlflow_run_id
 
     def hist(key: str) -> dict[int, float]:
-        return {m.step: m.value for m in client.get_metric_history(rid, key)}
+        return series(tmp_path, key)
 
     norms = [v for _, v in sorted(hist("train/grad_norm").items())]
     active, durations = brute_force_spikes(norms, 4, 0.02)
     logged = hist("spike/active")
     assert [bool(logged[s]) for s in range(5, 81)] == active[4:]  # detection starts after the window
     assert hist("spike/count")[80] == len(durations) > 0
+    latest = client.get_run(rid).data.metrics  # the lean MLflow store still ends on the run's last values
+    assert latest["spike/count"] == len(durations) and latest["perf/mfu"] == hist("perf/mfu")[80]
     summary = hist("spike/single_step_fraction")
     assert set(summary) == {20, 40, 60, 80}  # every spike_summary_every steps and at the end
     assert summary[80] == pytest.approx(durations.count(1) / len(durations))

@@ -83,8 +83,9 @@ class FakeMonitor:
 
     made: ClassVar[list[FakeMonitor]] = []
 
-    def __init__(self, run_id: str, resume_logging: bool, tracking_uri: str) -> None:
+    def __init__(self, run_id: str, resume_logging: bool, tracking_uri: str, **sampling: float) -> None:
         self.run_id, self.resume, self.started, self.finished = run_id, resume_logging, False, False
+        self.log_every_s = sampling["sampling_interval"] * sampling["samples_before_logging"]
         FakeMonitor.made.append(self)
 
     def start(self) -> None:
@@ -130,6 +131,7 @@ def test_the_loss_is_a_runs_first_metric_and_system_metrics_start_after_it(store
     }
     (monitor,) = fake_monitor.made
     assert monitor.started and monitor.finished and not monitor.resume
+    assert monitor.log_every_s >= 300  # a point per system metric every 5 min or less often: weeks fit the store
     history = client(store).get_metric_history(ml.run_id, "preflight/passed")
     assert [(m.step, m.value) for m in history] == [(0, 1.0)]  # held back, not changed
 

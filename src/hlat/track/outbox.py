@@ -14,9 +14,10 @@ import threading
 import time
 from collections import deque
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
-from hlat.track.spool import Point, Spool, not_yet_stored
+from hlat.track.spool import Point, Spool, artifact_entry, not_yet_stored
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ class Transport:
         body = UpdateRun(run_id=run_id, run_uuid=run_id, status=RunStatus.from_string(status), end_time=end_time)
         self._post("/api/2.0/mlflow/runs/update", body)
 
-    def log_artifact(self, run_id: str, path: str) -> None:
-        self.client.log_artifact(run_id, path)
+    def log_artifact(self, run_id: str, path: str, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, path, artifact_path)
 
     def _post(self, endpoint: str, message: Any) -> None:
         from mlflow.utils.proto_json_utils import message_to_json
@@ -102,7 +103,7 @@ class Outbox:
         self._next_seq = self._spooled = 0
         """Points numbered below ``_spooled`` are in the spool file."""
         self.tags: dict[str, str] = {}
-        self.artifacts: list[str] = []
+        self.artifacts: list[str | list[str]] = []
         self.status: tuple[str, int] | None = None
         self.dropped = 0
         self.skip: dict[str, int] = {}
@@ -152,9 +153,10 @@ class Outbox:
             self.tags.update(tags)
         self._wake.set()
 
-    def put_artifact(self, path: str) -> None:
+    def put_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        """Queue file ``path`` for the run's artifacts (under ``artifact_path``: a folder of them, or the top)."""
         with self._lock:
-            self.artifacts.append(path)
+            self.artifacts.append(path if artifact_path is None else [path, artifact_path])
         self._wake.set()
 
     def persist(self) -> None:
@@ -245,7 +247,11 @@ class Outbox:
     def _send_rest(self, *, final: bool) -> None:
         """The artifacts, then (``final``) the status: only once every point is in MLflow."""
         while self.artifacts:
-            self.transport.log_artifact(self.run_id, self.artifacts[0])
+            path, where = artifact_entry(self.artifacts[0])
+            if Path(path).exists():
+                self.transport.log_artifact(self.run_id, path, where)
+            else:  # replaced since (the series' parts merge into one file, queued after them): nothing to send
+                log.info("artifact %s is gone; not sent", path)
             with self._lock:
                 self.artifacts.pop(0)
                 self._sends += 1

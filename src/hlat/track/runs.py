@@ -1,15 +1,26 @@
 """hlat runs read back from MLflow: pick them by experiment, run ids or sweep directory (``select_runs``).
 
-Used by ``hlat compare``; mlflow is imported inside the functions, so importing this module stays cheap.
+A run's metrics come from its Parquet series (``hlat.track.series``: every step, one file to fetch) and, for runs
+without one, from MLflow's metric histories. Used by ``hlat compare`` and the sweeps; mlflow and pyarrow are imported
+inside the functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
 import statistics
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
+
+log = logging.getLogger(__name__)
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 
@@ -31,6 +42,41 @@ RUN_STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")
 _SEARCH_PAGE = 1000
 
 
+class Points(Sequence[tuple[int, float]]):
+    """A metric's ``(step, value)`` points in step order, held as two numpy arrays (a 450k-step run: 7 MB a metric)."""
+
+    def __init__(self, steps: Iterable[int] | np.ndarray = (), values: Iterable[float] | np.ndarray = ()) -> None:
+        self.steps = np.asarray(steps, dtype=np.int64)
+        self.values = np.asarray(values, dtype=np.float64)
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[int, float]]) -> Points:
+        """From ``(step, value)`` pairs."""
+        pairs = list(pairs)
+        return cls([s for s, _ in pairs], [v for _, v in pairs])
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, float]: ...
+    @overload
+    def __getitem__(self, i: slice) -> Points: ...
+    def __getitem__(self, i: int | slice) -> tuple[int, float] | Points:
+        if isinstance(i, slice):
+            return Points(self.steps[i], self.values[i])
+        return int(self.steps[i]), float(self.values[i])
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        return zip(self.steps.tolist(), self.values.tolist(), strict=True)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"Points({list(self)!r})" if len(self) <= 10 else f"Points(<{len(self)} points>)"
+
+
 @dataclass
 class RunData:
     """One MLflow run, read back: its identity, flattened config and metric histories.
@@ -39,8 +85,8 @@ class RunData:
         run_id: The MLflow run id.
         run_name: The MLflow run name.
         params: Every logged param (the flattened resolved Hydra config), as strings.
-        metrics: ``{key: [(step, value), ...]}`` sorted by step, for every key in ``METRIC_KEYS`` (an empty list
-            when the run never logged it).
+        metrics: ``{key: Points}`` sorted by step, for every key in ``METRIC_KEYS`` (empty when the run never
+            logged it); ``(step, value)`` lists given here are turned into :class:`Points`.
         status: The run's MLflow status (FINISHED, RUNNING, FAILED, KILLED, ...).
         run_dir: The run's ``run_dir`` tag (its Hydra output directory), or ``None`` when untagged.
         latest: Every metric's latest value (MLflow's: at its highest step), read with the run at no extra cost.
@@ -54,13 +100,16 @@ class RunData:
     run_dir: str | None = None
     latest: dict[str, float] = field(default_factory=dict)
 
-    def series(self, key: str) -> list[tuple[int, float]]:
+    def __post_init__(self) -> None:
+        self.metrics = {k: v if isinstance(v, Points) else Points.of(v) for k, v in self.metrics.items()}
+
+    def series(self, key: str) -> Points:
         """The ``(step, value)`` history of one metric; empty when it was not logged."""
-        return self.metrics.get(key, [])
+        return self.metrics.get(key, Points())
 
     def values(self, key: str) -> list[float]:
         """Just the values of one metric's history, in step order."""
-        return [v for _, v in self.series(key)]
+        return self.series(key).values.tolist()
 
 
 # --------------------------------------------------------------------------------------------------- selection
@@ -121,6 +170,47 @@ def history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(step, by_step[step][1]) for step in sorted(by_step)]
 
 
+@contextlib.contextmanager
+def _quiet_downloads() -> Iterator[None]:
+    """No MLflow download progress bar inside (it would interleave with ``hlat compare``'s table)."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    saved = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def run_series(client: Any, run: Any, keys: list[str]) -> dict[str, Points] | None:
+    """``keys`` of the run's Parquet series (``hlat.track.series``), or None when it has none or it is damaged.
+
+    Read from the run's MLflow artifacts, else from the files beside its checkpoints (tag ``checkpoint_dir``) here.
+    """
+    from hlat.track.series import SERIES_DIR, SeriesError, latest_files, read_files, read_points
+
+    run_id, checkpoints = run.info.run_id, run.data.tags.get("checkpoint_dir")
+    local = Path(checkpoints) / SERIES_DIR if checkpoints else None
+    try:
+        names = latest_files(a.path for a in client.list_artifacts(run_id, SERIES_DIR))
+        if names:
+            with tempfile.TemporaryDirectory() as tmp, _quiet_downloads():
+                points = read_files([Path(client.download_artifacts(run_id, n, tmp)) for n in names], keys)
+        elif local is not None and local.is_dir():
+            points = read_points(local, keys, run_id=run_id)
+        else:
+            return None
+    except SeriesError as e:
+        log.warning("run %s: %s; reading its MLflow histories instead", run_id, e)
+        return None
+    if not points:
+        return None
+    return {key: Points(*points[key]) if key in points else Points() for key in keys}
+
+
 def tail_mean(values: list[float]) -> float:
     """Mean of the last 10% of ``values`` (at least one): the "final loss" of a run, and a sweep's objective."""
     return statistics.fmean(values[-max(1, len(values) // 10) :])
@@ -135,17 +225,25 @@ def objective(uri: str | None, run_id: str | None, losses: list[float]) -> float
     if uri and run_id:
         from mlflow import MlflowClient
 
-        losses = [v for _, v in history(MlflowClient(tracking_uri=uri), run_id, "train/loss")]
+        client = MlflowClient(tracking_uri=uri)
+        series = run_series(client, client.get_run(run_id), ["train/loss"])
+        if series is not None:
+            losses = series["train/loss"].values.tolist()
+        else:
+            losses = [v for _, v in history(client, run_id, "train/loss")]
     return tail_mean(losses) if losses else math.nan
 
 
 def _load(client: Any, run: Any) -> RunData:
     info = run.info
+    metrics = run_series(client, run, list(METRIC_KEYS))
+    if metrics is None:
+        metrics = {key: Points.of(history(client, info.run_id, key)) for key in METRIC_KEYS}
     return RunData(
         run_id=info.run_id,
         run_name=info.run_name or info.run_id[:8],
         params=dict(run.data.params),
-        metrics={key: history(client, info.run_id, key) for key in METRIC_KEYS},
+        metrics=metrics,
         status=info.status,
         run_dir=run.data.tags.get("run_dir"),
         latest=dict(run.data.metrics),

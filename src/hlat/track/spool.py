@@ -43,7 +43,8 @@ class SpoolContents:
     points: list[tuple[int, Point]] = field(default_factory=list)
     """The unsent ``(seq, point)``, in order."""
     meta: dict[str, Any] = field(default_factory=dict)
-    """Run changes to send: ``tags`` (dict), ``artifacts`` (paths), ``status`` and ``end_time`` (ms)."""
+    """Run changes to send: ``tags`` (dict), ``artifacts`` (paths, or [path, artifact folder]), ``status`` and
+    ``end_time`` (ms)."""
     next_seq: int = 0
     damaged: int = 0
     """Lines that could not be read (a torn last line after a crash, or a damaged disk)."""
@@ -243,10 +244,11 @@ def send(path: Path, uri: str | None = None) -> str:
     for i in range(0, len(tags), 100):
         client.log_batch(head.run_id, tags=tags[i : i + 100])
     for artifact in meta.get("artifacts", []):
-        if Path(artifact).exists():
-            client.log_artifact(head.run_id, artifact)
+        path, where = artifact_entry(artifact)
+        if Path(path).exists():
+            client.log_artifact(head.run_id, path, where)
         else:
-            log.warning("artifact %s of the spool is gone; not sent", artifact)
+            log.warning("artifact %s of the spool is gone; not sent", path)
     if meta.get("status"):
         client.set_terminated(head.run_id, meta["status"], meta.get("end_time"))
     spool.close(remove=True)
@@ -289,3 +291,8 @@ def main(argv: list[str]) -> int:
             print(f"hlat track sync: error: {e}", file=sys.stderr)
             code = 1 if isinstance(e, (ConfigError, SpoolBusyError)) else 2  # 1: try again later; 2: a wrong path
     return code
+
+
+def artifact_entry(item: str | list[str]) -> tuple[str, str | None]:
+    """A queued artifact as (file path, artifact folder or None): a plain path, or ``[path, folder]``."""
+    return (item, None) if isinstance(item, str) else (item[0], item[1])

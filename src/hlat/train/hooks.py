@@ -78,6 +78,7 @@ class CheckpointContent:
             self.uptime.ledger.saving(state.step)
         self.logger.flush(state)  # the spike statistics and productive time in the checkpoint cover every step up to it
         self.guard(state)  # never checkpoint a non-finite state
+        self.tracking.checkpointed(state.step)  # the full-resolution series up to this step is on disk
         if self.tracking.mlflow is not None:  # the metrics up to this step are in MLflow or in the spool on disk
             self.tracking.mlflow.sync()  # before the checkpoint is complete (a restart replays only later steps)
         record = {"mlflow_run_id": self.tracking.run_id, "uptime": self.uptime.state_dict()}  # a restart continues it

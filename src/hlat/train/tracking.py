@@ -22,6 +22,7 @@ from hlat.track import sweep
 from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
+from hlat.track.series import SERIES_DIR, LeanTracker, SeriesError, SeriesWriter
 from hlat.track.trackers import CHANGED_TAG, History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train.resume import JobStart
 
@@ -46,13 +47,31 @@ class Tracking:
     recorder: SeriesRecorder
     progress: ProgressBar | None
     throughput: Throughput
+    series: SeriesWriter | None = None
+    """Every point at full resolution as Parquet beside the checkpoints (rank 0; None elsewhere)."""
+
+    def _plotted(self) -> dict[str, list[tuple[int, float]]]:
+        """The plotted metrics of the whole job (its Parquet series, if kept here in full), else this process's."""
+        try:
+            whole = self.series.whole(PLOTTED) if self.series is not None else None
+        except SeriesError as e:
+            log.warning("plotting this process's points only: %s", e)
+            whole = None
+        if whole is None:
+            return {k: self.recorder.series(k) for k in PLOTTED}
+        return {k: list(zip(*(a.tolist() for a in whole[k]), strict=True)) for k in PLOTTED if k in whole}
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of ``step`` is being made: the series up to it is written (a restart continues from there)."""
+        if self.series is not None:
+            self.series.checkpoint(step)
 
     def plot(self, spikes: SpikeDetector, out_dir: Path) -> None:
         """End-of-run plots as artifacts; a plotting failure is logged, never fails a finished run."""
         from hlat.track.plots import training_plots
 
         try:
-            for f in training_plots({k: self.recorder.series(k) for k in PLOTTED}, spikes.histogram(), out_dir):
+            for f in training_plots(self._plotted(), spikes.histogram(), out_dir):
                 self.tracker.log_artifact(f)
         except Exception:  # the run itself succeeded; losing a plot must not change that
             log.exception("could not write the end-of-run plots to %s", out_dir)
@@ -84,16 +103,30 @@ def start(
         "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
     }
     history, recorder = History(), SeriesRecorder(PLOTTED)
-    extra = [history, recorder] + ([progress] if progress else [])
+    series = SeriesWriter(job.root, first_step) if env.rank == 0 else None
+    extra = [history, recorder] + ([series] if series else []) + ([progress] if progress else [])
     spool_dir = job.root / SPOOL_DIR
     tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id, spool_dir)
     run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
+    if series is not None and mlflow_tracker is not None:
+        client, mlflow_run = mlflow_tracker.client, mlflow_tracker.run_id
+        upload = functools.partial(mlflow_tracker.log_artifact, artifact_path=SERIES_DIR)  # by the outbox: no wait
+        series.upload_with(upload, mlflow_run, _series_logged(client, mlflow_run) if first_step else [])
     if env.rank == 0:
         checkpoint.write_job(job.root, {"mlflow_run_id": run_id, "uptime": uptime_state})
         preempt.unmark(run_dir, mlflow_tracker)  # a preempted run that continues is no longer waiting to resume
     if throughput.peak_flops is None and env.rank == 0 and first_peak_hint(peak_source, cfg.data.cache_dir):
         log.info("no MFU metric: %s (said once per host; the run's tag perf.peak_source keeps it)", peak_source)
-    return Tracking(tracker, mlflow_tracker, run_id, history, recorder, progress, throughput)
+    return Tracking(tracker, mlflow_tracker, run_id, history, recorder, progress, throughput, series)
+
+
+def _series_logged(client: Any, run_id: str) -> list[str]:
+    """The series files a continued run has in MLflow (its next part numbers on); empty if they cannot be listed."""
+    try:
+        return [a.path for a in client.list_artifacts(run_id, SERIES_DIR)]
+    except Exception as e:  # a server hiccup: the next part may reuse a number, readers then see the newer file
+        log.warning("could not list run %s's metric series in MLflow (%s)", run_id, e)
+        return []
 
 
 def log_health(tracking: Tracking, health: Any, env: Env, run_dir: Path) -> None:
@@ -145,6 +178,7 @@ def _open(
         extra=extra,
         run_id=run_id,
         spool_dir=spool_dir,
+        thin=LeanTracker,  # MLflow gets the loss and grad norm every step, the rest thinned; the series has all
     )
     params = flatten(dataclasses.asdict(cfg))
     tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)

@@ -1,0 +1,149 @@
+"""The Parquet metric series (``hlat.track.series``) and the lean MLflow store beside it, on a real sqlite store."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from hlat.config import TrackerConfig
+from hlat.track import compare
+from hlat.track.runs import METRIC_KEYS, select_runs
+from hlat.track.series import SERIES_DIR, LeanTracker, SeriesError, SeriesWriter, read_series, to_points
+from hlat.track.trackers import MLflowTracker, MultiTracker, Rows
+
+STEPS, EVERY = 400, 10
+
+
+def trainer_rows(first: int, last: int, offset: float = 0.0) -> Rows:
+    """The trainer's metric set over ``first..last``: 7 metrics every step, 27 more every ``EVERY`` steps."""
+    rows: Rows = []
+    for s in range(first, last + 1):
+        row = {"train/loss": 10 - s / 100 + offset, "train/grad_norm": 1 + (s % 7) / 10, "train/lr": 1e-3 / s}
+        row |= {"spike/active": float(s % 50 == 0), "spike/length": 0.0, "spike/count": s // 50, "spike/limit": 1.5}
+        if s % EVERY == 0:
+            row |= {"train/param_norm": 40 + s / 100, "perf/tokens_per_s": 1000.0 + s, "perf/step_time_s": 0.5}
+            row |= {"sys/peak_rss_gib": 2.0 + s / 1000} | {f"perf/other_{i}": float(i) for i in range(23)}
+        rows.append((s, row))
+    return rows
+
+
+def points(directory: Path, key: str) -> dict[int, float]:
+    steps, values = to_points(read_series(directory), key)
+    return dict(zip(steps.tolist(), values.tolist(), strict=True))
+
+
+def test_a_restart_leaves_one_value_per_step(tmp_path: Path) -> None:
+    """Killed after a checkpoint (twice, once with a clean exit), resumed, rolled back in-process: one value a step,
+    the one the surviving history computed."""
+    series = tmp_path / SERIES_DIR
+    first = SeriesWriter(tmp_path, 0)
+    first.log_metrics([(s, {"train/loss": 1000.0 + s}) for s in range(1, 11)])
+    first.checkpoint(6)  # then SIGKILLed: steps 7-10 were never written
+    second = SeriesWriter(tmp_path, 6)
+    second.log_metrics([(s, {"train/loss": 2000.0 + s}) for s in range(7, 11)])
+    second.checkpoint(8)
+    second.finish("KILLED")  # preempted after step 10, its checkpoint is of step 8: steps 9 and 10 are written too
+    assert points(series, "train/loss") == {s: (1000.0 if s <= 6 else 2000.0) + s for s in range(1, 11)}
+
+    third = SeriesWriter(tmp_path, 8)
+    third.log_metrics([(s, {"train/loss": 3000.0 + s}) for s in range(9, 13)])
+    third.log_metrics([(s, {"train/loss": 4000.0 + s}) for s in range(11, 13)])  # a rollback replays 11 and 12
+    third.checkpoint(10)
+    assert points(series, "train/loss") == {
+        s: (1000.0 if s <= 6 else 2000.0 if s <= 8 else 3000.0) + s for s in range(1, 11)
+    }
+    third.finish()
+    expected = {
+        s: (1000.0 if s <= 6 else 2000.0 if s <= 8 else 3000.0 if s <= 10 else 4000.0) + s for s in range(1, 13)
+    }
+    assert points(series, "train/loss") == expected
+    assert [p.name for p in series.iterdir()] == ["compact-000005.parquet"]  # merged at the end (5 parts)
+
+
+def test_a_damaged_file_is_refused_with_its_name_and_the_way_out(tmp_path: Path) -> None:
+    writer = SeriesWriter(tmp_path, 0)
+    writer.log_metrics([(s, {"train/loss": float(s)}) for s in range(1, 50)])
+    part = writer.checkpoint(49)
+    assert part is not None
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # a disk that filled up, a copy cut short
+    with pytest.raises(SeriesError, match=rf"metric series file {part} is damaged .*; delete it"):
+        read_series(tmp_path / SERIES_DIR)
+
+
+def _tracked_run(uri: str, name: str, rows: Rows, *, lean: bool, root: Path) -> str:
+    """A run driven through hlat's trackers: the old way (every point to MLflow) or the lean store plus the series."""
+    cfg = TrackerConfig(uri=uri, experiment="series", flush_every_s=600, system_metrics=False)
+    ml = MLflowTracker(cfg, name, {})
+    if not lean:
+        tracker = MultiTracker([ml])
+    else:
+        writer = SeriesWriter(root, 0)
+        writer.upload_with(lambda p: ml.client.log_artifact(ml.run_id, str(p), SERIES_DIR), ml.run_id)
+        tracker = MultiTracker([writer, LeanTracker(ml)])
+    for i in range(0, len(rows), EVERY):
+        tracker.log_metrics(rows[i : i + EVERY])
+        if lean and rows[i + EVERY - 1][0] == STEPS // 2:
+            writer.checkpoint(STEPS // 2)
+    tracker.finish()
+    return ml.run_id
+
+
+def test_compare_reads_the_same_from_the_series_and_the_lean_store_keeps_two_points_a_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the store's artifacts go to ./mlruns
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    rows = trainer_rows(1, STEPS)
+    full = _tracked_run(uri, "full", rows, lean=False, root=tmp_path / "full")
+    lean = _tracked_run(uri, "lean", rows, lean=True, root=tmp_path / "lean")
+
+    old, new = select_runs(uri, run_ids=[full, lean])
+    assert all(len(old.series(k)) > 0 for k in ("train/loss", "train/lr", "train/param_norm", "perf/tokens_per_s"))
+    for key in METRIC_KEYS:
+        assert new.series(key) == old.series(key), key
+    table = compare.summary_table([old, new]).splitlines()
+    assert table[2].split("|")[3:] == table[3].split("|")[3:]  # every headline metric, to the digit
+
+    with sqlite3.connect(db) as con:
+        counted = dict(con.execute("SELECT run_uuid, COUNT(*) FROM metrics GROUP BY run_uuid").fetchall())
+        every_step = {
+            k
+            for (k,) in con.execute(
+                "SELECT key FROM metrics WHERE run_uuid=? GROUP BY key HAVING COUNT(*) = ?", (lean, STEPS)
+            )
+        }
+    assert counted[full] / STEPS > 9 and counted[lean] / STEPS <= 2.5
+    assert every_step == {"train/loss", "train/grad_norm"}
+
+    # A damaged series: compare says so and reads the MLflow histories (every step of the loss; the rest thinned).
+    (compact,) = (Path(new_run_artifacts(uri, lean)) / SERIES_DIR).glob("compact-*")
+    compact.write_bytes(b"not parquet")
+    with caplog.at_level(logging.WARNING, logger="hlat.track.runs"):
+        (fallback,) = select_runs(uri, run_ids=[lean])
+    assert f"{compact.name} is damaged" in caplog.text and "reading its MLflow histories instead" in caplog.text
+    assert fallback.series("train/loss") == old.series("train/loss")
+    assert len(fallback.series("train/lr")) < STEPS // 50
+
+
+def new_run_artifacts(uri: str, run_id: str) -> str:
+    """The local artifact directory of a run of a sqlite store."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri).get_run(run_id).info.artifact_uri.removeprefix("file://")
+
+
+def test_a_long_line_is_plotted_as_its_envelope_spikes_kept() -> None:
+    import numpy as np
+
+    steps = np.arange(1, 450_001)
+    values = 2 + np.sin(steps / 50.0)
+    values[77_776], values[300_000] = 40.0, -3.0  # one-step spikes
+    xs, ys = compare._envelope(steps, values, buckets=1000)
+    assert len(xs) <= 2000 and (np.diff(xs) > 0).all()
+    assert {77_777, 300_001} <= set(xs.tolist()) and ys.max() == 40.0 and ys.min() == -3.0
+    short = np.arange(10.0)
+    assert compare._envelope(short, short, buckets=1000)[1] is short  # a short line is drawn as it is
