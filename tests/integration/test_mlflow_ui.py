@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
 from hlat.track.trackers import ui_page
 from tests.integration.mlflow_ui import (
+    ROOT,
     MlflowServer,
     Sweep,
     browser_missing,
@@ -29,6 +34,7 @@ from tests.integration.mlflow_ui import (
     open_page,
     run_sweep,
 )
+from tests.integration.mlflow_ui import TINY as TINY_OVERRIDES
 from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
@@ -129,3 +135,50 @@ def test_the_compare_view_plots_the_loss_not_a_system_metric(ui, page) -> None:
     text = open_page(page, url, "Parallel Coordinates Plot", "Metrics:")
     chosen = text[text.index("Metrics:") : text.index("Clear All")]
     assert "train/loss" in chosen and "system/" not in chosen
+
+
+def test_a_killed_and_resumed_runs_chart_has_one_point_per_step(ui, page, cache_dir: Path, tmp_path: Path) -> None:
+    """SIGKILLed after step 8 (checkpoint at 4) and restarted by torch elastic: steps 5-8 run twice, but the metric
+    page's full-resolution chart (what it fetches: ``get-history``) gets each step once.
+
+    Catches: a resumed run that sends the replayed steps again (the chart zig-zags between two values per step). The
+    timestamps show the oracle is not vacuous: the killed attempt's points past the checkpoint did reach MLflow.
+    """
+    sweep, base = ui
+    tiny = [o for o in TINY_OVERRIDES if not o.startswith(("train.checkpoint_every", "tracker.experiment"))]
+    cmd = [sys.executable, str(ROOT / "train.py"), *tiny, "train.steps=10", "train.checkpoint_every=4"]
+    cmd += ["fault=kill", "fault.kill_random=0", "fault.kill_at=[8]", "cluster.max_restarts=1"]
+    cmd += [f"tracker.uri={sweep.uri}", "tracker.run_name=killed", f"data.cache_dir={cache_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(
+        [*cmd, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=hang_guard(900),
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "step_00000004 at step 4" in (tmp_path / "run" / "train.log").read_text()  # it did resume, from step 4
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=sweep.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("hlat").experiment_id], "tags.mlflow.runName='killed'")
+    rid, eid = run.info.run_id, run.info.experiment_id
+    fetched: list[Any] = []
+    page.on("response", lambda r: fetched.append(r) if "/metrics/get-history?" in r.url and rid in r.url else None)
+    q = lambda v: quote(json.dumps(v))  # noqa: E731
+    url = f"{base}/#/metric/train%2Floss?runs={q([rid])}&metric={q('train/loss')}&experiments={q([eid])}"
+    url += f"&plot_metric_keys={q(['train/loss'])}&plot_layout={q({})}&x_axis=step&y_axis_scale=linear"
+    url += f"&line_smoothness=1&show_point=true&deselected_curves={q([])}&last_linear_y_axis_range={q([])}"
+    open_page(page, url, "killed (train/loss)")
+    deadline = time.monotonic() + hang_guard(120)
+    while not fetched:
+        assert time.monotonic() < deadline, "the metric page fetched no get-history"
+        page.wait_for_timeout(200)
+    points = fetched[-1].json()["metrics"]
+    steps = [p["step"] for p in points if p["key"] == "train/loss"]
+    assert sorted(steps) == list(range(1, 11)), steps  # each step once
+    stamp = {p["step"]: p["timestamp"] for p in points}
+    # Step 5 kept from the killed attempt (one step after step 4), not resent by the next one (a restart after it):
+    assert stamp[5] - stamp[4] < stamp[9] - stamp[5], stamp
