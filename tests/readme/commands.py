@@ -86,6 +86,7 @@ EXCEPTIONS: dict[str, Policy] = {
     "make test-cluster": Policy(
         "skip", "the cluster lane: .ci/run runs it before this lane (root, network namespaces)"
     ),
+    "make test-image": Policy("skip", "the image lane: .ci/run runs it (root, podman, images built from local bases)"),
     "make test-readme": Policy("skip", "this lane itself"),
     "mlflow ui --backend-store-uri sqlite:///mlflow.db": Policy(
         "serve",
@@ -110,14 +111,14 @@ EXCEPTIONS: dict[str, Policy] = {
     "docker build --target cpu -t hlat:cpu .": Policy("skip", "no Docker engine here"),
     "mkdir -p outputs mlruns && chown 1000:1000 outputs mlruns": Policy("run", "the folders the container writes"),
     'docker run --rm -v "$PWD/outputs:/opt/hlat/outputs" -v "$PWD/mlruns:/opt/hlat/mlruns" hlat:cpu '
-    "tracker.uri=sqlite:////opt/hlat/mlruns/mlflow.db train.steps=10": Policy(
+    "tracker.uri=sqlite:////opt/hlat/mlruns/mlflow.db train.steps=10 optimizer.warmup_steps=2": Policy(
         "skip", "no Docker engine here: the image lane runs the podman form as written (tests/image/test_docs.py)"
     ),
     "podman build --target cpu -t hlat:cpu .": Policy(
         "skip", "needs python:3.12-slim from a registry: the image lane builds the target on a local base instead"
     ),
     'podman run --rm -v "$PWD/outputs:/opt/hlat/outputs" -v "$PWD/mlruns:/opt/hlat/mlruns" hlat:cpu '
-    "tracker.uri=sqlite:////opt/hlat/mlruns/mlflow.db train.steps=10": Policy(
+    "tracker.uri=sqlite:////opt/hlat/mlruns/mlflow.db train.steps=10 optimizer.warmup_steps=2": Policy(
         "skip", "needs the built image and podman: the image lane runs it as written (tests/image/test_docs.py)"
     ),
     "docker push 123456789012.dkr.ecr.us-east-1.amazonaws.com/hlat:trn1": Policy("skip", "no image, no registry"),
