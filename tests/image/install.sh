@@ -12,6 +12,8 @@ if [ "$missing" = 0 ]; then
   exit 0
 fi
 start=$(date +%s)
-apt-get update -q
-DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends podman runc debootstrap
+# Another lane's apt-get (the cluster lane's, beside this one in .ci/run) may hold dpkg's lock: wait for it.
+apt-get -o DPkg::Lock::Timeout=600 update -q
+DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends \
+  podman runc debootstrap
 echo "image lane: installed podman runc debootstrap in $(( $(date +%s) - start )) s"
