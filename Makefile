@@ -66,7 +66,7 @@ test-cluster: install-dev
 	HLAT_CLUSTER_LANE=1 $(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 
 # The image lane (root): the Dockerfile's cpu and trn1 targets built with podman from local bases (debootstrap, no
-# registry; tests/image/build.sh, ~9 min and ~4 GB the first time, podman's layer cache after), then trained in,
+# registry; tests/image/build.sh: ~11 min and 3.8 GB the first time, seconds after), then trained in (~4 min),
 # stopped, resumed and checked from inside (tests/image/). tests/image/install.sh apt-gets podman runc debootstrap.
 test-image: install-dev
 	bash tests/image/install.sh
