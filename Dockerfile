@@ -17,6 +17,8 @@
 ARG NEURON_DLC_IMAGE=public.ecr.aws/neuron/pytorch-training-neuronx
 ARG NEURON_DLC_TAG=2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04
 ARG PYTHON_VERSION=3.12
+# The cpu/gpu base: any image whose `python` is its own interpreter with pip (tests/image builds one from Debian).
+ARG PYTHON_BASE_IMAGE=python:${PYTHON_VERSION}-slim
 
 # ---------------------------------------------------------------------------------------------------------------
 # trn1: the DLC already holds torch 2.9 (+ torch-xla), torch-neuronx, neuronx-cc, neuronx_distributed and NxDT,
@@ -78,7 +80,7 @@ ENTRYPOINT ["python", "train.py"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # CPU/GPU hosts: the official slim Python image, a non-root user, hlat installed into the system interpreter.
-FROM python:${PYTHON_VERSION}-slim AS python-base
+FROM ${PYTHON_BASE_IMAGE} AS python-base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-slow test-neuron test-cluster test-postgres test-readme lint install install-dev install-eval clean
+.PHONY: demo test test-slow test-neuron test-cluster test-postgres test-image test-readme lint install install-dev install-eval clean
 
 # Three stamps: `make demo` installs what a run needs (torch + hlat), `make test` adds the dev tools on top, and
 # `make install-eval` lm-evaluation-harness (the `eval` extra: `hlat eval`, eval.every_tokens), which the demo skips.
@@ -75,6 +75,13 @@ $(VENV)/.installed-team: $(VENV)/.installed-dev
 test-postgres: $(VENV)/.installed-team
 	bash tests/postgres/install.sh
 	HLAT_POSTGRES_LANE=1 $(PY) -m pytest -q tests/postgres $(ARGS)
+
+# The image lane (root): the Dockerfile's cpu and trn1 targets built with podman from local bases (debootstrap, no
+# registry; tests/image/build.sh: ~11 min and 3.8 GB the first time, seconds after), then trained in (~4 min),
+# stopped, resumed and checked from inside (tests/image/). tests/image/install.sh apt-gets podman runc debootstrap.
+test-image: install-dev
+	bash tests/image/install.sh
+	HLAT_IMAGE_LANE=1 HLAT_IMAGE_HOST_PYTHON=$(PY) $(PY) -m pytest -q -p no:cacheprovider tests/image $(ARGS)
 
 # The README lane: every command of README.md and docs/*.md, run as written in a fresh shell after `make demo` (tiny
 # overrides where a command trains; tests/readme/commands.py lists the few that cannot run here and why).

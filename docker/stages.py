@@ -188,7 +188,7 @@ def parse(path: Path = DOCKERFILE) -> Dockerfile:
         elif not stages:
             if keyword == "ARG":
                 name, _, default = args.partition("=")
-                global_args[name] = unquote(default)
+                global_args[name] = expand(unquote(default), global_args)  # may name an earlier ARG
         else:
             stages[-1].instructions.append(Instruction(keyword, args, line))
     return Dockerfile(directives, global_args, stages)

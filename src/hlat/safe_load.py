@@ -6,6 +6,8 @@ DCP's own reader unpickles with plain ``pickle`` (a crafted checkpoint runs code
 
 from __future__ import annotations
 
+import enum
+import functools
 import io
 import pickle
 from pathlib import Path, PurePath
@@ -69,6 +71,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.file = file
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return functools.partial(_enum_member, self.file)  # an enum as early Python 3.11 releases pickle it
         if not allowed_global(module, name):
             raise untrusted(
                 self.file, f"it references {module}.{name}, which torch.distributed.checkpoint metadata never holds"
@@ -79,6 +83,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise untrusted(
             self.file, "it holds persistent references, which torch.distributed.checkpoint metadata never holds"
         )
+
+
+def _enum_member(file: str | Path, cls: Any, name: Any) -> enum.Enum:
+    """``getattr(cls, name)`` where it names a member of an allowed enum (``_MEM_FORMAT_ENCODING``), else refused.
+
+    Early Python 3.11 releases (Debian 12's 3.11.2; 3.11.7 no longer does) pickle an enum member as
+    ``getattr(EnumClass, "NAME")``; any other use of ``getattr`` could reach arbitrary attributes of an allowed class.
+    """
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise untrusted(
+        file, f"it calls getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}), which is not an enum member"
+    )
 
 
 def _check_structure(md: object, file: str | Path) -> Metadata:

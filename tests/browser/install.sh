@@ -7,6 +7,6 @@ if command -v chromium >/dev/null 2>&1; then
   exit 0
 fi
 start=$(date +%s)
-apt-get update -q
-DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+flock /var/lock/hlat-apt apt-get -o DPkg::Lock::Timeout=600 update -q   # one apt-get at a time (lanes run side by side)
+DEBIAN_FRONTEND=noninteractive flock /var/lock/hlat-apt apt-get -o DPkg::Lock::Timeout=600 install -y -q chromium
 echo "browser: installed chromium in $(( $(date +%s) - start )) s"

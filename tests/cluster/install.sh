@@ -11,6 +11,6 @@ if [ "$missing" = 0 ]; then
   exit 0
 fi
 start=$(date +%s)
-apt-get update -q
-DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge slurmdbd mariadb-server
+flock /var/lock/hlat-apt apt-get -o DPkg::Lock::Timeout=600 update -q   # one apt-get at a time (lanes run side by side)
+DEBIAN_FRONTEND=noninteractive flock /var/lock/hlat-apt apt-get -o DPkg::Lock::Timeout=600 install -y -q slurm-wlm munge slurmdbd mariadb-server
 echo "cluster lane: installed slurm-wlm munge slurmdbd mariadb-server in $(( $(date +%s) - start )) s"

@@ -9,7 +9,7 @@ for initdb in /usr/lib/postgresql/*/bin/initdb; do
   fi
 done
 start=$(date +%s)
-apt-get update -q
+flock /var/lock/hlat-apt apt-get -o DPkg::Lock::Timeout=600 update -q   # one apt-get at a time (lanes run side by side)
 # The package's own cluster (main, port 5432) does not matter: the lane runs its own, without TCP, in a temp directory
-DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql
+DEBIAN_FRONTEND=noninteractive flock /var/lock/hlat-apt apt-get -o DPkg::Lock::Timeout=600 install -y -q postgresql
 echo "postgres lane: installed postgresql in $(( $(date +%s) - start )) s"

@@ -87,6 +87,7 @@ EXCEPTIONS: dict[str, Policy] = {
         "skip", "the cluster lane: .ci/run runs it before this lane (root, network namespaces)"
     ),
     "make test-postgres": Policy("skip", "the PostgreSQL lane: .ci/run runs it (root; apt-get install postgresql)"),
+    "make test-image": Policy("skip", "the image lane: .ci/run runs it (root, podman, images built from local bases)"),
     "make test-readme": Policy("skip", "this lane itself"),
     "mlflow ui --backend-store-uri sqlite:///mlflow.db": Policy(
         "serve",
@@ -109,8 +110,17 @@ EXCEPTIONS: dict[str, Policy] = {
         "skip", "no Docker engine here: tests/unit/test_dockerfile.py lints the Dockerfile and replays its installs"
     ),
     "docker build --target cpu -t hlat:cpu .": Policy("skip", "no Docker engine here"),
-    'docker run --rm -v "$PWD/outputs:/opt/hlat/outputs" hlat:cpu model=small train.steps=10': Policy(
-        "skip", "no Docker engine here (the image runs `python train.py`, which the lane runs)"
+    "mkdir -p outputs mlruns && chown 1000:1000 outputs mlruns": Policy("run", "the folders the container writes"),
+    'docker run --rm -v "$PWD/outputs:/opt/hlat/outputs" -v "$PWD/mlruns:/opt/hlat/mlruns" hlat:cpu '
+    "tracker.uri=sqlite:////opt/hlat/mlruns/mlflow.db train.steps=10 optimizer.warmup_steps=2": Policy(
+        "skip", "no Docker engine here: the image lane runs the podman form as written (tests/image/test_docs.py)"
+    ),
+    "podman build --target cpu -t hlat:cpu .": Policy(
+        "skip", "needs python:3.12-slim from a registry: the image lane builds the target on a local base instead"
+    ),
+    'podman run --rm -v "$PWD/outputs:/opt/hlat/outputs" -v "$PWD/mlruns:/opt/hlat/mlruns" hlat:cpu '
+    "tracker.uri=sqlite:////opt/hlat/mlruns/mlflow.db train.steps=10 optimizer.warmup_steps=2": Policy(
+        "skip", "needs the built image and podman: the image lane runs it as written (tests/image/test_docs.py)"
     ),
     "docker push 123456789012.dkr.ecr.us-east-1.amazonaws.com/hlat:trn1": Policy("skip", "no image, no registry"),
     "kubectl apply -f job.yaml": Policy("skip", "no Kubernetes cluster here (the PyTorchJob is schema-checked)"),

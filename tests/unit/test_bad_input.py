@@ -300,6 +300,20 @@ def test_a_run_dir_under_proc_is_a_configuration_error(tmp_path: Path) -> None:
     assert "set hydra.run.dir to a writable directory" in line
 
 
+def test_an_unwritable_run_dir_in_a_container_says_which_uid_must_own_the_mount(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from hlat.config import compose
+
+    denied = PermissionError(errno.EACCES, "Permission denied", "outputs/run")
+    monkeypatch.setattr(compose, "CONTAINER_MARKERS", (str(tmp_path / ".containerenv"),))
+    assert "uid" not in compose.hydra_error_message(denied)  # not in a container: no such hint
+    (tmp_path / ".containerenv").touch()  # what podman creates in every container
+    line = compose.hydra_error_message(denied)
+    assert line.startswith("hydra.run.dir: cannot create or write the run directory outputs/run (Permission denied)")
+    assert f"hlat runs as uid {os.getuid()}: a host folder mounted here must be writable by uid" in line
+
+
 def test_a_checkpoint_dir_under_a_file_is_a_configuration_error(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("")
     r = train_py(

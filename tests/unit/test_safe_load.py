@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import io
 import json
@@ -167,6 +168,42 @@ def test_metadata_of_another_shape_is_refused(tmp_path: Path) -> None:
         safe_load.read_metadata(path)
     with pytest.raises(ConfigError, match=r"has no \.metadata"):
         safe_load.read_metadata(tmp_path)
+
+
+def test_an_enum_pickled_by_name_as_python_3_11_2_does_loads_and_no_other_getattr(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    path = save({"t": torch.ones(2)}, tmp_path / "ckpt")
+    md = safe_load.read_metadata(path)
+    buf = io.BytesIO()
+    ByNamePickler(buf).dump(md)
+    assert b"getattr" in buf.getvalue()
+    (path / ".metadata").write_bytes(buf.getvalue())
+    [props] = {m.properties.memory_format for m in safe_load.read_metadata(path).state_dict_metadata.values()}
+    assert props == torch.contiguous_format
+    for cls, name in ((_MEM_FORMAT_ENCODING, "__init__"), (Metadata, "__class__")):
+        with pytest.raises(ConfigError, match=r"calls getattr\(.*not an enum member"):
+            safe_load.load_metadata(io.BytesIO(pickle.dumps(ByName(cls, name))), "x/.metadata")
+
+
+class ByNamePickler(pickle.Pickler):
+    """Pickles every enum member as ``getattr(EnumClass, "NAME")``, as early Python 3.11 releases (Debian 12's 3.11.2)
+    do; 3.11.7 and later call the class with the value."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+class ByName:
+    """Pickles as ``getattr(cls, name)``: how early Python 3.11 releases pickle an enum member."""
+
+    def __init__(self, cls: type, name: str) -> None:
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return (getattr, (self.cls, self.name))
 
 
 def plant(checkpoint: Path, payload: object) -> None:

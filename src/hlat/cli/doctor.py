@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hlat.config import ConfigError, RunConfig
 from hlat.health.neuron_tools import ToolResult, nccom_test, neuron_ls
-from hlat.health.report import HealthReport
+from hlat.health.report import HealthReport, PreflightError
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,10 @@ USAGE = """hlat doctor [--out FILE.md] [--mlflow] [hydra overrides...]
 Pre-flight health check of the cluster the overrides configure (the same overrides as `python train.py`): per rank,
 the device computes a known matmul correctly, matmul TFLOP/s against the expected peak and the median rank, and
 all-reduce / all-gather bus bandwidth and latency within each node and over the job; neuron-ls and nccom-test where
-installed. Thresholds: health.min_matmul_fraction, health.min_relative_fraction, health.expected_busbw_gbps_intra /
-_world, health.min_bandwidth_fraction. Exit 0: healthy, 1: a node failed (named), 2: configuration error.
+installed. On Trainium, first: every /dev/neuron* device, EFA devices (several nodes), the memlock and nofile
+limits and /dev/shm, each missing one named with the docker/podman run or Kubernetes setting that grants it.
+Thresholds: health.min_matmul_fraction, health.min_relative_fraction, health.expected_busbw_gbps_intra / _world,
+health.min_bandwidth_fraction. Exit 0: healthy, 1: a node failed (named), 2: configuration error.
 
 options:
   --out FILE.md  where the report (the table and the verdict) goes; default outputs/doctor/<time>-<cluster>.md
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = compose_run_config(argv)
         report = check(cfg, argv)
+    except PreflightError as e:  # the node lacks a device, a limit or a package (hlat.health.host)
+        print(f"hlat doctor: {e}", file=sys.stderr)
+        return 1
     except ConfigError as e:
         print(f"hlat: configuration error: {e}", file=sys.stderr)
         return 2
@@ -122,12 +127,15 @@ def check(cfg: RunConfig, overrides: list[str]) -> HealthReport:
     """Run the checks over the configured processes of this node (or as one rank of an external torchrun).
 
     Raises:
+        PreflightError: A Neuron node lacks a device, a limit, shared memory or the Neuron packages.
         ConfigError: Several nodes without an external launcher; a bad ``health`` value for this job.
         JobFailedError: A checking process died.
     """
     from hlat.config.resolvers import under_elastic
+    from hlat.health.host import check_neuron_host
 
     c = cfg.cluster
+    check_neuron_host(c)  # a trn1 node's devices, limits and packages, before any checking process starts
     if under_elastic() or (c.nproc_per_node == 1 and c.nodes == 1):
         return _worker(overrides, configure_logging=False)
     if c.nodes > 1:

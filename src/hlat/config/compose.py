@@ -5,12 +5,17 @@ Every command that takes ``python train.py``'s overrides composes here, so a mis
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hlat.config import RunConfig
+
+CONTAINER_MARKERS = ("/.dockerenv", "/run/.containerenv")
+"""Files Docker and podman create in every container."""
 
 
 def config_dir() -> Path:
@@ -43,6 +48,17 @@ def compose_run_config(overrides: Sequence[str]) -> RunConfig:
         raise ConfigError(hydra_error_message(e, overrides) or str(e)) from None
 
 
+def _container_hint(e: OSError) -> str:
+    """Whose a mounted host folder must be, for a permission error inside a container (``CONTAINER_MARKERS``)."""
+    if e.errno not in (errno.EACCES, errno.EPERM) or not any(Path(p).exists() for p in CONTAINER_MARKERS):
+        return ""
+    uid = os.getuid()
+    return (
+        f"; in this container hlat runs as uid {uid}: a host folder mounted here must be writable by uid {uid} "
+        f"(chown {uid} it on the host, or run the container with --user set to the folder's owner)"
+    )
+
+
 def hydra_error_message(e: BaseException, overrides: Sequence[str] = ()) -> str | None:
     """One line for an error of Hydra's composition, or of its making the run directory; None for any other error.
 
@@ -65,7 +81,7 @@ def hydra_error_message(e: BaseException, overrides: Sequence[str] = ()) -> str 
         key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(overrides) else "hydra.run.dir"
         return (
             f"{key}: cannot create or write the run directory {e.filename} ({e.strerror or e}); set {key} to "
-            "a writable directory (e.g. a path under your home or the working directory)"
+            f"a writable directory (e.g. a path under your home or the working directory){_container_hint(e)}"
         )
     if isinstance(e, OverrideParseException):
         bad = next((o for o in overrides if "=" in o and not o.startswith("-") and not _parses(o)), None)

@@ -137,8 +137,8 @@ class TrackerConfig(_Frozen):
     layer_grad_norms_every: int = 0
     """Every this many steps, log the gradient norm of each layer (``grad_norm/layers.<i>``, ...); 0: off, no cost."""
     system_metrics: bool = True
-    """MLflow's own system metrics (means of 30-s samples, every 5 min), from the first logged loss on (so the UI's compare view defaults to
-    the loss)."""
+    """MLflow's own system metrics (means of 30-s samples, every 5 min), from the first logged loss on (so the UI's
+    compare view defaults to the loss)."""
     skip_finished: bool = True
     """In a multirun, skip a job whose config already FINISHED here and continue one that died; false reruns all."""
 

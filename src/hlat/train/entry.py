@@ -21,6 +21,7 @@ from hlat import checkpoint
 from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.health.blame import last_verdict
+from hlat.health.host import check_neuron_host
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
 from hlat.launch import elastic, preempt
@@ -115,6 +116,8 @@ def _train(cfg: RunConfig) -> tuple[str | None, list[float]]:
         The MLflow run id (None without MLflow) and the loss points this process logged (none when supervised).
     """
     evals.check(cfg)  # the evaluation's tasks, before any process is started or anything built (every rank alike)
+    if not cfg.train.dry_run:  # the Neuron packages, devices and limits: seconds, not after 32 processes started
+        check_neuron_host(cfg.cluster)
     run_dir = hydra_output_dir()
     if elastic.wanted(cfg):
         _supervise(cfg, run_dir)
