@@ -138,7 +138,7 @@ def test_the_compare_view_plots_the_loss_not_a_system_metric(ui, page) -> None:
 
 
 def test_a_killed_and_resumed_runs_chart_has_one_point_per_step(ui, page, cache_dir: Path, tmp_path: Path) -> None:
-    """SIGKILLed after step 8 (checkpoint at 4) and restarted by torch elastic: steps 5-8 run twice, but the metric
+    """SIGKILLed after step 7 (checkpoint at 4) and restarted by torch elastic: steps 5-7 run twice, but the metric
     page's full-resolution chart (what it fetches: ``get-history``) gets each step once.
 
     Catches: a resumed run that sends the replayed steps again (the chart zig-zags between two values per step). The
@@ -147,7 +147,7 @@ def test_a_killed_and_resumed_runs_chart_has_one_point_per_step(ui, page, cache_
     sweep, base = ui
     tiny = [o for o in TINY_OVERRIDES if not o.startswith(("train.checkpoint_every", "tracker.experiment"))]
     cmd = [sys.executable, str(ROOT / "train.py"), *tiny, "train.steps=10", "train.checkpoint_every=4"]
-    cmd += ["fault=kill", "fault.kill_random=0", "fault.kill_at=[8]", "cluster.max_restarts=1"]
+    cmd += ["fault=kill", "fault.kill_random=0", "fault.kill_at=[7]", "cluster.max_restarts=1"]
     cmd += [f"tracker.uri={sweep.uri}", "tracker.run_name=killed", f"data.cache_dir={cache_dir}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(
