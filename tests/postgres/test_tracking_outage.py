@@ -140,7 +140,9 @@ def test_a_server_killed_for_good_holds_nothing_up_and_sync_sends_every_point(ki
     (unsent,) = UNSENT.findall(run["output"])  # one line: how many points, which steps, where they are kept
     n, last, spool = int(unsent[0]), int(unsent[2]), Path(unsent[3])
     assert last == 30 and n > 0 and spool.parent.name == SPOOL_DIR
-    assert run["sync"].startswith(f"sent {n} points (steps {unsent[1]}-30)") and "status FINISHED" in run["sync"]
+    # A request in flight at the SIGKILL may have been stored unanswered: the sync skips what MLflow holds already
+    (sent,) = re.findall(r"^sent (\d+) points \(steps (\d+)-30\), .*status FINISHED", run["sync"])
+    assert 0 < int(sent[0]) <= n and int(sent[1]) >= int(unsent[1]), (run["sync"], unsent)
     assert [step for step, _ in run["losses"]] == list(range(1, 31))  # none lost, none doubled
     assert run["status"] == "FINISHED" and not spool.exists()
 
