@@ -76,6 +76,43 @@ def _wait_healthy(uri: str, server: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"the team server did not answer within the hang guard:\n{log.read_text()[-3000:]}")
 
 
+class ScriptServer:
+    """``scripts/mlflow-server.sh`` on a database that exists (``MLFLOW_DB_URI``), in its own process group: the
+    MLflow server of the team setup, which :meth:`kill` SIGKILLs while its PostgreSQL keeps running."""
+
+    def __init__(self, db_uri: str, store: Path) -> None:
+        self.db_uri, self.store, self.port = db_uri, store, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> ScriptServer:
+        """Start the script (on the same database, artifact root and port every time) and wait until it answers."""
+        env = {
+            **os.environ,
+            "MLFLOW_DB_URI": self.db_uri,
+            "MLFLOW_STORE": str(self.store),
+            "PORT": str(self.port),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # this venv's mlflow
+        }
+        log = self.store / "server.log"
+        with open(log, "a") as out:
+            self.proc = subprocess.Popen(
+                ["bash", str(SCRIPT)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        _wait_healthy(self.uri, self.proc, log)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the script, MLflow's server and its worker (their process group): no goodbye, as a crashed host."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(hang_guard(60))
+
+
 @pytest.fixture(scope="session")
 def team_server() -> Iterator[TeamServer]:
     """``scripts/mlflow-server.sh`` on a free loopback port, its PostgreSQL and artifacts in a fresh directory.
@@ -115,3 +152,13 @@ def team_server() -> Iterator[TeamServer]:
             postmaster = int(pid_file.read_text().split()[0])
             os.kill(postmaster, signal.SIGQUIT)
         shutil.rmtree(store, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def script_server(team_server: TeamServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptServer]:
+    """A second team server, running, on a new database of the lane's PostgreSQL: one per test module."""
+    name = tmp_path_factory.mktemp("db").name.replace("-", "_")  # unique in the session
+    server = ScriptServer(team_server.new_database(name), tmp_path_factory.mktemp("script-server")).start()
+    yield server
+    if server.running:
+        server.kill()  # its data is in PostgreSQL; a graceful stop took ~15 s here for nothing

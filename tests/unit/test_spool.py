@@ -1,6 +1,6 @@
 """The outage spool (hlat.track.spool) and the MLflow tracker's use of it, on real files and a real sqlite store.
 
-The end-to-end runs against a real ``mlflow server`` killed under a trainer: tests/integration/test_tracking_outage.py.
+The end-to-end runs against the team server killed under a trainer: tests/postgres/test_tracking_outage.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
-"""A real ``mlflow server`` killed (SIGKILL) under ``python train.py``: tracking never holds training, loses nothing,
-and a restart leaves one value per step.
+"""The team tracking server (``scripts/mlflow-server.sh``, MLflow on PostgreSQL) killed (SIGKILL) under
+``python train.py``: tracking never holds training, loses nothing, and a restart leaves one value per step.
+
+The outage is the realistic one: MLflow's server process group dies, its PostgreSQL keeps running, and the script
+starts again on the same database, artifact root and port. The module's tests share one such server
+(:func:`tests.postgres.conftest.script_server`), on a database of its own.
 
 The trainers run with MLflow's own HTTP retries made pathologically long (:data:`SLOW_RETRIES`: seven retries at
 the largest backoff MLflow allows, ~14 minutes a request): a step, checkpoint or preemption that waited on MLflow
@@ -23,8 +27,9 @@ from hlat import checkpoint
 from hlat.launch.preempt import PREEMPTED_EXIT_CODE
 from hlat.track.spool import find, send
 from hlat.train.tracking import SPOOL_DIR
-from tests.integration.mlflow_ui import ROOT, MlflowServer, init_store
+from tests.integration.mlflow_ui import ROOT
 from tests.integration.test_preemption import continue_command, stop
+from tests.postgres.conftest import ScriptServer
 from tests.timeouts import hang_guard
 
 pytestmark = pytest.mark.slow
@@ -94,53 +99,39 @@ def logged(uri: str, root: Path, proc: subprocess.Popen, n: int) -> str:
     return run[0]
 
 
-def kill(server: MlflowServer) -> None:
-    """SIGKILL the server (its whole process group): no goodbye, as a crashed host."""
-    assert server.proc is not None
-    os.killpg(server.proc.pid, signal.SIGKILL)
-    server.proc.wait(hang_guard(60))
-
-
 def last_checkpoint(root: Path) -> int:
     ckpt = checkpoint.latest(root)
     return int(ckpt.name.removeprefix("step_")) if ckpt is not None else 0
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> MlflowServer:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    init_store(uri)
-    s = MlflowServer(uri, tmp_path).start()
-    s.wait()
-    yield s
-    s.stop()
+def server(script_server: ScriptServer) -> ScriptServer:
+    """The module's team server, running (started again if a test before failed while it was down)."""
+    return script_server if script_server.running else script_server.start()
 
 
 @pytest.fixture(scope="module")
-def killed_for_good(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict:
+def killed_for_good(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path, script_server: ScriptServer) -> dict:
     """A 30-step run whose server is SIGKILLed after its third loss and restarted only once the run ended."""
     tmp = tmp_path_factory.mktemp("for-good")
-    uri = f"sqlite:///{tmp}/mlflow.db"
-    init_store(uri)
-    server = MlflowServer(uri, tmp).start()
-    base = server.wait()
-    run_dir = tmp / "run"
+    base, run_dir = script_server.uri, tmp / "run"
     args = [*TINY, "train.steps=30", "fault.min_step_s=0.1", f"data.cache_dir={cache_dir}", f"tracker.uri={base}"]
+    proc = train([*args, f"hydra.run.dir={run_dir}"], tmp)
     try:
-        proc = train([*args, f"hydra.run.dir={run_dir}"], tmp)
         run_id = logged(base, run_dir / "checkpoints", proc, 3)
-        kill(server)
+        script_server.kill()
         code = proc.wait(hang_guard(600))
-        text = output(tmp)
-        server.start().wait()
-        (spool,) = find(run_dir)
-        sync = send(spool)  # `hlat track sync RUN_DIR` (its command line: tests/unit/test_spool.py)
-        from mlflow import MlflowClient
-
-        status = MlflowClient(base).get_run(run_id).info.status
-        return {"code": code, "output": text, "sync": sync, "losses": losses(base, run_id), "status": status}
     finally:
-        server.stop()
+        if proc.poll() is None:
+            proc.kill()
+    text = output(tmp)
+    script_server.start()
+    (spool,) = find(run_dir)
+    sync = send(spool)  # `hlat track sync RUN_DIR` (its command line: tests/unit/test_spool.py)
+    from mlflow import MlflowClient
+
+    status = MlflowClient(base).get_run(run_id).info.status
+    return {"code": code, "output": text, "sync": sync, "losses": losses(base, run_id), "status": status}
 
 
 def test_a_server_killed_for_good_holds_nothing_up_and_sync_sends_every_point(killed_for_good: dict) -> None:
@@ -149,13 +140,15 @@ def test_a_server_killed_for_good_holds_nothing_up_and_sync_sends_every_point(ki
     (unsent,) = UNSENT.findall(run["output"])  # one line: how many points, which steps, where they are kept
     n, last, spool = int(unsent[0]), int(unsent[2]), Path(unsent[3])
     assert last == 30 and n > 0 and spool.parent.name == SPOOL_DIR
-    assert run["sync"].startswith(f"sent {n} points (steps {unsent[1]}-30)") and "status FINISHED" in run["sync"]
+    # A request in flight at the SIGKILL may have been stored unanswered: the sync skips what MLflow holds already
+    (sent,) = re.findall(r"^sent (\d+) points \(steps (\d+)-30\), .*status FINISHED", run["sync"])
+    assert 0 < int(sent[0]) <= n and int(sent[1]) >= int(unsent[1]), (run["sync"], unsent)
     assert [step for step, _ in run["losses"]] == list(range(1, 31))  # none lost, none doubled
     assert run["status"] == "FINISHED" and not spool.exists()
 
 
 def test_a_short_outage_loses_nothing_and_a_sigterm_in_an_outage_stops_within_the_grace(
-    tmp_path: Path, cache_dir: Path, server: MlflowServer
+    tmp_path: Path, cache_dir: Path, server: ScriptServer
 ) -> None:
     """Down for two checkpoints, back: the points arrive in the same run while it trains. Down again, SIGTERM:
     exit 85 within ``train.preempt_grace_s``; the resume sends the spool first, and every step has one loss.
@@ -165,25 +158,25 @@ def test_a_short_outage_loses_nothing_and_a_sigterm_in_an_outage_stops_within_th
     """
     from mlflow import MlflowClient
 
-    base, run_dir = server.base, tmp_path / "run"
+    base, run_dir = server.uri, tmp_path / "run"
     root = run_dir / "checkpoints"
     args = [*TINY, "train.steps=60", "fault.min_step_s=0.2", f"data.cache_dir={cache_dir}", f"tracker.uri={base}"]
     proc = train([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     try:
         run_id = logged(base, root, proc, 3)
-        kill(server)
+        server.kill()
         down_at = last_checkpoint(root)
         wait_until("two checkpoints in the outage", proc, lambda: last_checkpoint(root) >= down_at + 10)
         proc.send_signal(signal.SIGSTOP)
         through = last_checkpoint(root)
-        server.start().wait()
+        server.start()
         proc.send_signal(signal.SIGCONT)
         wait_until(
             "the outage's points in MLflow",
             proc,
             lambda: [s for s, _ in losses(base, run_id)][:through] == list(range(1, through + 1)),
         )
-        kill(server)
+        server.kill()
         assert proc.poll() is None, "the trainer ended before the second outage"
         code, text, _ = stop(proc, signal.SIGTERM, tmp_path)
     finally:
@@ -192,7 +185,7 @@ def test_a_short_outage_loses_nothing_and_a_sigterm_in_an_outage_stops_within_th
     assert code == PREEMPTED_EXIT_CODE and "Traceback" not in text, text[-4000:]
     assert "stopped" in text and "more than train.preempt_grace_s" not in text, text[-4000:]
     assert len(UNSENT.findall(text)) == 1, text[-4000:]
-    server.start().wait()
+    server.start()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     unpaced = [w if not w.startswith("fault.min_step_s=") else "fault.min_step_s=0" for w in continue_command(text)]
     again = subprocess.run(
@@ -211,16 +204,15 @@ def test_a_short_outage_loses_nothing_and_a_sigterm_in_an_outage_stops_within_th
 
 
 def test_a_killed_and_resumed_run_has_one_loss_per_step_equal_to_an_uninterrupted_run(
-    tmp_path: Path, cache_dir: Path, killed_for_good: dict
+    tmp_path: Path, cache_dir: Path, killed_for_good: dict, server: ScriptServer
 ) -> None:
     """SIGKILLed at step 14, four steps after its last checkpoint: the resume (the same command: the fault fires once
     a job) replays 11-14, which MLflow holds already; each step is sent once, with the uninterrupted run's value."""
-    db = f"sqlite:///{tmp_path}/mlflow.db"
     args = [
         *TINY,
         "train.steps=30",
         f"data.cache_dir={cache_dir}",
-        f"tracker.uri={db}",
+        f"tracker.uri={server.uri}",
         f"hydra.run.dir={tmp_path}/run",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -228,7 +220,7 @@ def test_a_killed_and_resumed_run_has_one_loss_per_step_equal_to_an_uninterrupte
     killed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=hang_guard(600))
     assert killed.returncode == -signal.SIGKILL
     run_id = checkpoint.read_job(tmp_path / "run" / "checkpoints")["mlflow_run_id"]
-    assert [s for s, _ in losses(db, run_id)][-1] >= 11  # logged ahead of the checkpoint at 10
+    assert [s for s, _ in losses(server.uri, run_id)][-1] >= 11  # logged ahead of the checkpoint at 10
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=hang_guard(600))
     assert again.returncode == 0, again.stderr[-4000:]
-    assert losses(db, run_id) == killed_for_good["losses"]  # one per step, bit for bit the uninterrupted run's
+    assert losses(server.uri, run_id) == killed_for_good["losses"]  # one per step, bit for bit the uninterrupted run's
