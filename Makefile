@@ -66,8 +66,8 @@ test-cluster: install-dev
 	HLAT_CLUSTER_LANE=1 $(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 
 # The PostgreSQL lane (root): the team tracking server (scripts/mlflow-server.sh) on a real PostgreSQL in a temporary
-# directory, and runs started together on it; tests/postgres/install.sh apt-gets postgresql where missing, the `team`
-# extra brings its Python driver (psycopg).
+# directory: runs started together on it, and the server killed under training (outages); tests/postgres/install.sh
+# apt-gets postgresql where missing, the `team` extra brings its Python driver (psycopg).
 $(VENV)/.installed-team: $(VENV)/.installed-dev
 	$(PY) -m pip install -q -c constraints.txt -e ".[team]"
 	touch $@
