@@ -166,7 +166,12 @@ def test_a_killed_and_resumed_runs_chart_has_one_point_per_step(ui, page, cache_
     (run,) = client.search_runs([client.get_experiment_by_name("hlat").experiment_id], "tags.mlflow.runName='killed'")
     rid, eid = run.info.run_id, run.info.experiment_id
     fetched: list[Any] = []
-    page.on("response", lambda r: fetched.append(r) if "/metrics/get-history?" in r.url and rid in r.url else None)
+
+    def history(response: Any) -> None:
+        if "/metrics/get-history?" in response.url and rid in response.url:
+            fetched.append(response)
+
+    page.on("response", history)
     q = lambda v: quote(json.dumps(v))  # noqa: E731
     url = f"{base}/#/metric/train%2Floss?runs={q([rid])}&metric={q('train/loss')}&experiments={q([eid])}"
     url += f"&plot_metric_keys={q(['train/loss'])}&plot_layout={q({})}&x_axis=step&y_axis_scale=linear"
@@ -176,6 +181,7 @@ def test_a_killed_and_resumed_runs_chart_has_one_point_per_step(ui, page, cache_
     while not fetched:
         assert time.monotonic() < deadline, "the metric page fetched no get-history"
         page.wait_for_timeout(200)
+    page.remove_listener("response", history)
     points = fetched[-1].json()["metrics"]
     steps = [p["step"] for p in points if p["key"] == "train/loss"]
     assert sorted(steps) == list(range(1, 11)), steps  # each step once

@@ -108,7 +108,10 @@ def test_a_continued_run_sends_the_spool_first_and_one_value_per_step(tmp_path: 
     assert not first.spool.path.exists()  # everything was sent: nothing kept
     left = spool.Spool(first.spool.path, first.run_id, cfg.uri)  # what an outage at steps 11-14 left
     left.append(0, points(range(9, 15)))  # 9 and 10: sent, but killed before the watermark was written
-    left.set_meta({"tags": {"hlat.preempted": "true"}, "status": "KILLED", "end_time": 1})
+    part = tmp_path / "part-000001.parquet"  # a series part queued for the run's series/ folder, and a file gone since
+    part.write_bytes(b"PAR1")
+    artifacts = [[str(part), "series"], str(tmp_path / "gone.txt")]
+    left.set_meta({"tags": {"hlat.preempted": "true"}, "artifacts": artifacts, "status": "KILLED", "end_time": 1})
     left.close()
 
     again = MLflowTracker(cfg, "r", {}, run_id=first.run_id, spool_dir=tmp_path / "spool")
@@ -121,6 +124,7 @@ def test_a_continued_run_sends_the_spool_first_and_one_value_per_step(tmp_path: 
     assert len(client.get_metric_history(first.run_id, "preflight/passed")) == 2
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["hlat.preempted"] == "true"
+    assert [a.path for a in client.list_artifacts(first.run_id, "series")] == ["series/part-000001.parquet"]
     assert not first.spool.path.exists()
 
 
