@@ -238,9 +238,9 @@ def _log_to_mlflow(cfg: RunConfig, report: HealthReport) -> None:
     tcfg = dataclasses.replace(cfg.tracker, experiment=f"{cfg.tracker.experiment}-health", system_metrics=False)
     tags = {"hlat.kind": "doctor", "cluster": cfg.cluster.name, "passed": str(report.passed)}
     tracker = MLflowTracker(tcfg, run_name=f"doctor-{cfg.cluster.name}", tags=tags)
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d:  # the tracker sends its artifacts in the background: finish inside
         log_preflight(report, tracker, Path(d) / "doctor.md")
-    tracker.finish("FINISHED" if report.passed else "FAILED")
+        tracker.finish("FINISHED" if report.passed else "FAILED")
     print(tracker.ui_hint())
 
 
