@@ -136,7 +136,15 @@ def team_server() -> Iterator[TeamServer]:
     }
     log = store / "server.log"
     with open(log, "w") as out:
-        server = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=out, stderr=subprocess.STDOUT)
+        # With SIGINT at its default: a background job of a non-interactive shell (.ci/run's lanes) starts with it
+        # ignored, and a bash script cannot trap a signal ignored at its start, so Ctrl-C below would do nothing.
+        server = subprocess.Popen(
+            ["bash", str(SCRIPT)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         _wait_healthy(uri, server, log)
         yield TeamServer(uri, store)
