@@ -32,6 +32,8 @@ MICRO = [
 
 
 KEYS = ("train/loss", "train/grad_norm")
+EVERY_STEP_IN_MLFLOW = KEYS
+"""What the lean MLflow store keeps at every step (hlat.track.series.LeanTracker); the rest comes from the series."""
 
 
 def train(
@@ -66,5 +68,11 @@ def train(
     (run,) = client.search_runs(client.get_experiment_by_name("hlat").experiment_id, f"tags.mlflow.runName = '{name}'")
     out = {}
     for key in keys:
-        out[key] = [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+        if key in EVERY_STEP_IN_MLFLOW:
+            out[key] = [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+        else:  # MLflow keeps it at most every 100 steps; the run's Parquet series holds every logged value
+            from hlat.track.series import read_series, to_points
+
+            table = read_series((run_dir or tmp / name) / "checkpoints" / "series")
+            out[key] = to_points(table, key)[1].tolist()
     return out
