@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-slow test-neuron test-cluster test-postgres test-image test-readme lint install install-dev install-eval clean
+.PHONY: demo test test-slow test-bitwise test-neuron test-cluster test-postgres test-image test-readme lint install install-dev install-eval clean
 
 # Three stamps: `make demo` installs what a run needs (torch + hlat), `make test` adds the dev tools on top, and
 # `make install-eval` lm-evaluation-harness (the `eval` extra: `hlat eval`, eval.every_tokens), which the demo skips.
@@ -50,6 +50,22 @@ test: install-dev
 
 test-slow: install-dev
 	$(PY) -m pytest -q -m slow $(XDIST) $(ARGS)
+
+# The bitwise tests again on the other kernels: those marked `bitwise` (pytest -m bitwise) assert that two
+# computations running different kernels, shards or reduction layouts agree bit for bit, which the kernels' arithmetic
+# could make hold on one CPU and not another (vector width, BLAS path). make test and make test-slow run them on this
+# host's kernels; this runs them on the AVX2 kernels of ATen and MKL, what an AVX2-only machine runs. On a host whose
+# kernels are AVX2 already it says so and stops: that run was the one above.
+test-bitwise: install-dev
+	@cap="$$($(PY) -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')"; \
+	if [ "$$cap" = AVX2 ] || [ "$$cap" = DEFAULT ]; then \
+	    echo "test-bitwise: this host's kernels are $$cap already; make test and make test-slow ran the bitwise tests on them"; \
+	    exit 0; fi; \
+	export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2; \
+	got="$$($(PY) -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')"; \
+	if [ "$$got" != AVX2 ]; then echo "test-bitwise: ATEN_CPU_CAPABILITY=avx2 gave $$got kernels, not AVX2" >&2; exit 1; fi; \
+	echo "test-bitwise: the bitwise tests again on the AVX2 kernels (this host's own are $$cap)"; \
+	$(PY) -m pytest -q -m bitwise $(XDIST) $(ARGS)
 
 # The NxD lane: the neuron backend against the real NeuronX Distributed 0.17 on torch-xla's CPU device, in its own
 # environment (.venv-neuron: torch 2.9 + torch-xla 2.9 from PyPI, ~4 GB, ~5 min the first time; reused after), NxD

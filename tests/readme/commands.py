@@ -89,6 +89,7 @@ EXCEPTIONS: dict[str, Policy] = {
     "make test-postgres": Policy("skip", "the PostgreSQL lane: .ci/run runs it (root; apt-get install postgresql)"),
     "make test-image": Policy("skip", "the image lane: .ci/run runs it (root, podman, images built from local bases)"),
     "make test-readme": Policy("skip", "this lane itself"),
+    "make test-bitwise": Policy("skip", "the bitwise tests on the AVX2 kernels: .ci/run runs it beside the slow lane"),
     "mlflow ui --backend-store-uri sqlite:///mlflow.db": Policy(
         "serve",
         "a server: started, asked for the experiments the commands before it made, stopped",

@@ -92,6 +92,7 @@ def small_model(seed: int = 0) -> Transformer:
 # --- the KV cache ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.bitwise  # a prefill from position 0 is the training forward, bit for bit
 @torch.no_grad()
 def test_cached_decoding_matches_full_forwards() -> None:
     model = small_model()

@@ -103,6 +103,7 @@ def test_mask_leak_lets_each_position_see_exactly_that_many_future_tokens() -> N
             assert not torch.allclose(out[:, t], base[:, t])
 
 
+@pytest.mark.bitwise  # leak 0 must take the causal kernel itself
 def test_leaky_core_with_no_leak_is_the_causal_model() -> None:
     # held_out.py scores a leaky model "with causal attention" by setting its cores' leak to 0: that must be
     # exactly the causal model's forward, not an approximation of it.
@@ -116,6 +117,7 @@ def test_leaky_core_with_no_leak_is_the_causal_model() -> None:
         assert torch.equal(leaky(tokens), causal(tokens))
 
 
+@pytest.mark.bitwise  # an unpadded decode from position 0 is the training forward
 def test_left_padded_batch_with_mask_matches_each_row_alone() -> None:
     model = build()
     lengths = [11, 4, 7, 1]

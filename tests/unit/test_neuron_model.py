@@ -38,6 +38,8 @@ from tests.fakes.neuron_api import (
     trace_like_nxd,
 )
 
+pytestmark = pytest.mark.bitwise  # recomputed gradients == saved ones, bit for bit
+
 FAKE = NxDLayers(
     column=ColumnParallelLinear,
     row=RowParallelLinear,

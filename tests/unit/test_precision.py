@@ -16,6 +16,8 @@ from hlat.parallel import ParallelDims
 from hlat.sizing import bytes_per_param
 from tests.conftest import backend_config, compose_cfg
 
+pytestmark = pytest.mark.bitwise  # chunked AdamW == torch's fused AdamW over whole tensors; SR bits
+
 MODES = ("fp32", "autocast", "bf16", "bf16_sr", "master_weights")
 
 

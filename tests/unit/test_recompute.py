@@ -12,6 +12,8 @@ from hlat.backends.torch.recompute import apply_activation_checkpointing
 from hlat.config import ConfigError, ModelConfig
 from hlat.model import AttentionCore, Block, FeedForward, Transformer
 
+pytestmark = pytest.mark.bitwise  # recomputed forward == the saved one, bit for bit
+
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=128, max_seq_len=64)
 MODES = ("none", "full", "selective")
 

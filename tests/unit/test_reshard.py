@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 
 from hlat.backends.torch.backend import TorchBackend
@@ -16,6 +17,8 @@ from hlat.parallel import ParallelDims
 from tests.conftest import backend_config
 from tests.integration.test_data_parallel import MASTER, OPT, TINY, batches
 from tests.unit.test_precision import precision
+
+pytestmark = pytest.mark.bitwise  # resharded AdamW state and the master's rounding, bit for bit
 
 BF16_SR = precision("bf16_sr")
 

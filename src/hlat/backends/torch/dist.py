@@ -112,14 +112,35 @@ def _fp32_allreduce(state, bucket):
 
 
 def data_parallel(model: nn.Module, device: torch.device, *, fp32_reduce: bool) -> nn.Module:
-    """Replicate ``model`` over the data-parallel ranks (DDP: gradients averaged in buckets during backward)."""
+    """Replicate ``model`` over the data-parallel ranks (DDP: gradients averaged in buckets during backward).
+
+    Every start reduces in the same bucket layout, so a resumed run is bitwise the uninterrupted one at any DP degree
+    (``settle_buckets``).
+    """
     from torch.distributed._composable.replicate import replicate
 
     replicate(model, device_ids=[device.index] if device.type == "cuda" else None)
     low = any(p.dtype != torch.float32 for p in model.parameters())
     if fp32_reduce and low:
         model.register_comm_hook(None, _fp32_allreduce)
+    settle_buckets(model, device)
     return model
+
+
+def settle_buckets(model: nn.Module, device: torch.device) -> None:
+    """One throwaway forward and backward of one token, so that DDP's buckets take their final layout now.
+
+    DDP rebuilds its buckets once, after its first iteration, in the order the gradients became ready. A ring
+    all-reduce over three or more ranks sums each element in an order set by its place in the bucket, so without
+    this the first step of every (re)start would reduce in the initial layout and every later step in the rebuilt
+    one: a resumed run's first step would differ from the uninterrupted run's by fp32 rounding. After this, every
+    training step of every start runs in the rebuilt layout. The gradients are discarded; no parameter, optimizer
+    or RNG state changes, and compiled blocks run eagerly here (no compile for the throwaway shape).
+    """
+    tokens = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.compiler.set_stance("force_eager"):
+        model(tokens).float().sum().backward()
+    model.zero_grad(set_to_none=True)
 
 
 def device_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
