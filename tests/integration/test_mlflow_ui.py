@@ -29,7 +29,6 @@ from tests.integration.mlflow_ui import (
     Sweep,
     browser_missing,
     browser_page,
-    ensure_system_sample,
     init_store,
     open_page,
     run_sweep,
@@ -126,8 +125,7 @@ def test_the_compare_view_plots_the_loss_not_a_system_metric(ui, page) -> None:
 
     sweep, base = ui
     client = MlflowClient(tracking_uri=sweep.uri)
-    for run_id in sweep.arms.values():  # system metrics were logged: the compare view could have picked one
-        ensure_system_sample(sweep.uri, run_id)  # an arm can end before MLflow's first sample on a fast machine
+    for run_id in sweep.arms.values():  # system metrics were logged (at the end at least): the view could pick one
         keys = [m.key for m in client.get_run(run_id).data._metric_objs]
         assert keys[0] == "train/loss" and any(k.startswith("system/") for k in keys)
     runs = json.dumps(list(sweep.arms.values()))
