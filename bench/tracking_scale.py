@@ -10,7 +10,8 @@ interval's last step: about 9.4 points a step), into ``MultiTracker`` + ``MLflow
 
 - before: every point to MLflow (hlat before the Parquet series), no series; ``hlat compare`` reads MLflow histories.
 - after: what ``build_tracker`` builds now: the Parquet :class:`~hlat.track.series.SeriesWriter` (a part at each
-  checkpoint, every ``--checkpoint-every`` steps) and MLflow through :class:`~hlat.track.series.LeanTracker`.
+  checkpoint, every ``--checkpoint-every`` steps) and MLflow through :class:`~hlat.track.series.LeanTracker`, at the
+  stride a ``--scale-to``-step run has (:func:`~hlat.track.series.store_every`: 100 steps at 450k).
 
 Measured per arm: write throughput (points given to the tracker / seconds until the last is stored), the caller's
 time per ``log_metrics`` call (p50, p99), the series write per checkpoint (after), points stored, the store size (a
@@ -34,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 from hlat.config import TrackerConfig
-from hlat.track.series import SERIES_DIR, LeanTracker, SeriesWriter
+from hlat.track.series import SERIES_DIR, LeanTracker, SeriesWriter, store_every
 from hlat.track.trackers import MLflowTracker, MultiTracker, Rows
 
 PER_STEP = ("train/loss", "train/grad_norm", "train/lr", "spike/active", "spike/length", "spike/count", "spike/limit")
@@ -76,8 +77,11 @@ def interval_rows(first: int, last: int) -> Rows:
     return rows
 
 
-def drive(uri: str, steps: int, *, after: bool, workdir: Path, checkpoint_every: int) -> dict:
-    """Log ``steps`` synthetic steps into a new run; returns its timings and counts."""
+def drive(uri: str, steps: int, *, after: bool, workdir: Path, checkpoint_every: int, scale_to: int) -> dict:
+    """Log ``steps`` synthetic steps into a new run; returns its timings and counts.
+
+    The lean store thins at the stride of a ``scale_to``-step run, so that the points a step match what is scaled to.
+    """
     cfg = TrackerConfig(uri=uri, experiment="tracking-scale", flush_every_s=5.0, system_metrics=False)
     ml = MLflowTracker(cfg, "after" if after else "before", {})
     empty = _db_bytes(uri)  # the store before this run's points: a sqlite file's tables and indexes
@@ -85,7 +89,7 @@ def drive(uri: str, steps: int, *, after: bool, workdir: Path, checkpoint_every:
     if after:
         writer = SeriesWriter(workdir / ("ckpt-" + ml.run_id), 0)
         writer.upload_with(lambda p: ml.client.log_artifact(ml.run_id, str(p), SERIES_DIR), ml.run_id)
-        tracker = MultiTracker([writer, LeanTracker(ml)])
+        tracker = MultiTracker([writer, LeanTracker(ml, every=store_every(scale_to, LOG_EVERY))])
     else:
         tracker = MultiTracker([ml])
     calls, saves, points = [], [], 0
@@ -204,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
             uri = args.uri or f"sqlite:///{workdir / arm}.db"
             t0 = time.perf_counter()
             result = drive(
-                uri, args.steps, after=arm == "after", workdir=workdir, checkpoint_every=args.checkpoint_every
+                uri,
+                args.steps,
+                after=arm == "after",
+                workdir=workdir,
+                checkpoint_every=args.checkpoint_every,
+                scale_to=args.scale_to,
             )
             read_back(uri, result, workdir)
             store_size(uri, workdir, result)

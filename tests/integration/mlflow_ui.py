@@ -116,26 +116,6 @@ def run_sweep(workdir: Path, cache_dir: Path, *overrides: str, timeout_s: float 
     return Sweep(parent["uri"], record.parent, experiment_id, parent["parent_run_id"], arms, view, done.stdout)
 
 
-def ensure_system_sample(uri: str, run_id: str) -> None:
-    """Give run ``run_id`` one sample of MLflow's system metrics, taken by MLflow's own monitor, if it has none.
-
-    MLflow's monitor logs its first sample one sampling interval after it starts and nothing when the run ends
-    first: a sweep arm that trains faster than that (a quiet fast CPU) has no ``system/`` metric at all. Tests whose
-    subject is how the UI treats system metrics take the sample here, after the run, instead of hoping the machine
-    was slow enough.
-    """
-    from mlflow import MlflowClient
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    keys = [m.key for m in MlflowClient(tracking_uri=uri).get_run(run_id).data._metric_objs]
-    if any(k.startswith("system/") for k in keys):
-        return
-    monitor = SystemMetricsMonitor(run_id, resume_logging=True, tracking_uri=uri)
-    monitor.collect_metrics()
-    monitor.publish_metrics(monitor.aggregate_metrics())
-    monitor.mlflow_logger.flush()
-
-
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:

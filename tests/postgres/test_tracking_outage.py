@@ -52,14 +52,16 @@ TINY = [
     "tracker.system_metrics=false",
     "health=off",
 ]
+SAMPLED = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING": "1"}
+"""System metrics every 0.5 s (a mean of one sample each), where a run logs one every 5 min."""
 UNSENT = re.compile(
     r"MLflow at \S+ did not answer: (\d+) points \(steps (\d+)-(\d+)\).* were not sent; they are kept in (\S+)\."
 )
 
 
-def train(args: list[str], cwd: Path) -> subprocess.Popen:
+def train(args: list[str], cwd: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """``python train.py`` in the background, MLflow's retries slowed (:data:`SLOW_RETRIES`), output in ``cwd``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **SLOW_RETRIES}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **SLOW_RETRIES, **(extra_env or {})}
     with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
         return subprocess.Popen(
             [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, stdout=out, stderr=err
@@ -75,6 +77,14 @@ def losses(uri: str, run_id: str) -> list[tuple[int, float]]:
     from mlflow import MlflowClient
 
     return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "train/loss"))
+
+
+def system_points(uri: str, run_id: str) -> list[tuple[int, int]]:
+    """``(timestamp ms, step)`` of every CPU utilization point (one of the system metrics) MLflow holds, by time."""
+    from mlflow import MlflowClient
+
+    history = MlflowClient(uri).get_metric_history(run_id, "system/cpu_utilization_percentage")
+    return sorted((m.timestamp, m.step) for m in history)
 
 
 def wait_until(what: str, proc: subprocess.Popen | None, done) -> None:
@@ -150,8 +160,10 @@ def test_a_server_killed_for_good_holds_nothing_up_and_sync_sends_every_point(ki
 def test_a_short_outage_loses_nothing_and_a_sigterm_in_an_outage_stops_within_the_grace(
     tmp_path: Path, cache_dir: Path, server: ScriptServer
 ) -> None:
-    """Down for two checkpoints, back: the points arrive in the same run while it trains. Down again, SIGTERM:
-    exit 85 within ``train.preempt_grace_s``; the resume sends the spool first, and every step has one loss.
+    """Down for two checkpoints, back: the points arrive in the same run while it trains, and so do the system
+    metrics, sampled through the outage and after it (MLflow's own monitor ended at the first failed request). Down
+    again, SIGTERM: exit 85 within ``train.preempt_grace_s``; the resume sends the spool first, every step has one
+    loss and every system metric sample one step.
 
     The trainer is SIGSTOPped while the server restarts (seconds on a busy machine), so that however long that
     takes, the run is still training when it is back.
@@ -161,21 +173,26 @@ def test_a_short_outage_loses_nothing_and_a_sigterm_in_an_outage_stops_within_th
     base, run_dir = server.uri, tmp_path / "run"
     root = run_dir / "checkpoints"
     args = [*TINY, "train.steps=60", "fault.min_step_s=0.2", f"data.cache_dir={cache_dir}", f"tracker.uri={base}"]
-    proc = train([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    args = [a if a != "tracker.system_metrics=false" else "tracker.system_metrics=true" for a in args]
+    proc = train([*args, f"hydra.run.dir={run_dir}"], tmp_path, SAMPLED)
     try:
         run_id = logged(base, root, proc, 3)
         server.kill()
-        down_at = last_checkpoint(root)
+        down_ms, down_at = time.time() * 1000, last_checkpoint(root)
         wait_until("two checkpoints in the outage", proc, lambda: last_checkpoint(root) >= down_at + 10)
         proc.send_signal(signal.SIGSTOP)
         through = last_checkpoint(root)
         server.start()
+        back_ms = time.time() * 1000
         proc.send_signal(signal.SIGCONT)
         wait_until(
             "the outage's points in MLflow",
             proc,
             lambda: [s for s, _ in losses(base, run_id)][:through] == list(range(1, through + 1)),
         )
+        after = lambda: any(t > back_ms for t, _ in system_points(base, run_id))  # noqa: E731
+        wait_until("system metrics sampled after the restart", proc, after)
+        assert any(down_ms < t < back_ms for t, _ in system_points(base, run_id))  # sampled in the outage: kept
         server.kill()
         assert proc.poll() is None, "the trainer ended before the second outage"
         code, text, _ = stop(proc, signal.SIGTERM, tmp_path)
@@ -198,6 +215,8 @@ def test_a_short_outage_loses_nothing_and_a_sigterm_in_an_outage_stops_within_th
     )
     assert again.returncode == 0, again.stderr[-4000:]
     assert [s for s, _ in losses(base, run_id)] == list(range(1, 61))  # one run, every step once
+    samples = [step for _, step in system_points(base, run_id)]
+    assert sorted(samples) == list(range(len(samples)))  # numbered on across the outages and the resume
     run = MlflowClient(base).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["hlat.preempted"] == "true"
     assert "hlat.resumable" not in run.data.tags

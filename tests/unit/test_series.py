@@ -11,8 +11,16 @@ import pytest
 from hlat.config import TrackerConfig
 from hlat.track import compare
 from hlat.track.runs import METRIC_KEYS, select_runs
-from hlat.track.series import SERIES_DIR, LeanTracker, SeriesError, SeriesWriter, read_series, to_points
-from hlat.track.trackers import MLflowTracker, MultiTracker, Rows
+from hlat.track.series import (
+    SERIES_DIR,
+    LeanTracker,
+    SeriesError,
+    SeriesWriter,
+    read_series,
+    store_every,
+    to_points,
+)
+from hlat.track.trackers import History, MLflowTracker, MultiTracker, Rows
 
 STEPS, EVERY = 400, 10
 
@@ -82,7 +90,8 @@ def _tracked_run(uri: str, name: str, rows: Rows, *, lean: bool, root: Path) -> 
     else:
         writer = SeriesWriter(root, 0)
         writer.upload_with(lambda p: ml.client.log_artifact(ml.run_id, str(p), SERIES_DIR), ml.run_id)
-        tracker = MultiTracker([writer, LeanTracker(ml)])
+        # A budget of 4 points a metric: the stride of a long run (100 steps), at a unit test's size.
+        tracker = MultiTracker([writer, LeanTracker(ml, every=store_every(STEPS, EVERY, budget=4))])
     for i in range(0, len(rows), EVERY):
         tracker.log_metrics(rows[i : i + EVERY])
         if lean and rows[i + EVERY - 1][0] == STEPS // 2:
@@ -134,6 +143,52 @@ def new_run_artifacts(uri: str, run_id: str) -> str:
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri).get_run(run_id).info.artifact_uri.removeprefix("file://")
+
+
+def lean(rows: Rows, every: int, first_step: int = 0, *, killed: bool = False) -> dict[str, list[int]]:
+    """The steps of each metric :class:`LeanTracker` passes on (``rows`` logged a log interval at a time; ``killed``:
+    the process dies after the last, its tracker never finishes)."""
+    sent = History(max_rows=len(rows) + 1)
+    tracker = LeanTracker(sent, every=every, first_step=first_step)
+    for i in range(0, len(rows), EVERY):
+        tracker.log_metrics(rows[i : i + EVERY])
+    if not killed:
+        tracker.finish()
+    keys = {key for _, row in rows for key in row}
+    return {key: [step for step, _ in sent.series(key)] for key in keys}
+
+
+def test_the_lean_store_keeps_every_point_of_a_short_run_and_a_fixed_budget_of_a_long_one() -> None:
+    assert store_every(60, 10) == store_every(4_500, 10) == 1  # up to the budget: every point
+    assert store_every(450_000, 10) == 100  # the paper's run: what bench/tracking_scale.py measured (<= 0.5 GB)
+    assert store_every(100_000, 10) == 30  # 23 steps, rounded up to whole log intervals: evenly spaced points
+    assert store_every(9_000, 10) == 2  # within a log interval: every interval point, every 2nd per-step one
+
+    short = trainer_rows(1, 60)
+    for key, steps in lean(short, store_every(60, EVERY)).items():  # a 60-step arm of a sweep: every point
+        assert steps == [s for s, row in short if key in row], key
+
+    budget, rows = 20, trainer_rows(1, STEPS)
+    every = store_every(STEPS, EVERY, budget)
+    kept = lean(rows, every)
+    assert every == EVERY * 2 and kept["train/loss"] == kept["train/grad_norm"] == list(range(1, STEPS + 1))
+    assert kept["train/lr"] == [1, *range(every, STEPS + 1, every)]  # evenly spaced; the run's first point too
+    assert kept["train/param_norm"] == [EVERY, *range(every, STEPS + 1, every)]
+    thinned = [len(steps) for key, steps in kept.items() if key not in ("train/loss", "train/grad_norm")]
+    assert max(thinned) == STEPS // every + 1 <= budget + 1  # a window per stride, the first one from step 1
+
+
+def test_a_resumed_run_keeps_the_points_of_the_uninterrupted_one() -> None:
+    """Killed after step 237, resumed from its checkpoint at 200: the attempts together send the uninterrupted
+    run's steps (MLflow's outbox drops the replayed ones it holds); without the resume step the second attempt
+    would start a window of its own at step 201."""
+    rows, every = trainer_rows(1, STEPS), store_every(STEPS, EVERY, budget=20)
+    whole = lean(rows, every)
+    killed = lean(rows[:237], every, killed=True)
+    resumed = lean(rows[200:], every, first_step=200)
+    for key in ("train/lr", "spike/limit", "train/param_norm"):
+        assert sorted(set(killed[key]) | set(resumed[key])) == whole[key], key
+        assert 201 not in resumed[key] and 210 not in resumed[key]
 
 
 def test_a_long_line_is_plotted_as_its_envelope_spikes_kept() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
@@ -78,30 +77,11 @@ def test_the_tracker_creates_its_experiment_tagged_and_prints_a_model_training_a
     assert trackers.ui_address("http://h:5000/", "#/x") == "http://h:5000/#/x"
 
 
-class FakeMonitor:
-    """Stands in for MLflow's SystemMetricsMonitor: records when it is started and finished."""
-
-    made: ClassVar[list[FakeMonitor]] = []
-
-    def __init__(self, run_id: str, resume_logging: bool, tracking_uri: str, **sampling: float) -> None:
-        self.run_id, self.resume, self.started, self.finished = run_id, resume_logging, False, False
-        self.log_every_s = sampling["sampling_interval"] * sampling["samples_before_logging"]
-        FakeMonitor.made.append(self)
-
-    def start(self) -> None:
-        self.started = True
-
-    def finish(self) -> None:
-        self.finished = True
-
-
 @pytest.fixture
-def fake_monitor(monkeypatch) -> type[FakeMonitor]:
-    from mlflow.system_metrics import system_metrics_monitor
-
-    FakeMonitor.made = []
-    monkeypatch.setattr(system_metrics_monitor, "SystemMetricsMonitor", FakeMonitor)
-    return FakeMonitor
+def fast_system_metrics(monkeypatch) -> None:
+    """System metrics sampled every 0.05 s, a mean logged every sample (MLflow's variables, which hlat honors)."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.05")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
 
 
 def first_metrics(store: Path, run_id: str) -> list[str]:
@@ -109,55 +89,71 @@ def first_metrics(store: Path, run_id: str) -> list[str]:
     return [m.key for m in client(store).get_run(run_id).data._metric_objs]
 
 
-def test_the_loss_is_a_runs_first_metric_and_system_metrics_start_after_it(store: Path, fake_monitor) -> None:
+def system_steps(store: Path, run_id: str) -> list[int]:
+    """The steps of the run's CPU utilization points (one of MLflow's system metrics), in the order they came."""
+    return [m.step for m in client(store).get_metric_history(run_id, "system/cpu_utilization_percentage")]
+
+
+def wait_for(what: str, done) -> None:
+    deadline = time.monotonic() + hang_guard(120)
+    while not done():
+        assert time.monotonic() < deadline, f"no {what}"
+        time.sleep(0.05)
+
+
+def test_the_loss_is_a_runs_first_metric_and_system_metrics_start_after_it(store: Path, fast_system_metrics) -> None:
     """MLflow's compare view charts a run's first metric by default: not the pre-flight record, not system/."""
     cfg = TrackerConfig(uri=f"sqlite:///{store}/m.db", flush_every_s=0, system_metrics=True)
     ml = MLflowTracker(cfg, "r", {})
     ml.log_metrics([(0, {"preflight/passed": 1.0, "preflight/matmul_tflops": 2.0})])  # before the first step
-    time.sleep(0.3)  # the background thread had its chance: the pre-flight row waits for the loss
-    assert first_metrics(store, ml.run_id) == [] and not fake_monitor.made
+    time.sleep(0.3)  # the background thread had its chance: the pre-flight row waits for the loss, no sampling yet
+    assert first_metrics(store, ml.run_id) == [] and ml._system is None
     ml.log_metrics([(1, {"perf/tokens_per_s": 5.0, "train/loss": 9.0})])
     ml.log_metrics([(2, {"train/loss": 8.0, "perf/tokens_per_s": 6.0})])
-    deadline = time.monotonic() + hang_guard(120)
-    while not fake_monitor.made and time.monotonic() < deadline:  # the background thread sends the loss, then starts it
-        time.sleep(0.05)
+    wait_for("system metrics", lambda: len(system_steps(store, ml.run_id)) >= 2)  # sampled, sent while it runs
     ml.finish()
     keys = first_metrics(store, ml.run_id)
-    assert keys[0] == "train/loss" and set(keys) == {
-        "train/loss",
-        "perf/tokens_per_s",
-        "preflight/passed",
-        "preflight/matmul_tflops",
-    }
-    (monitor,) = fake_monitor.made
-    assert monitor.started and monitor.finished and not monitor.resume
-    assert monitor.log_every_s >= 300  # a point per system metric every 5 min or less often: weeks fit the store
+    assert keys[0] == "train/loss" and set(keys) >= {"perf/tokens_per_s", "preflight/passed"}
+    assert {"system/system_memory_usage_megabytes", "system/disk_usage_percentage"} <= set(keys)
+    steps = system_steps(store, ml.run_id)
+    assert steps == list(range(len(steps)))  # one mean per step, numbered from 0, the last one at the end
     history = client(store).get_metric_history(ml.run_id, "preflight/passed")
     assert [(m.step, m.value) for m in history] == [(0, 1.0)]  # held back, not changed
 
 
-def test_a_run_without_a_loss_still_sends_everything_and_starts_no_monitor(store: Path, fake_monitor) -> None:
+def test_a_run_without_a_loss_still_sends_everything_and_samples_nothing(store: Path) -> None:
     cfg = TrackerConfig(uri=f"sqlite:///{store}/m.db", flush_every_s=0, system_metrics=True)
     ml = MLflowTracker(cfg, "doctor", {})
     ml.log_metrics([(0, {"preflight/passed": 1.0})])
     ml.finish()
-    assert first_metrics(store, ml.run_id) == ["preflight/passed"] and not fake_monitor.made
+    assert first_metrics(store, ml.run_id) == ["preflight/passed"] and ml._system is None
     synced = MLflowTracker(cfg, "checkpoint before the first loss", {})
     synced.log_metrics([(0, {"preflight/passed": 1.0})])
     assert synced.sync() and first_metrics(store, synced.run_id) == ["preflight/passed"]  # a checkpoint: no hole
     synced.finish()
 
 
-def test_a_continued_run_starts_its_system_metrics_at_once(store: Path, fake_monitor) -> None:
+def test_a_continued_run_samples_at_once_and_numbers_its_system_metrics_on(store: Path, monkeypatch) -> None:
     cfg = TrackerConfig(uri=f"sqlite:///{store}/m.db", flush_every_s=0, system_metrics=True)
     first = MLflowTracker(cfg, "r", {})
+    assert first._system is None
+    # The defaults: a point per system metric every 5 min (the mean of 30-s samples): weeks fit the store.
     first.log_metrics([(1, {"train/loss": 9.0})])
+    wait_for("the sampler", lambda: first._system is not None)
+    assert first._system.interval_s * first._system.samples >= 300
     first.finish("KILLED")
+    before = system_steps(store, first.run_id)
+    assert before == [0]  # the mean of the samples taken before the end
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.05")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
     again = MLflowTracker(cfg, "r", {}, run_id=first.run_id)
-    assert again.run_id == first.run_id and fake_monitor.made[-1].started and fake_monitor.made[-1].resume
+    assert again.run_id == first.run_id and again._system is not None  # no loss to wait for: MLflow has one
     again.log_metrics([(2, {"perf/tokens_per_s": 1.0})])
+    wait_for("the continued run's system metrics", lambda: len(system_steps(store, first.run_id)) >= 3)
     again.finish()
     assert "perf/tokens_per_s" in first_metrics(store, first.run_id)
+    steps = system_steps(store, first.run_id)
+    assert steps == list(range(len(steps)))  # numbered on after the first attempt's: none twice, none dropped
 
 
 def arm(name: str, losses: list[float], run_id: str | None = None, **params: str) -> RunData:

@@ -17,7 +17,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from hlat.track.spool import Point, Spool, artifact_entry, not_yet_stored
+from hlat.track.spool import Point, Spool, artifact_entry, not_yet_stored, step_range
 
 log = logging.getLogger(__name__)
 
@@ -291,10 +291,9 @@ class Outbox:
                     self.dropped += len(fresh)
                 self.spool.set_meta(self._meta())
                 self.spool.close()
-        steps = [p[3] for p in left]
         return {
             "points": len(left),
-            "steps": (min(steps), max(steps)) if steps else None,
+            "steps": step_range(left),
             "tags": len(self.tags),
             "artifacts": len(self.artifacts),
             "status": self.status[0] if self.status else None,

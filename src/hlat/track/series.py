@@ -7,8 +7,9 @@ parts' rows after that step, so the replayed steps count once. At the end the pa
 ``compact-<seq>.parquet``. Readers (:func:`read_series`) take the newest compact file plus the parts after it and
 keep the newest value per ``(key, step)``.
 
-The MLflow store gets a lean subset (:class:`LeanTracker`): what a user reads per step, every step; the rest at most
-once per :data:`STORE_EVERY` steps. The full resolution is here.
+The MLflow store gets a lean subset (:class:`LeanTracker`): what a user reads per step, every step; the rest every
+point in runs of up to :data:`STORE_POINTS` steps, and at most :data:`STORE_POINTS` points per metric in longer ones
+(:func:`store_every`). The full resolution is here.
 
 May import: the rest of ``hlat.track``; pyarrow and numpy (mlflow only inside functions).
 """
@@ -38,8 +39,9 @@ SERIES_DIR = "series"
 """Under the job's checkpoint directory, and the artifact path of the run in MLflow."""
 PER_STEP = ("train/loss", "train/grad_norm")
 """The metrics MLflow gets at every step (what a user reads per step); the Parquet series has every metric."""
-STORE_EVERY = 100
-"""Every other metric goes to MLflow at most once per this many steps (its first point in each window)."""
+STORE_POINTS = 4_500
+"""Every other metric goes to MLflow at most about this many times a run: every point of a run of up to this many
+steps; the paper's 450k-step run keeps one step in 100 (~0.5 GB of PostgreSQL store, bench/tracking_scale.py)."""
 AFTER_STEP = b"hlat.after_step"
 """Part metadata: this attempt resumed from that step, so earlier parts' rows after it are replaced."""
 RUN_ID = b"hlat.run_id"
@@ -315,15 +317,34 @@ class SeriesWriter(NoopTracker):
             path.unlink(missing_ok=True)
 
 
+def store_every(steps: int, log_every: int, budget: int = STORE_POINTS) -> int:
+    """The stride of the thinned metrics in MLflow for a run of ``steps`` steps logged every ``log_every``.
+
+    1 (every point) up to ``budget`` steps, else ``ceil(steps / budget)`` rounded up to a multiple of ``log_every``
+    (every window of the stride then starts at a logged interval, so the kept points are evenly spaced). A function
+    of the configuration alone: a resumed run keeps the stride of the attempt before it, and so the shape of its
+    curves, whatever that attempt sent.
+    """
+    every = max(1, -(-steps // budget))
+    if every > log_every > 0:
+        every = -(-every // log_every) * log_every
+    return every
+
+
 class LeanTracker:
     """Passes to ``inner`` (MLflow) the :data:`PER_STEP` metrics every step, others at most once per ``every`` steps.
 
-    Of the others, the first point in each window of ``every`` steps is sent (sparse ones, e.g. evaluations, all) and,
-    at the end, the latest one if it was held back, so the run's last values are in MLflow.
+    Of the others, the first point in each window ``[k * every, (k + 1) * every)`` is sent (sparse ones, e.g.
+    evaluations, all) and, at the end, the latest one if it was held back, so the run's last values are in MLflow.
+    ``first_step``: the step a resumed attempt starts after; the attempt before it sent the first point of that
+    step's window, so this one starts with the next window (a new run: 0, the first point is sent).
     """
 
-    def __init__(self, inner: Tracker, every: int = STORE_EVERY, per_step: tuple[str, ...] = PER_STEP) -> None:
-        self.inner, self.every, self.per_step = inner, every, frozenset(per_step)
+    def __init__(
+        self, inner: Tracker, every: int = 1, per_step: tuple[str, ...] = PER_STEP, first_step: int = 0
+    ) -> None:
+        self.inner, self.every, self.per_step = inner, max(1, every), frozenset(per_step)
+        self._start = (first_step // self.every + 1) * self.every if first_step > 0 else 0
         self._due: dict[str, int] = {}
         self._held: dict[str, tuple[int, float]] = {}
 
@@ -335,7 +356,8 @@ class LeanTracker:
         for step, row in rows:
             kept = {}
             for key, value in row.items():
-                if key in self.per_step or step >= self._due.get(key, step):
+                first = self._start if step else 0  # step 0: each start's pre-flight record, always sent
+                if key in self.per_step or step >= self._due.get(key, first):
                     kept[key] = value
                     self._due[key] = (step // self.every + 1) * self.every
                     self._held.pop(key, None)

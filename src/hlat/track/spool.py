@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hlat.track.system import PREFIX as SYSTEM_PREFIX
+
 log = logging.getLogger(__name__)
 
 Point = tuple[str, float, int, int]
@@ -50,11 +52,15 @@ class SpoolContents:
     """Lines that could not be read (a torn last line after a crash, or a damaged disk)."""
 
     def steps(self) -> str:
-        """The steps of the unsent points as ``first-last`` (``-`` when there are none)."""
-        if not self.points:
-            return "-"
-        steps = [p[3] for _, p in self.points]
-        return f"{min(steps)}-{max(steps)}"
+        """The training steps of the unsent points as ``first-last`` (``-`` when there are none)."""
+        span = step_range(p for _, p in self.points)
+        return "-" if span is None else f"{span[0]}-{span[1]}"
+
+
+def step_range(points: Iterable[Point]) -> tuple[int, int] | None:
+    """The first and last training step of ``points``; system metrics, numbered by sample, do not count."""
+    steps = [p[3] for p in points if not p[0].startswith(SYSTEM_PREFIX)]
+    return (min(steps), max(steps)) if steps else None
 
 
 def spool_path(spool_dir: Path, run_id: str) -> Path:

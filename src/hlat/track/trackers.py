@@ -31,9 +31,11 @@ from hlat.track.mlflow_store import (  # noqa: F401  (re-exported: their home is
     ui_address,
     ui_page,
 )
-from hlat.track.outbox import SEND_TIMEOUT_S, Outbox, Transport
+from hlat.track.outbox import Outbox, Transport
 from hlat.track.progress import ProgressBar  # noqa: F401  (its home is hlat.track.progress; re-exported)
 from hlat.track.spool import Spool, latest_steps, spool_path
+from hlat.track.system import PREFIX as SYSTEM_PREFIX
+from hlat.track.system import SystemSampler
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,8 @@ Rows = list[tuple[int, dict[str, float]]]
 # MLflow REST limits per log_batch request.
 _MAX_PARAMS, _MAX_PARAM_LEN = 100, 6000
 SYSTEM_SAMPLE_S, SYSTEM_SAMPLES = 30.0, 10
-"""MLflow's system metrics: sampled every 30 s, their mean logged every 10 samples (5 min): ~9k points per metric
-over a month-long run, where MLflow's default (every 10 s) logs 260k."""
+"""System metrics (:mod:`hlat.track.system`): sampled every 30 s, their mean logged every 10 samples (5 min): ~9k
+points per metric over a month-long run, where MLflow's default (every 10 s) logs 260k."""
 CHANGED_TAG = "restart.changed."
 """Prefix of the tags of a setting a restart changed: ``restart.changed.<key>`` = ``"old -> new"``."""
 
@@ -199,8 +201,8 @@ class MLflowTracker(NoopTracker):
             self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
         self.spool = Spool(spool_path(spool_dir, self.run_id), self.run_id, self.uri) if spool_dir else None
         self.flush_every_s = cfg.flush_every_s
-        self._system: Any = None
-        self._system_metrics, self._continued = cfg.system_metrics, previous is not None
+        self._system: SystemSampler | None = None
+        self._system_metrics = cfg.system_metrics
         self._stopping = False
         self._lock = threading.Lock()
         self.outbox = Outbox(
@@ -230,20 +232,19 @@ class MLflowTracker(NoopTracker):
         self._start_system_metrics()
 
     def _start_system_metrics(self) -> None:
-        """Start MLflow's system metrics monitor (``tracker.system_metrics``), once, unless the run is finishing."""
+        """Start sampling system metrics (``tracker.system_metrics``) into the outbox, once, unless finishing.
+
+        Not MLflow's own monitor: it stops for good at the server's first failed request (:mod:`hlat.track.system`).
+        A continued run numbers its points on after those MLflow and the spool hold.
+        """
         if not self._system_metrics:
             return
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
         with self._lock:
             if self._system is not None or self._stopping:
                 return
-            self._system = SystemMetricsMonitor(
-                self.run_id,
-                sampling_interval=SYSTEM_SAMPLE_S,
-                samples_before_logging=SYSTEM_SAMPLES,
-                resume_logging=self._continued,
-                tracking_uri=self.uri,
+            held = [step for key, step in self.outbox.skip.items() if key.startswith(SYSTEM_PREFIX)]
+            self._system = SystemSampler(
+                self.outbox.put, max(held, default=-1) + 1, SYSTEM_SAMPLE_S, SYSTEM_SAMPLES, self.uri
             )
         self._system.start()
 
@@ -300,10 +301,8 @@ class MLflowTracker(NoopTracker):
         """Stop the system metrics, send what is left while the store answers; say what it did not take, and where."""
         with self._lock:
             self._stopping = True  # from here on no system metrics monitor starts
-        if self._system is not None:  # its last flush waits out MLflow's retries when the server is away: bounded
-            stopper = threading.Thread(target=self._system.finish, name="hlat-mlflow-system-stop", daemon=True)
-            stopper.start()
-            stopper.join(SEND_TIMEOUT_S)
+        if self._system is not None:  # its last mean goes into the outbox, sent with the rest
+            self._system.finish()
         left = self.outbox.close(status)
         if left is not None:
             log.warning("%s", unsent_message(left, self.uri, self.run_id, self.spool.path if self.spool else None))

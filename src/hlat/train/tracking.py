@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from hlat.track import sweep
 from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resolve_peak_flops
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
-from hlat.track.series import SERIES_DIR, LeanTracker, SeriesError, SeriesWriter
+from hlat.track.series import SERIES_DIR, LeanTracker, SeriesError, SeriesWriter, store_every
 from hlat.track.trackers import CHANGED_TAG, History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train.resume import JobStart
 
@@ -106,7 +107,9 @@ def start(
     series = SeriesWriter(job.root, first_step) if env.rank == 0 else None
     extra = [history, recorder] + ([series] if series else []) + ([progress] if progress else [])
     spool_dir = job.root / SPOOL_DIR
-    tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id, spool_dir)
+    # MLflow gets the loss and grad norm every step, the rest thinned to a fixed budget per run; the series has all.
+    thin = functools.partial(LeanTracker, every=store_every(t.steps, t.log_every), first_step=first_step)
+    tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id, spool_dir, thin)
     run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
     if series is not None and mlflow_tracker is not None:
         client, mlflow_run = mlflow_tracker.client, mlflow_tracker.run_id
@@ -163,10 +166,12 @@ def _open(
     derived: dict[str, Any],
     run_id: str | None,
     spool_dir: Path,
+    thin: Callable[[Tracker], Tracker],
 ) -> tuple:
     """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files.
 
     ``spool_dir``: where metrics wait while the tracking server is away (beside the checkpoints they belong to).
+    ``thin``: wraps the MLflow tracker (the lean store, :class:`~hlat.track.series.LeanTracker`).
     """
     prov_tags, files = write_provenance(run_dir, to_yaml(cfg)) if rank == 0 else ({}, [])
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
@@ -178,7 +183,7 @@ def _open(
         extra=extra,
         run_id=run_id,
         spool_dir=spool_dir,
-        thin=LeanTracker,  # MLflow gets the loss and grad norm every step, the rest thinned; the series has all
+        thin=thin,
     )
     params = flatten(dataclasses.asdict(cfg))
     tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
