@@ -42,8 +42,8 @@ def test_the_precedence(
 def test_the_line_names_store_and_source_never_the_password() -> None:
     line = ms.Store("http://alice:s3cr3t@team.example:5000", "MLFLOW_TRACKING_URI").line("hlat compare")
     assert line == "hlat compare: MLflow store http://team.example:5000 (from MLFLOW_TRACKING_URI)"
-    assert ms.without_userinfo("postgresql+psycopg://u:p@db:5432/x?sslmode=require") == (
-        "postgresql+psycopg://db:5432/x?sslmode=require"
+    assert ms.without_userinfo("postgresql+psycopg://u:p@db:5432/x?sslmode=require&Password=p2") == (
+        "postgresql+psycopg://db:5432/x?sslmode=require&Password=***"
     )
     assert ms.without_userinfo("sqlite:////a@b/mlflow.db") == "sqlite:////a@b/mlflow.db"  # a path, not user-info
 

@@ -110,13 +110,17 @@ def run_store_uri(uri: str | None) -> str:
 
 
 def without_userinfo(uri: str) -> str:
-    """``uri`` without the ``user:password@`` of its address, for printing (``http://a:b@host`` -> ``http://host``)."""
-    from urllib.parse import urlsplit, urlunsplit
+    """``uri`` as it may be printed: no ``user:password@``, no ``password=`` query value (libpq's).
 
-    parts = urlsplit(uri)
-    if "@" not in parts.netloc:
-        return uri
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    ``http://a:b@host`` -> ``http://host``; ``postgresql://db/x?password=p`` -> ``postgresql://db/x?password=***``.
+    """
+    import re
+    from urllib.parse import urlsplit
+
+    netloc = urlsplit(uri).netloc  # string edits: urlunsplit would turn sqlite://// into sqlite://
+    if "@" in netloc:
+        uri = uri.replace(netloc, netloc.rpartition("@")[2], 1)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", uri, flags=re.IGNORECASE)
 
 
 _SERVER_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
