@@ -93,7 +93,7 @@ def _worker(cfg: RunConfig, run_dir: str, log_file: str) -> tuple[str, str] | No
 # ---------------------------------------------------------------- the command line's entry, its errors and hints
 
 
-def load(hydra_cfg: DictConfig) -> RunConfig:
+def load_config(hydra_cfg: DictConfig) -> RunConfig:
     """Hydra's config, typed and validated (the one conversion), with the run's MLflow store settled and named.
 
     The store is ``tracker.uri`` given on the command line, else ``MLFLOW_TRACKING_URI``, else ``tracker.uri`` of
@@ -177,7 +177,7 @@ def entry(hydra_cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    load_cfg = functools.partial(load, hydra_cfg)
+    load_cfg = functools.partial(load_config, hydra_cfg)
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return sweep_job.run_job(load_cfg, hydra_output_dir(), _train, error_message)
     cfg = None
