@@ -3,9 +3,14 @@
 #   make test   # venv + install + dev tools + the fast test suite (make test-slow: the slow end-to-end tests)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch goes in first and pinned: a bare torch requirement pulls multi-GB CUDA wheels on Linux. Elsewhere,
-# a CPU-only box can add: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
-TORCH_PIP_ARGS ?=
+# torch goes in first and pinned. On Linux, PyPI's torch is the CUDA build (several GB with its nvidia-* wheels):
+# without an NVIDIA GPU, scripts/torch_pip_args.py picks PyTorch's CPU index (TORCH_CPU_INDEX) when it answers, and
+# says on stderr what it chose. TORCH_PIP_ARGS=... on the command line (or in the environment) replaces that choice;
+# TORCH_PIP_ARGS= (empty) installs from pip's own index.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+ifeq ($(origin TORCH_PIP_ARGS),undefined)
+TORCH_PIP_ARGS = $(shell python3 scripts/torch_pip_args.py $(TORCH_CPU_INDEX))
+endif
 
 .PHONY: demo test test-slow test-bitwise test-neuron test-cluster test-postgres test-image test-readme lint install install-dev install-eval clean
 

@@ -1,6 +1,6 @@
 """How long a checkpoint blocks training: synchronous vs asynchronous saves of hlat's Checkpointer.
 
-    python bench/checkpoint_overhead.py                    # model=small (84M parameters, ~1.35 GB of fp32 state)
+    python bench/checkpoint_overhead.py                    # model=small (83M parameters, ~1.35 GB of fp32 state)
     python bench/checkpoint_overhead.py --model tiny --repeats 5
 
 For each mode it builds the model and AdamW (state initialised by one step), then saves ``--repeats`` times and

@@ -12,6 +12,9 @@ import os
 # OMP_NUM_THREADS to override. The NxD lane (torch-xla installed: make test-neuron) is left as it was.
 if importlib.util.find_spec("torch_xla") is None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every test names its MLflow store or uses the default in its own directory: a developer's MLFLOW_TRACKING_URI (a
+# team server) must not receive the suite's runs, nor change which store a test reads (hlat honours the variable).
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 import subprocess
 import sys

@@ -80,6 +80,11 @@ class Policy:
 
 EXCEPTIONS: dict[str, Policy] = {
     "make demo": Policy("make_tiny", "the first command: the lane runs it with tiny ARGS (the venv exists already)"),
+    'make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"': Policy(
+        "skip",
+        "installs torch from download.pytorch.org into a new .venv (no such download here); the choice of index is "
+        "tests/unit/test_torch_pip_args.py's, against a loopback index",
+    ),
     "make test": Policy("skip", "the main suite: .ci/run runs it before this lane"),
     "make test-neuron": Policy("skip", "the NxD lane: .ci/run runs it beside this lane, .venv-neuron built before"),
     "make test-slow": Policy("skip", "the slow suite: .ci/run runs it before this lane"),

@@ -35,11 +35,12 @@ TINY = [
 ]
 
 
-def train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def train_py(*args: str, cwd: Path, **extra_env: str) -> subprocess.CompletedProcess:
     """``python train.py ARGS`` in ``cwd``; MLflow gets no retries, so a regression fails fast instead of hanging
     (the timeout is a hang guard only)."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env |= {"PYTHONPATH": str(ROOT / "src"), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}
+    env |= extra_env
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,
@@ -245,11 +246,13 @@ def test_a_local_store_that_cannot_be_written_is_named(tmp_path: Path) -> None:
 
 def test_train_py_with_a_dead_tracker_fails_before_data_and_model(tmp_path: Path) -> None:
     # Fast by construction, not by a stopwatch: the pre-check's message (one bounded request, named above) ends the
-    # run before MLflow is asked anything; MLflow's own retries (~279 s) would end with another message.
-    r = train_py("tracker.uri=http://127.0.0.1:9", *TINY, f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
+    # run before MLflow is asked anything; MLflow's own retries (~279 s) would end with another message. The dead
+    # store is MLflow's variable's (a team server in a shell profile): training honours it, and the error names it.
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    r = train_py(*TINY, cache, cwd=tmp_path, MLFLOW_TRACKING_URI="http://127.0.0.1:9")
     line = one_clean_error(r)
     assert line.startswith(
-        "hlat: configuration error: tracker.uri=http://127.0.0.1:9: nothing answers at 127.0.0.1:9 within 3 s"
+        "hlat: configuration error: MLFLOW_TRACKING_URI=http://127.0.0.1:9: nothing answers at 127.0.0.1:9 within 3 s"
     )
     assert "start the server" in line and "tracker=console" in line
     assert not (tmp_path / "cache").exists()  # no tokenizer trained, no corpus read

@@ -131,6 +131,19 @@ def test_an_omitted_tracker_uri_becomes_an_absolute_store_and_the_run_dir_absolu
         assert out.count("tracker.uri=") == len([k for k in kept if k.startswith("tracker.uri")])
 
 
+def test_the_shells_mlflow_tracking_uri_is_pinned_unless_it_holds_a_password(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The nodes need not share this shell's environment: its store goes into the launch file, as the default would;
+    a URI with user-info stays out of it (the job's environment must carry it)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://team.example:5000")
+    _, out, _ = hlat(capsys, "launch", "--target", "torchrun", "cluster=cpu", "cluster.nodes=2")
+    assert " tracker.uri=http://team.example:5000 " in out.replace("\\\n", " ")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:s3cr3t@team.example:5000")
+    _, out, _ = hlat(capsys, "launch", "--target", "torchrun", "cluster=cpu", "cluster.nodes=2")
+    assert "tracker.uri=" not in out and "s3cr3t" not in out
+
+
 def test_eks_keeps_the_images_command_and_paths(capsys: pytest.CaptureFixture[str]) -> None:
     """A pod runs the image's torchrun and train.py in its working directory; the store is the image's concern."""
     code, out, _ = hlat(capsys, "launch", "--target", "eks", "--image", "i", "cluster=cpu", "cluster.nodes=2")

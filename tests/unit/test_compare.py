@@ -373,7 +373,9 @@ def test_main_all_statuses(store: Store, tmp_path: Path, capsys: pytest.CaptureF
 def test_main_unknown_experiment_returns_2(store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert compare.main(["--uri", store.uri, "--experiment", "nope", "--out", str(tmp_path / "x")]) == 2
     captured = capsys.readouterr()
-    assert captured.err.startswith(f"hlat compare: no MLflow experiment 'nope' at {store.uri}")
+    said, error = captured.err.splitlines()[:2]
+    assert said == f"hlat compare: MLflow store {store.uri} (from --uri)"
+    assert error.startswith(f"hlat compare: no MLflow experiment 'nope' at {store.uri}")
     assert captured.out == ""
     assert not (tmp_path / "x").exists()
 

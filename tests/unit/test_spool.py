@@ -69,8 +69,9 @@ def test_a_spool_stops_at_its_bound(tmp_path: Path) -> None:
     assert len(spool.read(tmp_path / "run.jsonl").points) == 10
 
 
-def test_one_writer_at_a_time_and_sync_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A live trainer holds its spool: `hlat track sync` refuses it (it would send the points twice)."""
+def test_one_writer_at_a_time_and_sync_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """A live trainer holds its spool: `hlat track sync` refuses it (it would send the points twice). It sends to the
+    store the spool names (MLFLOW_TRACKING_URI cannot move a run) and says so."""
     from hlat.cli import main
 
     path = tmp_path / "mlflow-spool" / "run.jsonl"
@@ -89,9 +90,12 @@ def test_one_writer_at_a_time_and_sync_says_so(tmp_path: Path, capsys: pytest.Ca
         away = spool.Spool(tmp_path / "away.jsonl", "run", f"http://127.0.0.1:{s.getsockname()[1]}")
     away.append(0, points(range(1, 3)))
     away.close()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other.db")
     with pytest.raises(SystemExit) as down:
         main(["track", "sync", str(tmp_path / "away.jsonl")])
-    assert down.value.code == 1 and "nothing answers at 127.0.0.1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert down.value.code == 1 and "nothing answers at 127.0.0.1" in err
+    assert f"MLflow store {away.uri} (from the spool: the store its run logged to)" in err
     assert len(spool.read(tmp_path / "away.jsonl").points) == 2  # kept for the next try
 
 

@@ -233,9 +233,11 @@ def _data(argv: list[str]) -> None:
 EVAL_USAGE = """hlat eval checkpoint=PATH [tasks=local|hlat_suite|truthfulness] [all_checkpoints=true] [overrides...]
 
 Evaluate an hlat checkpoint (a step_N directory, or a run's checkpoints/ directory: its newest valid checkpoint,
-or every one with all_checkpoints=true) with lm-evaluation-harness. Scores go to MLflow (the training run when
-the store holds it: tracker.uri=...), a markdown table next to the checkpoints, and a curve per metric against
-tokens seen. Other overrides: eval.limit=N (smoke tests), eval.batch_size, eval.device=cpu|cuda, tracker=console.
+or every one with all_checkpoints=true) with lm-evaluation-harness. Scores go to a markdown table next to the
+checkpoints and to MLflow (the training run when the store holds it), with a curve per metric against tokens seen.
+The MLflow store: tracker.uri=... given here, else MLFLOW_TRACKING_URI, else tracker.uri of conf/, else ./mlflow.db.
+Other overrides: eval.limit=N (smoke tests), eval.batch_size, eval.device=cpu|cuda, tracker=console (no MLflow,
+no curves).
 """
 _EVAL_ALIASES = {"checkpoint": "eval.checkpoint", "all_checkpoints": "eval.all_checkpoints", "tasks": "eval"}
 
@@ -259,7 +261,16 @@ def _eval(argv: list[str]) -> int:
     try:
         from hlat.eval.run import main as eval_main
 
-        eval_main(compose_run_config(overrides))
+        cfg = compose_run_config(overrides)
+        if cfg.tracker.kind == "mlflow":
+            import dataclasses
+
+            from hlat.track.mlflow_store import command_tracker
+
+            tracker, store = command_tracker(cfg.tracker, overrides)
+            print(store.line("hlat eval"), file=sys.stderr)
+            cfg = dataclasses.replace(cfg, tracker=tracker)
+        eval_main(cfg)
     except ConfigError as e:
         print(f"hlat: configuration error: {e}", file=sys.stderr)
         return 2

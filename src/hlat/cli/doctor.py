@@ -64,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         from hlat.config.compose import compose_run_config
 
         cfg = compose_run_config(argv)
+        if to_mlflow and cfg.tracker.kind == "mlflow":  # the store, said before the checks take their time
+            from hlat.track.mlflow_store import command_tracker
+
+            tracker, store = command_tracker(cfg.tracker, argv)
+            if global_rank() == 0:
+                print(store.line("hlat doctor"), file=sys.stderr)
+            cfg = dataclasses.replace(cfg, tracker=tracker)
         report = check(cfg, argv)
     except PreflightError as e:  # the node lacks a device, a limit or a package (hlat.health.host)
         print(f"hlat doctor: {e}", file=sys.stderr)

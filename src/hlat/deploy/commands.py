@@ -72,7 +72,8 @@ def parser(command: str) -> argparse.ArgumentParser:
             description="Render the files that start a run on a cluster: a script for every node (torchrun), a "
             "Slurm batch script, or a Kubeflow PyTorchJob for EKS. The scripts run this interpreter and this "
             "checkout's train.py by absolute path, so they start from any shell and directory on nodes that see the "
-            "same paths; without tracker.uri, MLflow's store is mlflow.db in this directory, by absolute path.",
+            "same paths; without tracker.uri, MLflow's store is MLFLOW_TRACKING_URI, else mlflow.db in this directory, "
+            "by absolute path.",
         )
         p.add_argument(
             "--target",
@@ -139,16 +140,23 @@ def install() -> Install:
 
 
 def pinned_overrides(cfg: RunConfig, overrides: Sequence[str], target: str) -> list[str]:
-    """``overrides`` plus ``tracker.uri=<the default store, absolute>`` for MLflow without a ``tracker.uri``.
+    """``overrides`` plus ``tracker.uri=<the store>`` where the config names none.
 
-    The default ``mlflow.db`` is per working directory; pinned here, every node and requeue writes one store (not on
-    EKS, whose pods have their image's paths).
+    That store is this shell's ``MLFLOW_TRACKING_URI``, else the default ``mlflow.db`` here, by absolute path. The
+    nodes need not share this shell's environment and the default store is per working directory; pinned here, every
+    node and requeue writes one store (not on EKS, whose pods have their image's paths). A URI that carries a
+    password is not written into a launch file: the job's environment must set ``MLFLOW_TRACKING_URI`` then.
     """
-    if target == "eks" or cfg.tracker.kind != "mlflow" or cfg.tracker.uri is not None:
+    if target == "eks" or cfg.tracker.kind != "mlflow":
         return list(overrides)
-    from hlat.track.trackers import default_uri
+    from urllib.parse import urlsplit
 
-    return [*overrides, f"tracker.uri={default_uri()}"]
+    from hlat.track.mlflow_store import DEFAULT, ENV_URI, command_store
+
+    store = command_store(cfg.tracker.uri, overrides)
+    if store.source == DEFAULT or (store.source == ENV_URI and "@" not in urlsplit(store.uri).netloc):
+        return [*overrides, f"tracker.uri={store.uri}"]
+    return list(overrides)
 
 
 def check_cluster(cfg: RunConfig) -> None:

@@ -231,9 +231,9 @@ def main(cfg: RunConfig) -> list[tuple[Path, list[Score]]]:
     root = ckpts[-1].parent
     sink = None
     if cfg.tracker.kind == "mlflow":
-        from hlat.track.trackers import default_uri
+        from hlat.track.mlflow_store import run_store_uri
 
-        sink = MlflowSink(cfg.tracker.uri or default_uri(), cfg.tracker.experiment, training_run_id(ckpts[-1]))
+        sink = MlflowSink(run_store_uri(cfg.tracker.uri), cfg.tracker.experiment, training_run_id(ckpts[-1]))
     out_dir = root / "eval"
     out_dir.mkdir(exist_ok=True)
     done = []

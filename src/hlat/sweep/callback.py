@@ -24,14 +24,20 @@ from hlat.track import sweep
 log = logging.getLogger(__name__)
 
 
-def _uri(config: DictConfig) -> str | None:
-    """The sweep's MLflow tracking URI, or None when it does not track to MLflow (or only plans: dry runs)."""
-    from hlat.track.trackers import default_uri
+def _uri(config: DictConfig, *, say: bool = False) -> str | None:
+    """The sweep's MLflow store, as its jobs resolve it, or None when it does not track to MLflow (or only plans).
+
+    ``say``: print on stderr which store it is and why (``hlat.track.mlflow_store.Store.line``).
+    """
+    from hlat.track.mlflow_store import command_store
 
     tracker = config.get("tracker", {})
     if tracker.get("kind") != "mlflow" or config.get("train", {}).get("dry_run"):
         return None
-    return tracker.get("uri") or default_uri()
+    store = command_store(tracker.get("uri"), list(config.hydra.overrides.task))
+    if say:
+        print(store.line("hlat sweep"), file=sys.stderr)
+    return store.uri
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -77,7 +83,7 @@ class SweepCallback(Callback):
         sweep_launcher.adopt(config)  # the plugin's submitit launchers -> hlat's: a dead job does not crash the sweep
         if config.hydra.launcher.get("_target_") == f"{sweep_launcher.OURS}SlurmLauncher":
             sweep_launcher.require_accounting()  # before the parent run: never a sweep that cannot see a job die
-        uri = _uri(config)
+        uri = _uri(config, say=sweep.rank() == 0)
         if sweep.rank() != 0 or uri is None:
             return
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -192,7 +198,7 @@ class SweepCallback(Callback):
     def _compare(uri: str, sweep_dir: Path, parent: dict[str, Any] | None) -> None:
         """``hlat compare --sweep`` over this sweep, then the parent run's summary (failures: logged)."""
         from hlat.track.compare import summary_table, write_report
-        from hlat.track.mlflow_store import open_client
+        from hlat.track.mlflow_store import open_client, without_userinfo
         from hlat.track.runs import select_runs
         from hlat.track.sweep_views import summarize
         from hlat.track.trackers import ui_address
@@ -202,7 +208,8 @@ class SweepCallback(Callback):
             runs = select_runs(uri, sweep_dir=str(sweep_dir), status=None)
             md, png = write_report(runs, sweep_dir, title=f"Sweep {sweep_dir}: {len(runs)} MLflow runs")
             print(summary_table(runs))
-            print(f"\ncomparison: {md}\nplot:       {png}\nagain:      hlat compare --sweep {sweep_dir} --uri {uri}")
+            again = f"hlat compare --sweep {sweep_dir} --uri {without_userinfo(uri)}"
+            print(f"\ncomparison: {md}\nplot:       {png}\nagain:      {again}")
             if parent is not None:
                 for f in (md, png):
                     client.log_artifact(parent["parent_run_id"], str(f))

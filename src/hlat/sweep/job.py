@@ -82,10 +82,9 @@ def decide(cfg: Any, job_dir: Path) -> Decision:
 
 def _look_up(cfg: Any, h: str, job_dir: Path) -> Decision:
     """Search the experiment for runs of config hash ``h``: a FINISHED one is reused, a dead one continued."""
-    from hlat.track.mlflow_store import open_client
-    from hlat.track.trackers import default_uri
+    from hlat.track.mlflow_store import open_client, run_store_uri
 
-    client = open_client(cfg.tracker.uri or default_uri())
+    client = open_client(run_store_uri(cfg.tracker.uri))
     exp = client.get_experiment_by_name(cfg.tracker.experiment)
     if exp is None:
         return Decision("train", h)
@@ -150,7 +149,7 @@ def run_job(
         The job's objective (:func:`objective`); +inf, the worst value for a minimizing sweeper, when the job
         failed, its loss was not finite, or it only planned (``train.dry_run``). Optuna 2 cannot be told NaN.
     """
-    from hlat.track.trackers import default_uri
+    from hlat.track.mlflow_store import run_store_uri
 
     cfg, stopped = None, None
     run_id, losses, status = None, [], "failed"
@@ -173,7 +172,7 @@ def run_job(
         _stop(job_dir, stopped, run_id, status)
     if rank() != 0:
         return job_objective(job_dir)
-    uri = (cfg.tracker.uri or default_uri()) if cfg is not None and cfg.tracker.kind == "mlflow" else None
+    uri = run_store_uri(cfg.tracker.uri) if cfg is not None and cfg.tracker.kind == "mlflow" else None
     value = objective(uri, run_id, losses) if status != "failed" else math.nan
     finish_job(job_dir, mlflow_run_id=run_id, status=status, objective=value)
     return value if math.isfinite(value) else math.inf

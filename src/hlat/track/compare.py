@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from hlat.track.runs import DEFAULT_URI, METRIC_KEYS, RunData, select_runs, tail_mean
+from hlat.track.runs import METRIC_KEYS, RunData, select_runs, tail_mean
 
 __all__ = ["METRIC_KEYS", "RunData", "differing_keys", "main", "plot", "select_runs", "summary_table", "write_report"]
 
@@ -268,7 +268,11 @@ def build_parser(prog: str = "hlat compare") -> argparse.ArgumentParser:
         description="Compare MLflow runs: a Markdown table of differing config keys and headline metrics, plus a "
         "loss / gradient-norm plot.",
     )
-    ap.add_argument("--uri", default=DEFAULT_URI, help=f"MLflow tracking URI (default: {DEFAULT_URI})")
+    ap.add_argument(
+        "--uri",
+        help="the MLflow store (default: MLFLOW_TRACKING_URI, else tracker.uri of conf/, else ./mlflow.db); the "
+        "command says on stderr which it used",
+    )
     sel = ap.add_mutually_exclusive_group(required=True)
     sel.add_argument("--experiment", metavar="NAME", help="all runs of this MLflow experiment")
     sel.add_argument("--runs", metavar="ID", nargs="+", help="these MLflow run ids")
@@ -298,20 +302,32 @@ def newest_sweep(path: Path) -> Path:
     return found[-1].parent
 
 
+def _configured_uri() -> str | None:
+    """``tracker.uri`` of ``conf/`` as composed without overrides (a team's store may be set there)."""
+    from hlat.config.compose import compose_run_config
+
+    return compose_run_config([]).tracker.uri
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``hlat compare``: print the table and write the report; 2 when the selection matches nothing."""
+    from hlat.config import ConfigError
+    from hlat.track.mlflow_store import resolve_store
+
     args = build_parser().parse_args(argv)
     if args.sweep is not None:
         args.sweep = str(newest_sweep(Path(args.sweep)))
     try:
+        store = resolve_store(args.uri, configured=_configured_uri)
+        print(store.line("hlat compare"), file=sys.stderr)
         runs = select_runs(
-            args.uri,
+            store.uri,
             experiment=args.experiment,
             run_ids=args.runs,
             sweep_dir=args.sweep,
             status=None if args.all_statuses else "FINISHED",
         )
-    except ValueError as e:
+    except (ValueError, ConfigError) as e:
         print(f"hlat compare: {e}", file=sys.stderr)
         return 2
     if args.experiment is not None:

@@ -5,13 +5,16 @@ mlflow itself is imported only inside the functions that need it.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
+import os
 import socket
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,101 @@ log = logging.getLogger(__name__)
 def default_uri() -> str:
     """A sqlite store ``mlflow.db`` in the working directory (``mlflow ui`` opens it from there)."""
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+ENV_URI = "MLFLOW_TRACKING_URI"
+"""MLflow's own variable for the store: honoured by every hlat command, below a URI given on its command line."""
+CONFIGURED = "tracker.uri in the config"
+ON_COMMAND_LINE = "tracker.uri on the command line"
+DEFAULT = "the default: mlflow.db in the working directory"
+
+
+@dataclass(frozen=True)
+class Store:
+    """The MLflow store a command uses and where that choice came from (:func:`resolve_store`)."""
+
+    uri: str
+    source: str
+
+    def line(self, command: str) -> str:
+        """What the command says on stderr: ``hlat compare: MLflow store URI (from SOURCE)``, no password in it."""
+        return f"{command}: MLflow store {without_userinfo(self.uri)} (from {self.source})"
+
+
+def resolve_store(
+    given: str | None = None,
+    *,
+    configured: str | Callable[[], str | None] | None = None,
+    given_as: str = "--uri",
+    environ: Mapping[str, str] | None = None,
+) -> Store:
+    """The MLflow store of every hlat command that uses one.
+
+    In this order of precedence:
+
+    1. ``given``: what this command was told (``--uri``, or ``tracker.uri=`` among its overrides), named ``given_as``;
+    2. ``MLFLOW_TRACKING_URI`` (MLflow's own variable, e.g. a team server set once in a shell profile);
+    3. ``configured``: ``tracker.uri`` of the composed config (``conf/``), or a function that composes it, called
+       only when 1 and 2 are unset (``hlat compare`` composes ``conf/`` only then);
+    4. ``mlflow.db`` in the working directory, by absolute path.
+    """
+    env = os.environ if environ is None else environ
+    if given:
+        return Store(given, given_as)
+    if env.get(ENV_URI):
+        return Store(env[ENV_URI], ENV_URI)
+    value = configured() if callable(configured) else configured
+    return Store(value, CONFIGURED) if value else Store(default_uri(), DEFAULT)
+
+
+def uri_on_command_line(overrides: Sequence[str]) -> bool:
+    """Whether the Hydra ``overrides`` set ``tracker.uri`` (``tracker.uri=``, ``+tracker.uri=``, ``++tracker.uri=``)."""
+    return any(o.lstrip("+").partition("=")[0].strip() == "tracker.uri" for o in overrides)
+
+
+def command_store(uri: str | None, overrides: Sequence[str]) -> Store:
+    """The store of a Hydra command whose composed ``tracker.uri`` is ``uri`` (:func:`resolve_store`).
+
+    ``tracker.uri`` among the ``overrides`` is the command's own, like ``--uri``: it beats ``MLFLOW_TRACKING_URI``;
+    one from the config files does not.
+    """
+    on_line = uri_on_command_line(overrides)
+    return resolve_store(uri if on_line else None, configured=None if on_line else uri, given_as=ON_COMMAND_LINE)
+
+
+def command_tracker(tracker: TrackerConfig, overrides: Sequence[str]) -> tuple[TrackerConfig, Store]:
+    """A Hydra command's tracker config and store (:func:`command_store`).
+
+    A ``tracker.uri`` of the config files that ``MLFLOW_TRACKING_URI`` overrules is cleared, so that
+    :func:`run_store_uri` (every part of the run, its processes and evaluations, which inherit the variable) opens
+    the same store.
+    """
+    store = command_store(tracker.uri, overrides)
+    if store.source == ENV_URI and tracker.uri is not None:
+        tracker = dataclasses.replace(tracker, uri=None)
+    return tracker, store
+
+
+def run_store_uri(uri: str | None) -> str:
+    """The store of a run whose ``tracker.uri`` :func:`command_tracker` settled.
+
+    That ``uri``, else ``MLFLOW_TRACKING_URI``, else ``mlflow.db`` in the working directory.
+    """
+    return resolve_store(uri, given_as="tracker.uri").uri
+
+
+def without_userinfo(uri: str) -> str:
+    """``uri`` as it may be printed: no ``user:password@``, no ``password=`` query value (libpq's).
+
+    ``http://a:b@host`` -> ``http://host``; ``postgresql://db/x?password=p`` -> ``postgresql://db/x?password=***``.
+    """
+    import re
+    from urllib.parse import urlsplit
+
+    netloc = urlsplit(uri).netloc  # string edits: urlunsplit would turn sqlite://// into sqlite://
+    if "@" in netloc:
+        uri = uri.replace(netloc, netloc.rpartition("@")[2], 1)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", uri, flags=re.IGNORECASE)
 
 
 _SERVER_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
@@ -42,13 +140,14 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
         return
     from urllib.parse import parse_qs, urlsplit
 
-    uri = cfg.uri or default_uri()
+    uri = run_store_uri(cfg.uri)
+    key = "tracker.uri" if cfg.uri or not os.environ.get(ENV_URI) else ENV_URI  # where the user fixes it
     parts = urlsplit(uri)
     scheme = parts.scheme.split("+")[0].lower()  # postgresql+psycopg2 -> postgresql
     shown = uri.replace(f":{parts.password}@", ":***@") if parts.password else uri  # never print a password
     fixes = (
-        "fix tracker.uri, drop it (the local store ./mlflow.db) or use tracker=console"
-        if cfg.uri
+        f"fix {key}, unset it (the local store ./mlflow.db) or use tracker=console"
+        if cfg.uri or key == ENV_URI
         else "run from a writable directory, set tracker.uri to a writable store or use tracker=console"
     )
     if scheme in _SERVER_PORTS:
@@ -60,7 +159,7 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
             start = f"mlflow server --host {host} --port {port}" if scheme.startswith("http") else "the database"
             where = address if isinstance(address, str) else f"{host}:{port}"
             raise ConfigError(
-                f"tracker.uri={shown}: nothing answers at {where} within {timeout_s:g} s "
+                f"{key}={shown}: nothing answers at {where} within {timeout_s:g} s "
                 f"({error}); start the server ({start}), {fixes}"
             )
         return
@@ -74,7 +173,7 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     else:
         return
     if problem is not None:
-        raise ConfigError(f"tracker.uri={uri}: {problem}; {fixes}")
+        raise ConfigError(f"{key}={uri}: {problem}; {fixes}")
 
 
 def _http_error(uri: str, timeout_s: float) -> str | None:

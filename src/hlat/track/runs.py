@@ -22,8 +22,6 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-DEFAULT_URI = "sqlite:///mlflow.db"
-
 # The per-step metrics hlat logs (see hlat.track.metrics); train/param_norm only every log interval.
 METRIC_KEYS = (
     "train/loss",

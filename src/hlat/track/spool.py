@@ -221,14 +221,19 @@ def send(path: Path, uri: str | None = None) -> str:
         ValueError: ``path`` is not a spool.
         ConfigError: The store does not answer.
     """
+    import sys
+
     from mlflow import MlflowClient
     from mlflow.entities import Metric, RunTag
 
     from hlat.config import ConfigError, TrackerConfig
-    from hlat.track.mlflow_store import check_reachable
+    from hlat.track.mlflow_store import check_reachable, resolve_store
 
     head = read(path)
-    uri = uri or head.uri
+    # Not MLFLOW_TRACKING_URI: the run exists in the store it was logging to, which the spool records.
+    store = resolve_store(uri or head.uri, given_as="--uri" if uri else "the spool: the store its run logged to")
+    print(store.line("hlat track sync"), file=sys.stderr)
+    uri = store.uri
     try:  # one short request, not minutes of MLflow's retries
         check_reachable(TrackerConfig(uri=uri))
     except ConfigError as e:  # its fixes speak of tracker.uri: say what to do here
@@ -283,7 +288,11 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{sync}")
     sync = sub.add_parser("sync", help="send the spools a run left while its tracking server was away")
     sync.add_argument("paths", nargs="+", metavar="PATH", help="a spool file, or a run or checkpoint directory")
-    sync.add_argument("--uri", help="the MLflow store to send to (default: the run's, as the spool records it)")
+    sync.add_argument(
+        "--uri",
+        help="the MLflow store to send to, where it moved since the run (default: the run's, as the spool records "
+        "it; MLFLOW_TRACKING_URI does not change it: the run exists only in its own store)",
+    )
     args = parser.parse_args(argv)
     code = 0
     for target in map(Path, args.paths):

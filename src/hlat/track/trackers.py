@@ -28,6 +28,7 @@ from hlat.track.mlflow_store import (  # noqa: F401  (re-exported: their home is
     default_uri,
     experiment_id,
     open_client,
+    run_store_uri,
     ui_address,
     ui_page,
 )
@@ -184,7 +185,7 @@ class MLflowTracker(NoopTracker):
         run_id: str | None = None,
         spool_dir: Path | None = None,
     ) -> None:
-        self.uri = cfg.uri or default_uri()
+        self.uri = run_store_uri(cfg.uri)  # command_tracker settled it: tracker.uri, MLFLOW_TRACKING_URI, default
         self.client = open_client(self.uri)  # imports mlflow (~3 s) only now; creates the store once, safely
         tags = {**tags, "host": socket.gethostname()}
         self._restart_tags = {k for k in tags if k.startswith(CHANGED_TAG)}

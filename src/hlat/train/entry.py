@@ -7,6 +7,7 @@ Hydra's config and calls :func:`hlat.train.run.main`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import shlex
@@ -28,6 +29,7 @@ from hlat.launch import elastic, preempt
 from hlat.launch.elastic import JobFailedError
 from hlat.state import HaltedError
 from hlat.sweep import job as sweep_job
+from hlat.track.mlflow_store import command_tracker
 from hlat.train import evals
 from hlat.train.evals import EvalFailedError
 from hlat.train.run import main
@@ -89,6 +91,25 @@ def _worker(cfg: RunConfig, run_dir: str, log_file: str) -> tuple[str, str] | No
 
 
 # ---------------------------------------------------------------- the command line's entry, its errors and hints
+
+
+def load_config(hydra_cfg: DictConfig) -> RunConfig:
+    """Hydra's config, typed and validated (the one conversion), with the run's MLflow store settled and named.
+
+    The store is ``tracker.uri`` given on the command line, else ``MLFLOW_TRACKING_URI``, else ``tracker.uri`` of
+    the config files, else ``mlflow.db`` here (``hlat.track.mlflow_store.resolve_store``, as every hlat command).
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    from hlat.config.resolvers import global_rank
+
+    cfg = to_run_config(hydra_cfg)
+    if cfg.tracker.kind != "mlflow" or cfg.train.dry_run:
+        return cfg
+    tracker, store = command_tracker(cfg.tracker, list(HydraConfig.get().overrides.task))
+    if global_rank() == 0:
+        log.info("%s", store.line("hlat"))
+    return cfg if tracker is cfg.tracker else dataclasses.replace(cfg, tracker=tracker)
 
 
 def _print_continue_hint(
@@ -156,12 +177,12 @@ def entry(hydra_cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    load = functools.partial(to_run_config, hydra_cfg)  # Hydra's config, typed and validated: the one conversion
+    load_cfg = functools.partial(load_config, hydra_cfg)
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return sweep_job.run_job(load, hydra_output_dir(), _train, error_message)
+        return sweep_job.run_job(load_cfg, hydra_output_dir(), _train, error_message)
     cfg = None
     try:
-        cfg = load()
+        cfg = load_cfg()
         _train(cfg)
     except (preempt.PreemptedError, preempt.AbortedError, KeyboardInterrupt) as e:
         _stopped(cfg, e)

@@ -56,7 +56,7 @@ def scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> EvalSch
     e = cfg.eval
     if not e.every_tokens:
         return None
-    from hlat.track.trackers import default_uri
+    from hlat.track.mlflow_store import ENV_URI, resolve_store
 
     if e.every_tokens < tokens_per_step * cfg.train.checkpoint_every:
         log.warning(
@@ -64,10 +64,12 @@ def scheduler(cfg: RunConfig, tokens_per_step: int, tokens_seen: int) -> EvalSch
             e.every_tokens,
             tokens_per_step * cfg.train.checkpoint_every,
         )
+    store = resolve_store(cfg.tracker.uri, given_as="tracker.uri")  # the run's (the entry settled tracker.uri)
+    where = [] if store.source == ENV_URI else [f"tracker.uri={store.uri}"]  # the child inherits the variable
     tracker = (
         ["tracker=console"]
         if cfg.tracker.kind != "mlflow"
-        else [f"tracker.uri={cfg.tracker.uri or default_uri()}", f"tracker.experiment={cfg.tracker.experiment}"]
+        else [*where, f"tracker.experiment={cfg.tracker.experiment}"]
     )
     overrides = [*eval_overrides(e), *tracker]  # every eval field: command-line changes to the preset reach the child
     first = (tokens_seen // e.every_tokens + 1) * e.every_tokens  # a resumed run evaluates from where it is
