@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hlat.config import ConfigError, TrackerConfig
+from hlat.track.credentials import PASSWORD, TOKEN, USERNAME, auth_header, without_credentials
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     uri = cfg.uri or default_uri()
     parts = urlsplit(uri)
     scheme = parts.scheme.split("+")[0].lower()  # postgresql+psycopg2 -> postgresql
-    shown = uri.replace(f":{parts.password}@", ":***@") if parts.password else uri  # never print a password
+    shown = without_credentials(uri)  # never print a password
     fixes = (
         "fix tracker.uri, drop it (the local store ./mlflow.db) or use tracker=console"
         if cfg.uri
@@ -63,6 +64,9 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
                 f"tracker.uri={shown}: nothing answers at {where} within {timeout_s:g} s "
                 f"({error}); start the server ({start}), {fixes}"
             )
+        refused = _credentials_refused(uri, timeout_s) if scheme.startswith("http") else None
+        if refused is not None:
+            raise ConfigError(f"tracker.uri={shown}: {refused}")
         return
     if scheme == "sqlite":
         db = uri.removeprefix("sqlite:///")
@@ -74,7 +78,7 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     else:
         return
     if problem is not None:
-        raise ConfigError(f"tracker.uri={uri}: {problem}; {fixes}")
+        raise ConfigError(f"tracker.uri={shown}: {problem}; {fixes}")
 
 
 def _http_error(uri: str, timeout_s: float) -> str | None:
@@ -94,6 +98,37 @@ def _http_error(uri: str, timeout_s: float) -> str | None:
         return str(getattr(e.reason, "strerror", None) or e.reason)
     except (OSError, ValueError) as e:  # TimeoutError, a reset connection, a malformed URL
         return str(e) or type(e).__name__
+
+
+def _credentials_refused(uri: str, timeout_s: float) -> str | None:
+    """Why a server that answers refuses this process's credentials (None: it takes them, or cannot tell).
+
+    One read of the tracking API with the ``Authorization`` MLflow's client would send: a 401 means training would
+    die at its first request, after everything is built. (``/health`` needs no login, so it cannot tell.)
+    """
+    import os
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    if os.environ.get("MLFLOW_TRACKING_AUTH"):  # an auth plugin of MLflow's: only MLflow knows what it sends
+        return None
+    header = auth_header()
+    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1")
+    if header is not None:
+        request.add_header("Authorization", header)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as e:
+        if e.code != 401:  # 403, 404 (an old server, a proxy's path): the run's own requests will say
+            return None
+    except (OSError, ValueError, ssl.SSLError):  # gone meanwhile, TLS settings only MLflow has: it will say
+        return None
+    if header is None:
+        return f"the server asks for a login (HTTP 401); set {USERNAME} and {PASSWORD} (or {TOKEN}) in the environment"
+    via = f"{USERNAME} and {PASSWORD}" if header.startswith("Basic") else TOKEN
+    return f"the server refused the credentials of {via} (HTTP 401); set the right ones (ask the server's admin)"
 
 
 def _connect_error(address: tuple[str, int] | str, timeout_s: float) -> str | None:
