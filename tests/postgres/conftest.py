@@ -74,9 +74,10 @@ def _unavailable() -> str | None:
     if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
         return "PostgreSQL is not installed (tests/postgres/install.sh: apt-get install postgresql)"
     try:
+        import flask_wtf  # noqa: F401  (MLflow's basic-auth app: the team server's login)
         import psycopg  # noqa: F401
-    except ImportError:
-        return "the psycopg package is not installed (pip install -c constraints.txt -e '.[team]')"
+    except ImportError as e:
+        return f"the {e.name} package is not installed (pip install -c constraints.txt -e '.[team]')"
     return None
 
 

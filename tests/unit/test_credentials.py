@@ -116,6 +116,47 @@ def test_a_config_that_still_holds_them_is_refused_before_anything_records_it() 
     assert credentials.without_credentials(f"see {URI}/x") == "see http://127.0.0.1:5999/x"
 
 
+def test_the_reachability_check_names_a_login_the_server_refuses(env: dict[str, str]) -> None:
+    """Before anything is built: a server that answers ``/health`` (MLflow's needs no login) but 401s the tracking
+    API without the right ``Authorization`` stops the run with the variables to set. A few lines of HTTP stand in
+    for MLflow's login here; the PostgreSQL lane shows MLflow's own 401 (tests/postgres/test_team_server.py)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from hlat.track.mlflow_store import check_reachable
+
+    env.update({USERNAME: "alice", PASSWORD: SECRET})
+    good = auth_header()
+    asked: list[str | None] = []
+
+    class Login(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.headers.get("Authorization"))
+            ok = self.path == "/health" or self.headers.get("Authorization") == good
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Login)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cfg = TrackerConfig(uri=f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        check_reachable(cfg)  # the right login: nothing to say
+        assert asked == [None, good]
+        env[PASSWORD] = "wrong-password"
+        with pytest.raises(ConfigError, match=f"refused the login in {USERNAME} and {PASSWORD} \\(HTTP 401\\)"):
+            check_reachable(cfg)
+        env.pop(USERNAME)
+        env.pop(PASSWORD)
+        with pytest.raises(ConfigError, match=f"asks for a login \\(HTTP 401\\); set {USERNAME} and {PASSWORD}"):
+            check_reachable(cfg)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 HYDRA_APP = """
 import json, os, sys
 from pathlib import Path

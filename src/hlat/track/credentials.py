@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from urllib.parse import unquote
 
 from hlat.config import ConfigError
@@ -48,7 +48,7 @@ has_credentials = holds_credentials
 """Whether a URI holds a secret: any user information of ``http(s)``, a password of other schemes."""
 
 
-def adopt(uri: str, key: str = "tracker.uri", env: os._Environ[str] | dict[str, str] | None = None) -> str:
+def adopt(uri: str, key: str = "tracker.uri", env: MutableMapping[str, str] | None = None) -> str:
     """Move the user name and password of tracking URI ``uri`` into the environment; the URI without them.
 
     ``http(s)``: :data:`USERNAME` and :data:`PASSWORD`; ``postgresql``: the password into :data:`PG_PASSWORD` (the
@@ -62,7 +62,7 @@ def adopt(uri: str, key: str = "tracker.uri", env: os._Environ[str] | dict[str, 
     return USERINFO.sub(lambda m: _take(m[1], m[2], key, uri, env), uri)
 
 
-def _take(scheme: str, userinfo: str, key: str, uri: str, env: Mapping[str, str] | dict[str, str]) -> str:
+def _take(scheme: str, userinfo: str, key: str, uri: str, env: MutableMapping[str, str]) -> str:
     """Put one URL's ``userinfo`` where the client of ``scheme`` reads it; what replaces ``scheme://userinfo@``."""
     if not secret_userinfo(scheme, userinfo):
         return f"{scheme}://{userinfo}@"
@@ -111,7 +111,7 @@ def adopt_arguments(args: Sequence[str]) -> list[str]:
     return out
 
 
-def adopt_environment(env: os._Environ[str] | dict[str, str] | None = None) -> None:
+def adopt_environment(env: MutableMapping[str, str] | None = None) -> None:
     """``MLFLOW_TRACKING_URI`` without credentials: they move to their variables (:func:`adopt`).
 
     Raises:

@@ -128,7 +128,7 @@ def _credentials_refused(uri: str, timeout_s: float) -> str | None:
     if header is None:
         return f"the server asks for a login (HTTP 401); set {USERNAME} and {PASSWORD} (or {TOKEN}) in the environment"
     via = f"{USERNAME} and {PASSWORD}" if header.startswith("Basic") else TOKEN
-    return f"the server refused the credentials of {via} (HTTP 401); set the right ones (ask the server's admin)"
+    return f"the server refused the login in {via} (HTTP 401); set the right one (the server's admin sets passwords)"
 
 
 def _connect_error(address: tuple[str, int] | str, timeout_s: float) -> str | None:
