@@ -2,8 +2,9 @@
 # A team MLflow tracking server for hlat runs: PostgreSQL backend + an artifact directory, proxied artifacts.
 #
 #   scripts/mlflow-server.sh                                # 127.0.0.1:5000, everything in ./mlflow-server/
-#   ARTIFACTS=/fsx/mlflow-artifacts HOST=0.0.0.0 ALLOWED_HOSTS=mlflow.internal:5000 scripts/mlflow-server.sh  # a team's
-#   MLFLOW_DB_URI=postgresql://mlflow:***@db.internal/mlflow scripts/mlflow-server.sh   # a database you already run
+#   ADMIN_PASSWORD_FILE=~/.mlflow-admin ARTIFACTS=/fsx/mlflow-artifacts HOST=0.0.0.0 \
+#     ALLOWED_HOSTS=mlflow.internal:5000 scripts/mlflow-server.sh                     # a team's, behind a login
+#   MLFLOW_DB_URI=postgresql://mlflow@db.internal/mlflow scripts/mlflow-server.sh     # a database you already run
 #
 # Then train with `python train.py tracker.uri=http://<host>:5000`. Without MLFLOW_DB_URI it runs its own
 # PostgreSQL (Debian's `postgresql` package; initdb on the first start) in $MLFLOW_STORE/postgres: no TCP port, only
@@ -12,13 +13,44 @@
 # through the server, so clients need no access to it. Bound to loopback unless HOST says otherwise; with
 # HOST=0.0.0.0, MLflow 3's host-header check needs ALLOWED_HOSTS (the name clients use). One worker and no job
 # execution: starts in ~6 s and uses ~520 MB instead of ~20 s and ~3 GB (MLflow 3.17, measured on a 2-core machine).
-# Needs psycopg (3) beside mlflow: pip install -c constraints.txt -e ".[team]".
+#
+# Who gets in: bound beyond loopback, the server runs MLflow's basic-auth app and answers only its users (clients set
+# MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD). Its admin user is made on the first start, with the
+# password in the file ADMIN_PASSWORD_FILE or in MLFLOW_AUTH_ADMIN_PASSWORD (at least 12 characters; never on a
+# command line, which `ps` shows to every user); users and permissions live in $MLFLOW_STORE/basic_auth.db, and
+# every user may read and write every experiment (DEFAULT_PERMISSION=EDIT; deleting one is its creator's or the
+# admin's). An admin password turns the login on at loopback too; once on, it stays on. ALLOW_UNAUTHENTICATED=1
+# serves beyond loopback without a login, to anyone who reaches it.
+# Needs psycopg (3) and Flask-WTF beside mlflow: pip install -c constraints.txt -e ".[team]".
 set -euo pipefail
 STORE="$(realpath -m "${MLFLOW_STORE:-$PWD/mlflow-server}")"
 ARTIFACTS="${ARTIFACTS:-$STORE/artifacts}"
 HOST="${HOST:-127.0.0.1}"
 PORT="${PORT:-5000}"
 DB_URI="${MLFLOW_DB_URI:-}"
+
+case "$HOST" in
+  127.*|localhost|::1|"[::1]") loopback=1 ;;
+  *) loopback=0 ;;
+esac
+if [[ -n "${ADMIN_PASSWORD_FILE:-}" ]]; then
+  if [[ ! -r "$ADMIN_PASSWORD_FILE" ]]; then
+    echo "mlflow-server.sh: ADMIN_PASSWORD_FILE=$ADMIN_PASSWORD_FILE cannot be read; point it at the file that" \
+         "holds the admin password (one line)" >&2
+    exit 2
+  fi
+  MLFLOW_AUTH_ADMIN_PASSWORD="$(<"$ADMIN_PASSWORD_FILE")"
+  export MLFLOW_AUTH_ADMIN_PASSWORD
+fi
+auth=0
+if [[ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" || -n "${MLFLOW_AUTH_CONFIG_PATH:-}" || -f "$STORE/basic_auth.db" ]]; then
+  auth=1  # asked for, or on before: a server that has users never opens up by itself
+elif (( ! loopback )) && [[ "${ALLOW_UNAUTHENTICATED:-}" != 1 ]]; then
+  echo "mlflow-server.sh: HOST=$HOST would serve every run to anyone who reaches it, with write and delete rights;" \
+       "give an admin password (ADMIN_PASSWORD_FILE=<file> or MLFLOW_AUTH_ADMIN_PASSWORD) to turn on MLflow's" \
+       "basic auth, or set ALLOW_UNAUTHENTICATED=1 to serve it open" >&2
+  exit 2
+fi
 mkdir -p "$STORE" "$ARTIFACTS"
 
 python="$(dirname "$(command -v mlflow)")/python"
@@ -66,10 +98,30 @@ if [[ -z "$DB_URI" ]]; then
   DB_URI="postgresql://mlflow@/mlflow?host=$PGDATA"
 fi
 
-args=(--backend-store-uri "$DB_URI" --artifacts-destination "$ARTIFACTS"
-      --serve-artifacts --host "$HOST" --port "$PORT" --workers "${WORKERS:-1}")
+# The database by the environment, not the command line: its URI may hold a password, and `ps` shows arguments
+export MLFLOW_BACKEND_STORE_URI="$DB_URI"
+args=(--artifacts-destination "$ARTIFACTS" --serve-artifacts --host "$HOST" --port "$PORT" --workers "${WORKERS:-1}")
 if [[ -n "${ALLOWED_HOSTS:-}" ]]; then
   args+=(--allowed-hosts "$ALLOWED_HOSTS")
+fi
+if (( auth )); then
+  args+=(--app-name basic-auth)
+  if [[ -z "${MLFLOW_AUTH_CONFIG_PATH:-}" ]]; then  # the auth database beside the store; the file holds no secret
+    export MLFLOW_AUTH_CONFIG_PATH="$STORE/basic_auth.ini"
+    # A login costs MLflow a password hash (~0.5 s of CPU, scrypt): without its cache of logins that succeeded, a
+    # busy server spends its time hashing and runs' requests time out. With several WORKERS, a password changed or a
+    # user removed through one worker takes up to the cache's 60 s to reach the others.
+    printf '%s\n' "[mlflow]" "default_permission = ${DEFAULT_PERMISSION:-EDIT}" \
+      "database_uri = sqlite:///$STORE/basic_auth.db" "admin_username = admin" \
+      "authorization_function = mlflow.server.auth:authenticate_request_basic_auth" \
+      "auth_cache_ttl_seconds = 60" >"$MLFLOW_AUTH_CONFIG_PATH"
+  fi
+  if [[ -z "${MLFLOW_FLASK_SERVER_SECRET_KEY:-}" ]]; then  # signs the UI's CSRF tokens: kept across restarts
+    key="$STORE/flask-secret-key"
+    [[ -s "$key" ]] || (umask 077 && head -c 32 /dev/urandom | base64 >"$key")
+    MLFLOW_FLASK_SERVER_SECRET_KEY="$(<"$key")"
+    export MLFLOW_FLASK_SERVER_SECRET_KEY
+  fi
 fi
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
 # The server migrates a new database at its start, before it answers; then PostgreSQL stops with it.

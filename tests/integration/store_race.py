@@ -83,9 +83,25 @@ sys.exit(1 if failed else 0)
 mlflow once (what a process pays before it opens the store does not matter to the race, only when it opens it)."""
 
 
-def start_together(uri: str, workdir: Path, cache_dir: Path, *, drivers: int, trainings: int) -> None:
+def start_together(
+    uri: str,
+    workdir: Path,
+    cache_dir: Path,
+    *,
+    drivers: int,
+    trainings: int,
+    driver_env: dict[str, str] | None = None,
+    train_uri: str | None = None,
+    sweep: bool = False,
+) -> dict[str, str]:
     """Start ``trainings`` ``python train.py`` and ``drivers`` tracker processes on store ``uri``, release the
     drivers at once, and wait for all of them.
+
+    ``driver_env``: more environment for the drivers; ``train_uri``: the ``tracker.uri`` the trainings are given
+    (default ``uri``); ``sweep``: each training is a one-job multirun (``-m``, its directory ``hydra.sweep.dir``).
+
+    Returns:
+        Each process's output (stdout and stderr): ``train-<i>``, ``drivers``.
 
     Raises:
         AssertionError: A process failed; its output tail says why.
@@ -94,10 +110,10 @@ def start_together(uri: str, workdir: Path, cache_dir: Path, *, drivers: int, tr
     go = workdir / "go"
     procs: dict[str, subprocess.Popen[str]] = {}
     for i in range(trainings):
-        run_dir = workdir / f"train-{i}"
-        args = [*TINY_TRAIN, f"tracker.uri={uri}", f"data.cache_dir={cache_dir}", f"hydra.run.dir={run_dir}"]
+        where = f"hydra.{'sweep' if sweep else 'run'}.dir={workdir / f'train-{i}'}"
+        args = [*TINY_TRAIN, f"tracker.uri={train_uri or uri}", f"data.cache_dir={cache_dir}", where]
         procs[f"train-{i}"] = subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *args, f"tracker.run_name=train-{i}"],
+            [sys.executable, str(ROOT / "train.py"), *(["-m"] if sweep else []), *args, f"tracker.run_name=train-{i}"],
             cwd=workdir,
             env=env,
             stdout=subprocess.PIPE,
@@ -106,7 +122,7 @@ def start_together(uri: str, workdir: Path, cache_dir: Path, *, drivers: int, tr
         )
     procs["drivers"] = subprocess.Popen(
         [sys.executable, "-c", DRIVER, uri, str(go), str(drivers)],
-        env=env,
+        env={**env, **(driver_env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -119,12 +135,14 @@ def start_together(uri: str, workdir: Path, cache_dir: Path, *, drivers: int, tr
         line = pipe.readline()
         assert line.strip() == "ready", line + pipe.read()[-3000:]
         go.touch()  # every driver opens the store now
-        failed = {}
+        failed, outputs = {}, {"drivers": line}
         for name, proc in procs.items():
             out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs[name] = outputs.get(name, "") + out
             if proc.returncode != 0:
                 failed[name] = out[-3000:]
         assert not failed, "\n".join(f"{k} failed: {v}" for k, v in failed.items())
+        return outputs
     finally:
         for name, proc in procs.items():
             if proc.poll() is None:
@@ -142,7 +160,8 @@ def assert_every_point_arrived(uri: str, *, drivers: int, trainings: int) -> Non
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(EXPERIMENT)
     assert experiment is not None
-    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id], max_results=100)}
+    found = client.search_runs([experiment.experiment_id], max_results=100)
+    runs = {r.info.run_name: r for r in found if "hlat.sweep_overrides" not in r.data.tags}  # not a sweep's parent
     expected = {f"driver-{i}" for i in range(drivers)} | {f"train-{i}" for i in range(trainings)}
     assert set(runs) == expected
     for name, run in runs.items():

@@ -1,14 +1,18 @@
 """Fixtures of the PostgreSQL lane: the team tracking server, ``scripts/mlflow-server.sh``, on a real PostgreSQL.
 
-The script starts PostgreSQL (Debian's package) in a temporary directory and MLflow's server on it, as a team would;
-the tests run against that. The main suite leaves the lane out: it is collected only with
-``HLAT_POSTGRES_LANE=1`` (``make test-postgres``, which installs PostgreSQL and the ``team`` extra first).
+The script starts PostgreSQL (Debian's package) in a temporary directory and MLflow's server on it, as a team would,
+with MLflow's login on (an admin password file; the admin adds two team members); the tests run against that. The
+main suite leaves the lane out: it is collected only with ``HLAT_POSTGRES_LANE=1`` (``make test-postgres``, which
+installs PostgreSQL and the ``team`` extra first).
 """
 
 from __future__ import annotations
 
+import base64
 import glob
+import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,12 +36,26 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "mlflow-server.sh"
 
 
+ADMIN_PASSWORD = f"admin-{secrets.token_hex(8)}"
+USERS = {"alice": f"alice-{secrets.token_hex(8)}", "bob": f"bob-{secrets.token_hex(8)}"}
+"""The team server's admin password (from a file) and its team members', new each session: the lane greps what the
+runs leave for them, and a constant would be found in any uncommitted diff of this file (a run's git.diff)."""
+
+
 @dataclass(frozen=True)
 class TeamServer:
-    """The running team server: its address and the directory the script keeps everything in."""
+    """The running team server: its address, the directory the script keeps everything in, the admin's password
+    file (outside it)."""
 
     uri: str
     store: Path
+    admin_password_file: Path
+
+    @staticmethod
+    def login(user: str = "admin") -> dict[str, str]:
+        """The environment of a client logged in as ``user`` (MLflow's variables)."""
+        password = ADMIN_PASSWORD if user == "admin" else USERS[user]
+        return {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
 
     @property
     def pg_bin(self) -> Path:
@@ -56,10 +74,24 @@ def _unavailable() -> str | None:
     if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
         return "PostgreSQL is not installed (tests/postgres/install.sh: apt-get install postgresql)"
     try:
+        import flask_wtf  # noqa: F401  (MLflow's basic-auth app: the team server's login)
         import psycopg  # noqa: F401
-    except ImportError:
-        return "the psycopg package is not installed (pip install -c constraints.txt -e '.[team]')"
+    except ImportError as e:
+        return f"the {e.name} package is not installed (pip install -c constraints.txt -e '.[team]')"
     return None
+
+
+def _add_users(uri: str) -> None:
+    """The admin adds the team's members (MLflow's users API, basic auth)."""
+    admin = base64.standard_b64encode(f"admin:{ADMIN_PASSWORD}".encode()).decode()
+    for user, password in USERS.items():
+        request = urllib.request.Request(
+            f"{uri}/api/2.0/mlflow/users/create",
+            data=json.dumps({"username": user, "password": password}).encode(),
+            headers={"Authorization": f"Basic {admin}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=hang_guard(30)):
+            pass
 
 
 def _wait_healthy(uri: str, server: subprocess.Popen, log: Path) -> None:
@@ -126,12 +158,15 @@ def team_server() -> Iterator[TeamServer]:
     # and the socket's path must stay under 108 characters.
     store = Path(tempfile.mkdtemp(prefix="hlat-pg-", dir="/tmp"))
     store.chmod(0o755)
+    keys = Path(tempfile.mkdtemp(prefix="hlat-pg-admin-"))  # not in the store: the lane greps the store for it
+    (keys / "admin-password").write_text(ADMIN_PASSWORD + "\n")
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     env = {
         **os.environ,
         "MLFLOW_STORE": str(store),
         "PORT": str(port),
+        "ADMIN_PASSWORD_FILE": str(keys / "admin-password"),  # the login, on loopback too
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # this venv's mlflow
     }
     log = store / "server.log"
@@ -147,7 +182,8 @@ def team_server() -> Iterator[TeamServer]:
         )
     try:
         _wait_healthy(uri, server, log)
-        yield TeamServer(uri, store)
+        _add_users(uri)
+        yield TeamServer(uri, store, keys / "admin-password")
         server.send_signal(signal.SIGINT)  # what Ctrl-C sends it
         server.wait(timeout=hang_guard(120))
         assert not (store / "postgres" / "postmaster.pid").exists(), "the script left PostgreSQL running"
@@ -160,6 +196,7 @@ def team_server() -> Iterator[TeamServer]:
             postmaster = int(pid_file.read_text().split()[0])
             os.kill(postmaster, signal.SIGQUIT)
         shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(keys, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

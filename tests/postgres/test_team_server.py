@@ -1,33 +1,95 @@
-"""The team tracking server on PostgreSQL (``scripts/mlflow-server.sh``): runs started together all land in it.
+"""The team tracking server on PostgreSQL (``scripts/mlflow-server.sh``): runs started together all land in it, and
+it lets in only its team.
 
-Two ways runs meet a fresh PostgreSQL store: through the server (it migrated the database when it started), and
-opening a new database directly (``tracker.uri=postgresql://...``), where hlat's advisory lock lets only the first
-opener migrate it.
+Two ways runs meet a fresh PostgreSQL store: through the server (it migrated the database when it started, and
+asks every request for a login), and opening a new database directly (``tracker.uri=postgresql://...``), where
+hlat's advisory lock lets only the first opener migrate it.
 """
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import pytest
+
+from hlat.cli import main as hlat_main
+from hlat.track.spool import Spool
 from tests.integration.store_race import assert_every_point_arrived, start_together
-from tests.postgres.conftest import TeamServer
+from tests.postgres.conftest import ADMIN_PASSWORD, USERS, TeamServer
 
 
-def test_eight_runs_started_at_once_on_the_fresh_team_server_all_land(
-    team_server: TeamServer, tmp_path: Path, cache_dir: Path
+def status_without_login(uri: str) -> int:
+    """The HTTP status of a tracking API read without credentials."""
+    try:
+        with urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_eight_runs_started_at_once_on_the_fresh_team_server_all_land_and_no_password_is_recorded(
+    team_server: TeamServer, tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Seven tracker processes and a ``python train.py tracker.uri=http://...``: every point, the training run's
-    params, and its artifacts in the server's artifact root (uploaded through the server)."""
+    """Seven tracker processes logged in as bob (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``) and a one-job sweep
+    ``python train.py -m tracker.uri=http://alice:<password>@...``: every point, the training run's params, and its
+    artifacts in the server's artifact root (uploaded through the server); a request without a login is refused.
+    ``hlat compare`` and ``hlat track sync`` take the password in ``--uri`` too. No byte of what the runs leave (run
+    and sweep directories with ``.hydra/``, the server's store: PostgreSQL's files, artifacts, auth database, log)
+    nor of their output holds a password."""
     from mlflow import MlflowClient
 
-    start_together(team_server.uri, tmp_path, cache_dir, drivers=7, trainings=1)
+    assert status_without_login(team_server.uri) == 401
+    host = team_server.uri.removeprefix("http://")
+    with_password = f"http://alice:{USERS['alice']}@{host}"
+    outputs = start_together(
+        team_server.uri,
+        tmp_path,
+        cache_dir,
+        drivers=7,
+        trainings=1,
+        driver_env=team_server.login("bob"),
+        train_uri=with_password,
+        sweep=True,
+    )
+    for k, v in team_server.login("admin").items():
+        monkeypatch.setenv(k, v)
     assert_every_point_arrived(team_server.uri, drivers=7, trainings=1)
 
     client = MlflowClient(tracking_uri=team_server.uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("race").experiment_id], "attributes.run_name='train-0'")
+    experiment = client.get_experiment_by_name("race").experiment_id
+    (run,) = client.search_runs([experiment], "attributes.run_name='train-0'")
     listed = {a.path for a in client.list_artifacts(run.info.run_id)}
     on_disk = {p.name for p in (team_server.store / "artifacts").glob(f"*/{run.info.run_id}/artifacts/*")}
     assert listed and listed == on_disk
+    (parent,) = client.search_runs([experiment], "tags.`hlat.sweep_overrides` != ''")
+    assert parent.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+
+    spooled = client.create_run(experiment, run_name="spooled").info.run_id  # what a run left in an outage
+    spool = Spool(tmp_path / "mlflow-spool" / f"{spooled}.jsonl", spooled, team_server.uri)
+    spool.append(0, [("train/loss", 1.0 / step, 1000 + step, step) for step in range(1, 6)])
+    spool.set_meta({"status": "FINISHED", "end_time": 2000})
+    spool.close()
+    for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(k)  # from here on only the URI's login
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as synced:
+        hlat_main(["track", "sync", str(spool.path), "--uri", with_password])
+    with pytest.raises(SystemExit) as compared:
+        hlat_main(["compare", "--uri", with_password, "--runs", run.info.run_id, spooled, "--out", str(tmp_path / "c")])
+    assert synced.value.code == compared.value.code == 0 and (tmp_path / "c" / "comparison.md").is_file()
+    assert [m.step for m in client.get_metric_history(spooled, "train/loss")] == [1, 2, 3, 4, 5]
+
+    leaked = [
+        f"{p}: {name}"
+        for p in [*tmp_path.rglob("*"), *team_server.store.rglob("*")]
+        if p.is_file() and not p.is_symlink()
+        for name, secret in {**USERS, "admin": ADMIN_PASSWORD}.items()
+        if secret.encode() in p.read_bytes()
+    ]
+    assert leaked == []
+    assert [u for u, secret in USERS.items() if any(secret in out for out in outputs.values())] == []
 
 
 def test_runs_opening_a_fresh_postgresql_database_at_once_all_land(

@@ -10,6 +10,7 @@ import pytest
 
 from hlat.config import TrackerConfig
 from hlat.track import mlflow_store as ms
+from hlat.track.credentials import without_credentials
 
 TEAM = "http://team.example:5000"
 CONF = "postgresql://db.example/runs"
@@ -42,10 +43,9 @@ def test_the_precedence(
 def test_the_line_names_store_and_source_never_the_password() -> None:
     line = ms.Store("http://alice:s3cr3t@team.example:5000", "MLFLOW_TRACKING_URI").line("hlat compare")
     assert line == "hlat compare: MLflow store http://team.example:5000 (from MLFLOW_TRACKING_URI)"
-    assert ms.without_userinfo("postgresql+psycopg://u:p@db:5432/x?sslmode=require&Password=p2") == (
-        "postgresql+psycopg://db:5432/x?sslmode=require&Password=***"
-    )
-    assert ms.without_userinfo("sqlite:////a@b/mlflow.db") == "sqlite:////a@b/mlflow.db"  # a path, not user-info
+    shown = without_credentials("postgresql+psycopg://u:p@db:5432/x?sslmode=require&Password=p2")
+    assert shown == "postgresql+psycopg://u@db:5432/x?sslmode=require&Password=***"  # the role stays, no password
+    assert without_credentials("sqlite:////a@b/mlflow.db") == "sqlite:////a@b/mlflow.db"  # a path, not user-info
 
 
 def test_a_hydra_commands_own_tracker_uri_beats_the_variable_one_from_conf_does_not(monkeypatch) -> None:

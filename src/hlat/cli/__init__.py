@@ -90,13 +90,50 @@ def job_started() -> None:
         _HydraRun.owned = False
 
 
+def take_credentials(argv: list[str] | None = None) -> list[str]:
+    """A tracking store's login off the command line and ``MLFLOW_TRACKING_URI``, into the variables MLflow reads.
+
+    ``argv``: default ``sys.argv``, rewritten in place. Nothing hlat or Hydra writes from here on holds the login
+    (:mod:`hlat.track.credentials`); one it cannot hand over exits 2 with the fix.
+    """
+    from hlat.config import ConfigError
+    from hlat.track.credentials import adopt_arguments, adopt_environment
+
+    try:
+        adopt_environment()
+        if argv is not None:
+            return adopt_arguments(argv)
+        sys.argv[1:] = adopt_arguments(sys.argv[1:])
+        return sys.argv[1:]
+    except ConfigError as e:
+        print(f"hlat: configuration error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _refuse_credentials_in_launch_files(argv: list[str]) -> None:
+    """``hlat launch|compile`` writes its overrides into the launch files: a tracking password there exits 2."""
+    from hlat.track.credentials import KEYS, PASSWORD, USERNAME, has_credentials
+
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+~") in KEYS and has_credentials(value):
+            print(
+                f"hlat: configuration error: {key.lstrip('+~')} holds a user name and password, which the launch "
+                f"files would record; give the URI without them and set {USERNAME} and {PASSWORD} in the job's "
+                "environment (for eks: from a Kubernetes Secret)",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
+
+
 def run_hydra(app: Callable[[], Any], argv: Sequence[str] | None = None) -> Any:
     """Call the ``@hydra.main`` function ``app``: what Hydra rejects before the job starts exits 2 with one message.
 
     Hydra would print a stack trace and exit 1; until the task calls :func:`job_started`, ``HYDRA_FULL_ERROR=1``
     makes it raise instead, for :func:`hydra_error_message` to word. ``argv``: default ``sys.argv[1:]``.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    take_credentials()  # before Hydra records the overrides (.hydra/overrides.yaml, hydra.yaml, config.yaml)
+    argv = take_credentials(list(sys.argv[1:] if argv is None else argv))
     _HydraRun.started, _HydraRun.owned = False, "HYDRA_FULL_ERROR" not in os.environ
     if _HydraRun.owned:
         os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -282,6 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     from hlat.logs import route_library_logs
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("launch", "compile"):
+        _refuse_credentials_in_launch_files(argv)
+    argv = take_credentials(argv)
     route_library_logs()  # mlflow's INFO chatter: to the run's log file (or nowhere), never the console
     if argv and argv[0] == "data":  # before the top-level parser, which would answer `hlat data --help` itself
         _data(argv[1:])

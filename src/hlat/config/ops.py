@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from hlat.config.base import _check, _check_choice, _check_range, _Frozen, show
@@ -110,6 +111,24 @@ class ClusterConfig(_Frozen):
         self._freeze()
 
 
+USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*)://([^/?#\s]*)@")
+"""A URL's ``scheme://userinfo@`` (greedy to the last ``@`` of the authority: a password may hold one)."""
+
+
+def secret_userinfo(scheme: str, userinfo: str) -> bool:
+    """Whether a URL's user information is a secret.
+
+    Any is for ``http(s)`` (a user name alone may be a token); for other schemes the ``user:password`` form is
+    (``postgresql://mlflow@...`` only names a role).
+    """
+    return scheme.lower() in ("http", "https") or ":" in userinfo
+
+
+def holds_credentials(uri: str | None) -> bool:
+    """Whether ``uri`` holds a URL whose user information is a secret (:func:`secret_userinfo`)."""
+    return bool(uri) and any(secret_userinfo(m[1], m[2]) for m in USERINFO.finditer(uri))
+
+
 @dataclass
 class TrackerConfig(_Frozen):
     """Experiment tracking (``conf/tracker/``)."""
@@ -144,6 +163,14 @@ class TrackerConfig(_Frozen):
 
     def __post_init__(self) -> None:
         _check_choice("tracker.kind", self.kind, ("mlflow", "console"))
+        # The entry points take a URI's user name and password off (hlat.track.credentials) before anything records
+        # the config; one that reaches here came another way and would be written down with the run.
+        _check(
+            not holds_credentials(self.uri),
+            "tracker.uri holds a password, which would be recorded with the run's config; give the URI without it "
+            "and the credentials in the environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD for a "
+            "tracking server, PGPASSWORD for PostgreSQL",
+        )
         _check_range(self, "tracker.flush_every_s", ">= 0", note="(seconds; 0: send at once)")
         _check_range(self, "tracker.spike_window", ">= 1")
         _check_range(self, "tracker.spike_threshold", ">= 0")

@@ -1,8 +1,11 @@
-"""The Hydra callback of every multirun (``hydra.callbacks.sweep`` in ``conf/config.yaml``).
+"""The Hydra callbacks of ``python train.py`` (``hydra.callbacks`` in ``conf/config.yaml``).
 
-At the start: the MLflow parent run and hlat's launcher. At the end: the comparison and summary on the parent run,
-and exit 1 naming any job that failed, was killed or stopped. However it ends, the parent run is never left
-RUNNING. Only rank 0 acts.
+:class:`CredentialsCallback`, of every run: a tracking URI's user name and password from the config (a config
+file, an interpolation) go into the environment before Hydra writes ``.hydra/``.
+
+:class:`SweepCallback`, of every multirun: at the start, the MLflow parent run and hlat's launcher; at the end, the
+comparison and summary on the parent run, and exit 1 naming any job that failed, was killed or stopped. However it
+ends, the parent run is never left RUNNING. Only rank 0 acts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hlat.track import sweep
 
@@ -198,7 +201,8 @@ class SweepCallback(Callback):
     def _compare(uri: str, sweep_dir: Path, parent: dict[str, Any] | None) -> None:
         """``hlat compare --sweep`` over this sweep, then the parent run's summary (failures: logged)."""
         from hlat.track.compare import summary_table, write_report
-        from hlat.track.mlflow_store import open_client, without_userinfo
+        from hlat.track.credentials import without_credentials
+        from hlat.track.mlflow_store import open_client
         from hlat.track.runs import select_runs
         from hlat.track.sweep_views import summarize
         from hlat.track.trackers import ui_address
@@ -208,7 +212,7 @@ class SweepCallback(Callback):
             runs = select_runs(uri, sweep_dir=str(sweep_dir), status=None)
             md, png = write_report(runs, sweep_dir, title=f"Sweep {sweep_dir}: {len(runs)} MLflow runs")
             print(summary_table(runs))
-            again = f"hlat compare --sweep {sweep_dir} --uri {without_userinfo(uri)}"
+            again = f"hlat compare --sweep {sweep_dir} --uri {without_credentials(uri)}"
             print(f"\ncomparison: {md}\nplot:       {png}\nagain:      {again}")
             if parent is not None:
                 for f in (md, png):
@@ -223,3 +227,38 @@ class SweepCallback(Callback):
             print(f"MLflow:     {ui_address(uri, page)}")
         except Exception:  # the UI's conveniences: the sweep and its comparison stand without them
             log.exception("could not summarize sweep %s on its MLflow parent run", sweep_dir)
+
+
+class CredentialsCallback(Callback):
+    """A ``tracker.uri`` with a user name and password in the composed config: they move to the environment.
+
+    The command line's are gone before Hydra starts (``hlat.cli.run_hydra``); a URI from a config file or an
+    interpolation is handled here, after composition and before Hydra writes ``.hydra/``. A single run's config is
+    changed in place (Hydra saves and runs that very object); a multirun's jobs are composed again from the files, so
+    they get the URI without credentials as one more override.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _take_credentials(config, multirun=False)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _take_credentials(config, multirun=True)
+
+
+def _take_credentials(config: DictConfig, *, multirun: bool) -> None:
+    from hlat.config import ConfigError
+    from hlat.track.credentials import adopt, has_credentials
+
+    uri = OmegaConf.select(config, "tracker.uri", default=None)
+    if not isinstance(uri, str) or not has_credentials(uri):
+        return
+    try:
+        clean = adopt(uri)
+    except ConfigError as e:  # Hydra turns a callback's exceptions into warnings: this one must stop the run
+        print(f"hlat: configuration error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    with read_write(config), open_dict(config):
+        config.tracker.uri = clean
+        if multirun:
+            quoted = clean.replace("\\", "\\\\").replace("'", "\\'")
+            config.hydra.overrides.task.append(f"tracker.uri='{quoted}'")

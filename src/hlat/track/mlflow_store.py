@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hlat.config import ConfigError, TrackerConfig
+from hlat.track.credentials import PASSWORD, TOKEN, USERNAME, auth_header, without_credentials
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class Store:
 
     def line(self, command: str) -> str:
         """What the command says on stderr: ``hlat compare: MLflow store URI (from SOURCE)``, no password in it."""
-        return f"{command}: MLflow store {without_userinfo(self.uri)} (from {self.source})"
+        return f"{command}: MLflow store {without_credentials(self.uri)} (from {self.source})"
 
 
 def resolve_store(
@@ -109,20 +110,6 @@ def run_store_uri(uri: str | None) -> str:
     return resolve_store(uri, given_as="tracker.uri").uri
 
 
-def without_userinfo(uri: str) -> str:
-    """``uri`` as it may be printed: no ``user:password@``, no ``password=`` query value (libpq's).
-
-    ``http://a:b@host`` -> ``http://host``; ``postgresql://db/x?password=p`` -> ``postgresql://db/x?password=***``.
-    """
-    import re
-    from urllib.parse import urlsplit
-
-    netloc = urlsplit(uri).netloc  # string edits: urlunsplit would turn sqlite://// into sqlite://
-    if "@" in netloc:
-        uri = uri.replace(netloc, netloc.rpartition("@")[2], 1)
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", uri, flags=re.IGNORECASE)
-
-
 _SERVER_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
 """Default ports of the ``tracker.uri`` schemes whose server :func:`check_reachable` asks."""
 
@@ -144,7 +131,7 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     key = "tracker.uri" if cfg.uri or not os.environ.get(ENV_URI) else ENV_URI  # where the user fixes it
     parts = urlsplit(uri)
     scheme = parts.scheme.split("+")[0].lower()  # postgresql+psycopg2 -> postgresql
-    shown = uri.replace(f":{parts.password}@", ":***@") if parts.password else uri  # never print a password
+    shown = without_credentials(uri)  # never print a password
     fixes = (
         f"fix {key}, unset it (the local store ./mlflow.db) or use tracker=console"
         if cfg.uri or key == ENV_URI
@@ -162,6 +149,9 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
                 f"{key}={shown}: nothing answers at {where} within {timeout_s:g} s "
                 f"({error}); start the server ({start}), {fixes}"
             )
+        refused = _credentials_refused(uri, timeout_s) if scheme.startswith("http") else None
+        if refused is not None:
+            raise ConfigError(f"{key}={shown}: {refused}")
         return
     if scheme == "sqlite":
         db = uri.removeprefix("sqlite:///")
@@ -173,7 +163,7 @@ def check_reachable(cfg: TrackerConfig, *, rank: int = 0, timeout_s: float = 3.0
     else:
         return
     if problem is not None:
-        raise ConfigError(f"{key}={uri}: {problem}; {fixes}")
+        raise ConfigError(f"{key}={shown}: {problem}; {fixes}")
 
 
 def _http_error(uri: str, timeout_s: float) -> str | None:
@@ -193,6 +183,37 @@ def _http_error(uri: str, timeout_s: float) -> str | None:
         return str(getattr(e.reason, "strerror", None) or e.reason)
     except (OSError, ValueError) as e:  # TimeoutError, a reset connection, a malformed URL
         return str(e) or type(e).__name__
+
+
+def _credentials_refused(uri: str, timeout_s: float) -> str | None:
+    """Why a server that answers refuses this process's credentials (None: it takes them, or cannot tell).
+
+    One read of the tracking API with the ``Authorization`` MLflow's client would send: a 401 means training would
+    die at its first request, after everything is built. (``/health`` needs no login, so it cannot tell.)
+    """
+    import os
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    if os.environ.get("MLFLOW_TRACKING_AUTH"):  # an auth plugin of MLflow's: only MLflow knows what it sends
+        return None
+    header = auth_header()
+    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1")
+    if header is not None:
+        request.add_header("Authorization", header)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as e:
+        if e.code != 401:  # 403, 404 (an old server, a proxy's path): the run's own requests will say
+            return None
+    except (OSError, ValueError, ssl.SSLError):  # gone meanwhile, TLS settings only MLflow has: it will say
+        return None
+    if header is None:
+        return f"the server asks for a login (HTTP 401); set {USERNAME} and {PASSWORD} (or {TOKEN}) in the environment"
+    via = f"{USERNAME} and {PASSWORD}" if header.startswith("Basic") else TOKEN
+    return f"the server refused the login in {via} (HTTP 401); set the right one (the server's admin sets passwords)"
 
 
 def _connect_error(address: tuple[str, int] | str, timeout_s: float) -> str | None:
