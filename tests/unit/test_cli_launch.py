@@ -135,13 +135,17 @@ def test_the_shells_mlflow_tracking_uri_is_pinned_unless_it_holds_a_password(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The nodes need not share this shell's environment: its store goes into the launch file, as the default would;
-    a URI with user-info stays out of it (the job's environment must carry it)."""
+    the login of a URI with user-info stays out of it (hlat.cli.main moved it into MLflow's variables, which the
+    job's environment must carry)."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://team.example:5000")
     _, out, _ = hlat(capsys, "launch", "--target", "torchrun", "cluster=cpu", "cluster.nodes=2")
     assert " tracker.uri=http://team.example:5000 " in out.replace("\\\n", " ")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:s3cr3t@team.example:5000")
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test: main() sets them from the URI
     _, out, _ = hlat(capsys, "launch", "--target", "torchrun", "cluster=cpu", "cluster.nodes=2")
-    assert "tracker.uri=" not in out and "s3cr3t" not in out
+    assert " tracker.uri=http://team.example:5000 " in out.replace("\\\n", " ")
+    assert "s3cr3t" not in out and "alice" not in out
 
 
 def test_eks_keeps_the_images_command_and_paths(capsys: pytest.CaptureFixture[str]) -> None:
