@@ -20,12 +20,23 @@ its database, e.g. PostgreSQL's ``pg_database_size``), ``get_metric_history('tra
 <the run>`` (wall time and peak RSS of its own process), and with a server the UI's sampled chart endpoint
 (``get-history-bulk-interval``, 320 points). Sizes and read times at fewer steps are extrapolated linearly to
 ``--scale-to`` steps (the table says so).
+
+``hlat compare`` of one run and of a sweep (after): beside the after arm's run, ``--compare-runs`` - 1 more runs get a
+series of as many steps of their own (the loss offset per run, written as the trainer writes it: a part per
+checkpoint logged as an artifact, compacted at the end; their params and last values in MLflow, not the lean store's
+histories, which ``hlat compare`` does not read for a run with a series). ``hlat compare --runs`` of the first run and
+of all of them is timed ``--repeat`` times, in its own process each: wall time, CPU time (user + system, which the
+load of a shared machine changes less) and its peak RSS (its own ``VmHWM``: not ``ru_maxrss``, which for a process
+started by this big one includes this one's RSS at the fork, because Linux keeps the larger across ``exec``). With
+``--baseline-src`` (the ``src/`` of another checkout, e.g. ``git worktree add /tmp/base main``) the same commands
+run that code too, interleaved, and the reports (``comparison.md`` and ``.png``) of both are compared byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,9 +73,12 @@ INTERVAL = (
     *(f"data/stat_{i}" for i in range(8)),
 )
 LOG_EVERY = 10
-_RSS = "import resource, sys; from hlat.track.compare import main; rc = main(sys.argv[1:]); " + (
-    "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)"
+_COMPARE = (
+    "import sys, hlat; from hlat.track.compare import main; rc = main(sys.argv[1:]); "
+    "hwm = [line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')]; "
+    "print('hlat_compare_peak_kib', hwm[0], hlat.__file__, file=sys.stderr); sys.exit(rc)"
 )
+"""``hlat compare`` in a process of its own that prints its peak RSS (``VmHWM``) and which hlat it ran."""
 
 
 def interval_rows(first: int, last: int) -> Rows:
@@ -127,19 +141,126 @@ def read_back(uri: str, result: dict, workdir: Path) -> None:
     t0 = time.perf_counter()
     result["loss_points"] = len(client.get_metric_history(result["run_id"], "train/loss"))
     result["history_s"] = time.perf_counter() - t0
-    out = workdir / f"compare-{result['run_id']}"
-    cmd = [sys.executable, "-c", _RSS, "--uri", uri, "--runs", result["run_id"], "--out", str(out)]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=workdir)
-    result["compare_s"] = time.perf_counter() - t0
-    kib = [line.split()[1] for line in done.stderr.splitlines() if line.startswith("peak_rss_kib")]
-    result["compare_mib"] = int(kib[-1]) / 1024
+    timed = run_compare(uri, [result["run_id"]], workdir / f"compare-{result['run_id']}", workdir)
+    result["compare_s"], result["compare_mib"] = timed["wall_s"], timed["peak_mib"]
     if uri.startswith(("http://", "https://")):
         query = f"run_ids={result['run_id']}&metric_key=train/loss&max_results=320"
         t0 = time.perf_counter()
         with urllib.request.urlopen(f"{uri}/ajax-api/2.0/mlflow/metrics/get-history-bulk-interval?{query}") as r:
             r.read()
         result["chart_s"] = time.perf_counter() - t0
+
+
+def run_compare(uri: str, run_ids: list[str], out: Path, workdir: Path, src: Path | None = None) -> dict:
+    """``hlat compare --runs <run_ids>`` in a process of its own: wall and CPU seconds, its peak RSS in MiB.
+
+    ``src``: run the hlat of that ``src/`` directory (first on ``PYTHONPATH``) instead of the installed one.
+    """
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-c", _COMPARE, "--uri", uri, "--runs", *run_ids, "--out", str(out)]
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=workdir, env=env)
+    wall = time.perf_counter() - t0
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    _, kib, ran = [line for line in done.stderr.splitlines() if line.startswith("hlat_compare_peak_kib")][-1].split()
+    if src is not None and not Path(ran).resolve().is_relative_to(src.resolve()):
+        raise RuntimeError(f"hlat compare ran {ran}, not the code under {src}")
+    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+    return {"wall_s": wall, "cpu_s": cpu, "peak_mib": int(kib) / 1024}
+
+
+def sweep_runs(uri: str, first: str, n: int, steps: int, workdir: Path, checkpoint_every: int) -> list[str]:
+    """``first`` and ``n - 1`` more runs of ``steps`` steps, each with a series of its own (module docstring)."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_run(first).info.experiment_id
+    ids = [first]
+    for arm in range(1, n):
+        run_id = client.create_run(experiment, run_name=f"arm {arm}").info.run_id
+        client.log_batch(run_id, params=[Param("sweep.arm", str(arm))])
+        writer = SeriesWriter(workdir / f"ckpt-{run_id}", 0)
+        writer.upload_with(lambda p, run_id=run_id: client.log_artifact(run_id, str(p), SERIES_DIR), run_id)
+        last: dict[str, tuple[int, float]] = {}
+        for lo in range(1, steps + 1, LOG_EVERY):
+            rows = interval_rows(lo, min(lo + LOG_EVERY - 1, steps))
+            for step, row in rows:
+                row["train/loss"] += 0.01 * arm
+                last.update((key, (step, value)) for key, value in row.items())
+            writer.log_metrics(rows)
+            if rows[-1][0] % checkpoint_every == 0:
+                writer.checkpoint(rows[-1][0])
+        writer.finish()
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, (step, v) in last.items()])
+        client.set_terminated(run_id)
+        ids.append(run_id)
+    return ids
+
+
+def compare_runs(uri: str, ids: list[str], workdir: Path, baseline: Path | None, repeat: int) -> dict[str, dict]:
+    """``hlat compare`` of the first run and of all ``ids``: per code and count, medians (peak: the largest).
+
+    With ``baseline``, both codes run in turn and ``identical`` says whether their reports are equal byte for byte.
+    """
+    codes = {"baseline": baseline, "this tree": None} if baseline is not None else {"this tree": None}
+    timed: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(repeat):
+        for count in dict.fromkeys((1, len(ids))):
+            for code, src in codes.items():
+                out = workdir / f"compare-{code.replace(' ', '-')}-{count}"
+                timed.setdefault((code, count), []).append(run_compare(uri, ids[:count], out, workdir, src))
+    result: dict[str, dict] = {}
+    for (code, count), runs in timed.items():
+        result.setdefault(code, {})[count] = {
+            "wall_s": statistics.median(r["wall_s"] for r in runs),
+            "cpu_s": statistics.median(r["cpu_s"] for r in runs),
+            "peak_mib": max(r["peak_mib"] for r in runs),
+        }
+    if baseline is not None:
+        for count in dict.fromkeys((1, len(ids))):
+            reports = [workdir / f"compare-{c}-{count}" for c in ("baseline", "this-tree")]
+            same = all((reports[0] / f).read_bytes() == (reports[1] / f).read_bytes() for f in _REPORT)
+            result["this tree"][count]["identical"] = same
+    return result
+
+
+_REPORT = ("comparison.md", "comparison.png")
+
+
+def compare_table(result: dict[str, dict], steps: int) -> str:
+    """The markdown table of :func:`compare_runs`."""
+    codes = list(result)
+    counts = list(result[codes[0]])
+    lines = [
+        f"`hlat compare --runs` of runs of {steps:,} steps: median wall / CPU (user + system), the largest peak RSS",
+        "",
+        f"| runs | {' | '.join(codes)} |" + (" this tree / baseline | reports identical |" if len(codes) > 1 else ""),
+        f"|---|{'---:|' * len(codes)}" + ("---:|---|" if len(codes) > 1 else ""),
+    ]
+    for count in counts:
+        cells = [
+            f"{r[count]['wall_s']:.1f} s / {r[count]['cpu_s']:.1f} s, {r[count]['peak_mib']:.0f} MiB"
+            for r in result.values()
+        ]
+        if len(codes) > 1:
+            old, new = result[codes[0]][count], result[codes[1]][count]
+            cells.append(" / ".join(f"{new[k] / old[k]:.2f}" for k in ("wall_s", "cpu_s", "peak_mib")))
+            cells.append("yes" if new.get("identical") else "NO")
+        lines.append(f"| {count} | {' | '.join(cells)} |")
+    if len(counts) > 1:
+        lo, hi = counts
+        for code, r in result.items():
+            per = {k: (r[hi][k] - r[lo][k]) / (hi - lo) for k in ("wall_s", "cpu_s", "peak_mib")}
+            lines.append(
+                f"\n{code}: each run beyond the first adds {per['wall_s']:.2f} s wall, {per['cpu_s']:.2f} s CPU, "
+                f"{per['peak_mib']:.1f} MiB peak."
+            )
+    return "\n".join(lines)
 
 
 def _db_bytes(uri: str) -> int | None:
@@ -199,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--uri", help="tracking URI (default: a fresh sqlite store per arm in a temporary directory)")
     ap.add_argument("--checkpoint-every", type=int, default=1000, help="steps between series parts (after)")
     ap.add_argument("--arms", nargs="+", default=["before", "after"], choices=["before", "after"])
+    ap.add_argument("--compare-runs", type=int, default=16, help="hlat compare of 1 and of N runs (after; 1: only one)")
+    ap.add_argument("--baseline-src", type=Path, help="the src/ of another checkout: hlat compare with it too")
+    ap.add_argument("--repeat", type=int, default=3, help="times each hlat compare is timed (default 3)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hlat-tracking-scale-") as tmp:
         workdir = Path(tmp)
@@ -221,6 +345,15 @@ def main(argv: list[str] | None = None) -> int:
             results[arm] = result
             print(f"{arm}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         print(table(results, args.steps, args.scale_to, args.uri or "sqlite:///<fresh file per arm>"))
+        if "after" in results:
+            uri = args.uri or f"sqlite:///{workdir / 'after'}.db"
+            t0 = time.perf_counter()
+            ids = sweep_runs(
+                uri, results["after"]["run_id"], args.compare_runs, args.steps, workdir, args.checkpoint_every
+            )
+            print(f"{len(ids) - 1} more runs: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            compared = compare_runs(uri, ids, workdir, args.baseline_src, args.repeat)
+            print(f"\n{compare_table(compared, args.steps)}")
     return 0
 
 

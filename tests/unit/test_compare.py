@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
+import sqlite3
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from hlat.track import compare
+from hlat.track import compare, run_store, sweep_views
 from hlat.track.compare import RunData, differing_keys, select_runs, summary_table, write_report
+from hlat.track.run_store import ClientRuns, SqliteRuns, StoredRun, open_runs
+from hlat.track.runs import Points
+from hlat.track.series import SERIES_DIR, SeriesWriter
 
 STEPS = list(range(1, 21))  # 20 logged points: the last 10% are steps 19 and 20
 SWEEP = "multirun/2026-01-01/00-00-00"
@@ -60,7 +67,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
     uri = f"sqlite:///{root}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("ablation")
-    other = client.create_experiment("other")
+    other = client.create_experiment("other", artifact_location=str(root / "artifacts"))  # odd's series go there
     client.create_experiment("empty")
 
     def params(i: int, precision: str, total: int) -> dict[str, str]:
@@ -139,7 +146,28 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
             metrics={"train/loss": [(1, 1.0)]},
         ),
     }
+    _odd_runs(client, exp, other, root, ids)
     return Store(uri=uri, root=root, ids=ids)
+
+
+def _odd_runs(client, exp_id: str, other_id: str, root: Path, ids: dict[str, str]) -> None:
+    """What only the store reader's tests read: a deleted run, a deleted experiment, and beside the decoy a run with
+    NaN, infinite and twice-logged points, started when the decoy was, with a series logged as artifacts."""
+    from mlflow.entities import Metric
+
+    ids["deleted"] = _make_run(client, exp_id, "deleted", start=6_000, params={}, metrics={}, run_dir=None)
+    client.delete_run(ids["deleted"])
+    client.delete_experiment(client.create_experiment("gone"))
+    ids["odd"] = _make_run(client, other_id, "odd", start=5_000, params={"k": "v"}, metrics={}, run_dir=None)
+    points = [("loss", 3.0, 10, 1), ("loss", 2.0, 11, 2), ("loss", 9.0, 12, 1), ("loss", 8.0, 12, 1)]
+    points += [("gn", float("nan"), 10, 1), ("gn", float("inf"), 11, 2), ("low", float("-inf"), 10, 1)]
+    points += [("nan", float("nan"), 10, 3)]
+    client.log_batch(ids["odd"], metrics=[Metric(k, v, t, s) for k, v, t, s in points])
+    writer = SeriesWriter(root / "ckpt", 0)
+    writer.upload_with(lambda p: client.log_artifact(ids["odd"], str(p), SERIES_DIR), ids["odd"])
+    writer.log_metrics([(s, {"train/loss": 1.0 / s}) for s in range(1, 9)])
+    writer.checkpoint(4)
+    writer.finish()
 
 
 def names(runs: list[RunData]) -> list[str]:
@@ -348,6 +376,54 @@ def test_write_report(store: Store, tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def long_run(name: str, seed: int, n: int = 6_000) -> RunData:
+    """A run of ``n`` logged steps with one-step spikes, as a long run's series reads back."""
+    rng = np.random.default_rng(seed)
+    steps = np.arange(1, n + 1) * 3  # logged every 3 steps
+    loss = 3 + rng.standard_normal(n) / 10
+    loss[[777, 4_321]] = [60.0, -9.0]
+    gn = np.exp(rng.standard_normal(n))
+    gn[[5, 5_000]] = [1e4, 1e-5]
+    tps = rng.uniform(900, 1100, n // 10)
+    metrics = {"train/loss": Points(steps, loss), "train/grad_norm": Points(steps, gn)}
+    metrics |= {"perf/tokens_per_s": Points(steps[::10], tps), "train/param_norm": Points(steps[::10], tps / 7)}
+    return RunData(run_id=f"{name:0<32}", run_name=name, params={"seed": str(seed)}, metrics=metrics)
+
+
+def test_a_long_run_is_plotted_as_each_buckets_lowest_and_highest_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plot draws 1000 step ranges of each line by their lowest and highest point (so a one-step spike shows),
+    at their own steps; runs reduced to their digest as they are read draw the same image and table, byte for byte."""
+    from matplotlib.figure import Figure
+
+    full = [long_run("a", 0), long_run("b", 1)]
+    reduced = [compare.digested(long_run("a", 0)), compare.digested(long_run("b", 1))]
+    assert all(r.metrics == {} and r.digest is not None for r in reduced)
+    assert summary_table(reduced) == summary_table(full)
+    assert sweep_views.summary_metrics(reduced) == sweep_views.summary_metrics(full)
+    figures: list[Figure] = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kw: (figures.append(self), save(self, *args, **kw)))
+    compare.plot(full, tmp_path / "full.png")
+    assert compare.plot(reduced, tmp_path / "reduced.png").read_bytes() == (tmp_path / "full.png").read_bytes()
+
+    ax_loss, ax_gn = figures[0].axes[:2]
+    loss, gn = full[0].series("train/loss"), full[0].series("train/grad_norm")
+    total = np.cumsum(np.concatenate([[0.0], loss.values]))
+    at = np.arange(len(loss))
+    smooth = (total[at + 1] - total[np.maximum(at - 4, 0)]) / np.minimum(at + 1, 5)  # trailing mean of 5 logs
+    for ax, (steps, values) in ((ax_loss, (loss.steps, smooth)), (ax_gn, (gn.steps, gn.values))):
+        xs, ys = ax.lines[0].get_data()
+        assert len(xs) <= 2000 and (np.diff(xs) > 0).all()
+        at = np.searchsorted(steps, xs)
+        assert (steps[at] == xs).all() and np.allclose(ys, values[at])  # real points, at their own steps
+        edges = np.linspace(0, len(steps), 1001).astype(int)
+        extremes = {lo + int(f(values[lo:hi])) for lo, hi in itertools.pairwise(edges) for f in (np.argmin, np.argmax)}
+        assert extremes <= set(at.tolist())
+    assert max(ax_gn.lines[0].get_ydata()) == 1e4 and min(ax_gn.lines[0].get_ydata()) == 1e-5
+
+
 def test_plot_copes_with_runs_that_logged_nothing(tmp_path: Path) -> None:
     path = compare.plot([run("empty", {}), run("one", {}, **{"train/loss": [(1, 3.0)]})], tmp_path / "p.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
@@ -389,12 +465,6 @@ def test_main_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         e.value.code == 2 and "one of the arguments --experiment --runs --sweep is required" in capsys.readouterr().err
     )
-
-
-def test_import_is_cheap() -> None:
-    code = "import sys, hlat.track.compare; print(sorted(m for m in ('mlflow', 'matplotlib') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
 
 
 def test_peak_memory_column_appears_when_logged_and_prefers_cuda() -> None:
@@ -459,3 +529,99 @@ def test_the_goodput_ledger_is_shown_from_each_runs_latest_values(tmp_path: Path
     md, _ = write_report(runs, tmp_path / "report")
     assert compare.goodput_table(runs) in md.read_text()
     assert compare.goodput_table(runs[1:]) is None
+
+
+# --------------------------------------------------------------------------------------------------- store reader
+
+
+def comparable(value: object) -> object:
+    """``value`` with NaN made comparable (NaN != NaN) and runs as dicts."""
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, StoredRun):
+        value = vars(value)
+    if isinstance(value, Points):
+        value = list(value)
+    if isinstance(value, dict):
+        return {k: comparable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [comparable(v) for v in value]
+    return value
+
+
+def test_the_sqlite_reader_answers_as_mlflow_does(store: Store) -> None:
+    """hlat.track.run_store reads a sqlite store in MLflow's schema without mlflow: every question runs.py asks gets
+    MLflow's own answer (a schema change of a new MLflow fails here)."""
+    lite, mlflow = open_runs(store.uri), ClientRuns.open(store.uri)
+    assert isinstance(lite, SqliteRuns)
+    for name in ("ablation", "gone", "empty", "nope"):
+        assert lite.experiment_id(name) == mlflow.experiment_id(name), name
+    assert sorted(lite.experiment_names()) == sorted(mlflow.experiment_names())
+    assert sorted(lite.experiment_ids()) == sorted(mlflow.experiment_ids())
+    experiments = [lite.experiment_id(name) or "" for name in ("ablation", "other")]
+    for status in (None, "FINISHED", "RUNNING", "KILLED"):
+        got = [lite.details(r) for r in lite.search(experiments, status)]
+        assert comparable(got) == comparable(mlflow.search(experiments, status)), status
+    tie = sorted(("decoy", "odd"), key=store.ids.__getitem__)  # started at once: MLflow orders by run id
+    assert [r.run_name for r in lite.search(experiments, None)][-2:] == tie
+    for run_id in [*store.ids.values(), "0" * 32]:
+        run = lite.get(run_id)
+        assert comparable(run and lite.details(run)) == comparable(mlflow.get(run_id)), run_id
+        for key in ("train/loss", "loss", "gn", "low", "nan", "none") if run else ():
+            assert comparable(lite.history(run_id, key)) == comparable(mlflow.history(run_id, key)), (run_id, key)
+    assert lite.history(store.ids["odd"], "loss") == [(1, 9.0), (2, 2.0)]  # the latest; on a tie, the larger value
+    odd = lite.get(store.ids["odd"])
+    assert odd is not None
+    names = lite.series_names(odd)
+    assert names == sorted(a.path for a in mlflow.client.list_artifacts(odd.run_id, SERIES_DIR)) and len(names) == 3
+    with lite.series_files(odd, names) as paths, mlflow.series_files(odd, names) as theirs:
+        assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in theirs]
+    lite.close()
+
+
+def test_select_runs_reads_the_same_through_mlflows_client(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    selections = [
+        {"experiment": "ablation", "status": None},
+        {"run_ids": [store.ids["odd"], store.ids["fp32"], store.ids["deleted"]], "status": None},
+        {"sweep_dir": str(store.root / SWEEP)},
+    ]
+    lite = [select_runs(store.uri, **kwargs) for kwargs in selections]
+    monkeypatch.setattr(run_store, "_sqlite_path", lambda uri: None)  # what a server's store goes through
+    for kwargs, runs in zip(selections, lite, strict=True):
+        theirs = select_runs(store.uri, **kwargs)
+        assert comparable([vars(r) for r in runs]) == comparable([vars(r) for r in theirs]), kwargs
+    assert lite[1][0].series("train/loss") == [(s, 1.0 / s) for s in range(1, 9)]  # odd's series, from its artifacts
+
+
+def test_stores_the_sqlite_reader_does_not_know_go_to_mlflow(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ClientRuns, "open", classmethod(lambda cls, uri: f"MLflow's client on {uri}"))
+    foreign = tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as con:
+        con.execute("CREATE TABLE runs (run_uuid TEXT)")
+    for uri in (f"sqlite:///{foreign}", f"{store.uri}?timeout=5", f"sqlite:///{tmp_path / 'missing.db'}"):
+        assert open_runs(uri) == f"MLflow's client on {uri}"  # connection options: SQLAlchemy's to read
+    tenants = tmp_path / "tenants.db"
+    tenants.write_bytes(Path(store.uri.removeprefix("sqlite:///")).read_bytes())
+    with sqlite3.connect(tenants) as con:
+        con.execute("UPDATE experiments SET workspace = 'team-b' WHERE name = 'empty'")
+    assert open_runs(f"sqlite:///{tenants}") == f"MLflow's client on sqlite:///{tenants}"  # MLflow's workspaces
+    assert isinstance(open_runs(store.uri), SqliteRuns)
+
+
+def test_compare_of_a_sqlite_store_imports_neither_mlflow_nor_pandas(store: Store, tmp_path: Path) -> None:
+    """What keeps ``hlat compare`` small (docs/performance.md): importing it loads neither mlflow nor matplotlib, and
+    comparing runs of a sqlite store never mlflow (~170 MiB with its store), nor pandas (which pyarrow's
+    ``to_numpy`` imports: ~50 MiB), nor SQLAlchemy."""
+    code = (
+        "import sys; from hlat.track.compare import main; "
+        "print(sorted(m for m in ('mlflow', 'matplotlib') if m in sys.modules)); rc = main(sys.argv[1:]); "
+        "print(sorted(m for m in ('mlflow', 'pandas', 'sqlalchemy') if m in sys.modules)); sys.exit(rc)"
+    )
+    argv = ["--uri", store.uri, "--runs", store.ids["odd"], store.ids["fp32"], "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True, env=env)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "[]" and lines[-1] == "[]", done.stdout
+    assert "| odd |" in done.stdout and "| fp32 |" in done.stdout and (tmp_path / "comparison.png").is_file()

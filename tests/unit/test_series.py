@@ -16,6 +16,7 @@ from hlat.track.series import (
     LeanTracker,
     SeriesError,
     SeriesWriter,
+    read_points,
     read_series,
     store_every,
     to_points,
@@ -79,6 +80,23 @@ def test_a_damaged_file_is_refused_with_its_name_and_the_way_out(tmp_path: Path)
     part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # a disk that filled up, a copy cut short
     with pytest.raises(SeriesError, match=rf"metric series file {part} is damaged .*; delete it"):
         read_series(tmp_path / SERIES_DIR)
+
+
+def test_a_file_with_other_number_types_reads_as_int64_steps_and_float64_values(tmp_path: Path) -> None:
+    """Columns are read as views of Arrow's buffers (not pyarrow's ``to_numpy``, which imports pandas): a file that
+    another writer made with int32 steps and float32 values is cast first, not reinterpreted."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    keys = pa.DictionaryArray.from_arrays(pa.array([0, 0, 0], pa.int32()), pa.array(["train/loss"]))
+    table = pa.table(
+        {"key": keys, "step": pa.array([1, 2, 3], pa.int32()), "value": pa.array([0.5, 1.5, -2.0], pa.float32())}
+    )
+    pq.write_table(table.replace_schema_metadata({b"hlat.keys": b'["train/loss"]'}), tmp_path / "part-000001.parquet")
+    steps, values = read_points(tmp_path)["train/loss"]
+    assert (steps.dtype, values.dtype) == (np.int64, np.float64)
+    assert steps.tolist() == [1, 2, 3] and values.tolist() == [0.5, 1.5, -2.0]
 
 
 def _tracked_run(uri: str, name: str, rows: Rows, *, lean: bool, root: Path) -> str:

@@ -186,7 +186,7 @@ def test_the_parent_run_metrics_summarize_every_arm() -> None:
     assert [got[("train_loss/lr_2", s)] for s in (1, 2, 3)] == [5.0, 2.0, 2.5]
     assert got[("sweep/best_final_loss", 0)] == 2.5
     assert not any("lr_3" in k for k, _ in got)  # an arm without a loss point has no summary
-    long = sweep_views._thin([(s, float(s)) for s in range(10_001)])
+    long = sweep_views.thin([(s, float(s)) for s in range(10_001)])
     assert len(long) == sweep_views.HISTORY_POINTS and long[0] == (0, 0.0) and long[-1] == (10_000, 10_000.0)
 
 

@@ -200,7 +200,7 @@ class SweepCallback(Callback):
     @staticmethod
     def _compare(uri: str, sweep_dir: Path, parent: dict[str, Any] | None) -> None:
         """``hlat compare --sweep`` over this sweep, then the parent run's summary (failures: logged)."""
-        from hlat.track.compare import summary_table, write_report
+        from hlat.track.compare import COMPARED, digested, summary_table, write_report
         from hlat.track.credentials import without_credentials
         from hlat.track.mlflow_store import open_client
         from hlat.track.runs import select_runs
@@ -209,7 +209,7 @@ class SweepCallback(Callback):
 
         client = open_client(uri)
         try:
-            runs = select_runs(uri, sweep_dir=str(sweep_dir), status=None)
+            runs = select_runs(uri, sweep_dir=str(sweep_dir), status=None, keys=COMPARED, reduce=digested)
             md, png = write_report(runs, sweep_dir, title=f"Sweep {sweep_dir}: {len(runs)} MLflow runs")
             print(summary_table(runs))
             again = f"hlat compare --sweep {sweep_dir} --uri {without_credentials(uri)}"

@@ -7,6 +7,7 @@ Runs are picked by experiment, run ids or multirun directory (their ``run_dir`` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import statistics
@@ -18,9 +19,22 @@ from typing import Any
 
 import numpy as np
 
-from hlat.track.runs import METRIC_KEYS, RunData, select_runs, tail_mean
+from hlat.track.runs import METRIC_KEYS, Digest, Points, RunData, select_runs, tail_mean, thin
 
-__all__ = ["METRIC_KEYS", "RunData", "differing_keys", "main", "plot", "select_runs", "summary_table", "write_report"]
+__all__ = [
+    "COMPARED",
+    "METRIC_KEYS",
+    "Digest",
+    "RunData",
+    "differing_keys",
+    "digest",
+    "digested",
+    "main",
+    "plot",
+    "select_runs",
+    "summary_table",
+    "write_report",
+]
 
 # Params that differ from run to run without saying anything about the configuration (injected faults are
 # recovered from bit-identically, so they do not change what a run computes either).
@@ -65,43 +79,77 @@ def shown_keys(runs: Sequence[RunData]) -> list[str]:
     return [k for k in keys if k in names or not explained(k)]
 
 
+COMPARED = (
+    "train/loss",
+    "train/grad_norm",
+    "train/param_norm",
+    "perf/tokens_per_s",
+    "sys/cuda_max_allocated_gib",
+    "sys/peak_rss_gib",
+)
+"""The metrics a comparison reads of each run's series (not the learning rate or step time: the others of
+``METRIC_KEYS``)."""
+
+
+def digest(run: RunData) -> Digest:
+    """The run's :class:`Digest`, computed from its series on first use and kept on the run."""
+    if run.digest is None:
+        run.digest = _digest(run)
+    return run.digest
+
+
+def digested(run: RunData) -> RunData:
+    """``run`` with its :class:`Digest` and without its full series (what ``select_runs(reduce=...)`` takes)."""
+    return dataclasses.replace(run, metrics={}, digest=digest(run))
+
+
+def _digest(run: RunData) -> Digest:
+    """The :class:`Digest` of ``run``'s series (each figure as ``hlat compare`` computed it before digests)."""
+    loss, gn = run.series("train/loss"), run.series("train/grad_norm")
+    pn, tps = run.series("train/param_norm"), run.series("perf/tokens_per_s")
+    memory = run.series("sys/cuda_max_allocated_gib") or run.series("sys/peak_rss_gib")
+    finite = loss.values[~np.isnan(loss.values)]
+    return Digest(
+        final_loss=tail_mean(loss.values) if len(loss) else None,
+        min_loss=(float(finite.min()) if len(finite) else math.nan) if len(loss) else None,
+        grad_norm_median=float(np.median(gn.values[len(gn) // 2 :])) if len(gn) else None,
+        param_norm=float(pn.values[-1]) if len(pn) else None,
+        tokens_per_s=statistics.median(tps.values.tolist()) if len(tps) else None,
+        peak_memory_gib=max(memory.values.tolist()) if len(memory) else None,
+        loss_line=Points(*_envelope(loss.steps, _smooth(loss.values))) if len(loss) else Points(),
+        grad_norm_line=Points(*_envelope(gn.steps, gn.values)),
+        loss_points=Points.of(thin(loss)),
+    )
+
+
 def final_loss(run: RunData) -> float | None:
     """Mean of the last 10% of the logged loss points (at least one); ``None`` without loss points."""
-    loss = run.series("train/loss").values
-    return tail_mean(loss) if len(loss) else None
+    return digest(run).final_loss
 
 
 def min_loss(run: RunData) -> float | None:
     """Smallest logged loss, ignoring NaN; ``None`` without loss points (NaN when every point is NaN)."""
-    loss = run.series("train/loss").values
-    if not len(loss):
-        return None
-    finite = loss[~np.isnan(loss)]
-    return float(finite.min()) if len(finite) else math.nan
+    return digest(run).min_loss
 
 
 def grad_norm_median(run: RunData) -> float | None:
     """Median gradient norm over the second half of the logged points; ``None`` without points."""
-    gn = run.series("train/grad_norm").values
-    return float(np.median(gn[len(gn) // 2 :])) if len(gn) else None
+    return digest(run).grad_norm_median
 
 
 def last_param_norm(run: RunData) -> float | None:
     """The last logged parameter norm; ``None`` without points."""
-    pn = run.values("train/param_norm")
-    return pn[-1] if pn else None
+    return digest(run).param_norm
 
 
 def median_tokens_per_s(run: RunData) -> float | None:
     """Median of the logged throughput in tokens per second; ``None`` without points."""
-    tps = run.values("perf/tokens_per_s")
-    return statistics.median(tps) if tps else None
+    return digest(run).tokens_per_s
 
 
 def peak_memory_gib(run: RunData) -> float | None:
     """Peak memory of rank 0 in GiB: CUDA's allocated peak where logged, else the process's peak RSS."""
-    values = run.values("sys/cuda_max_allocated_gib") or run.values("sys/peak_rss_gib")
-    return max(values) if values else None
+    return digest(run).peak_memory_gib
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -227,10 +275,11 @@ def plot(runs: Sequence[RunData], path: Path | str) -> Path:
     handles = []
     for i, (run, text) in enumerate(zip(runs, labels, strict=True)):
         color = f"C{i % 10}"  # the same colour for a run in both panels
-        if loss := run.series("train/loss"):
-            ax_loss.plot(*_envelope(loss.steps, _smooth(loss.values)), color=color, linewidth=1.2)
-        if gn := run.series("train/grad_norm"):
-            ax_gn.plot(*_envelope(gn.steps, gn.values), color=color, linewidth=0.9)
+        lines = digest(run)
+        if loss := lines.loss_line:
+            ax_loss.plot(loss.steps, loss.values, color=color, linewidth=1.2)
+        if gn := lines.grad_norm_line:
+            ax_gn.plot(gn.steps, gn.values, color=color, linewidth=0.9)
         handles.append(Line2D([], [], color=color, linewidth=1.5, label=text))
     ax_loss.set(title=f"training loss (moving average of {_SMOOTH} logs)", xlabel="step", ylabel="loss")
     ax_gn.set(title="gradient L2 norm before clipping", xlabel="step", ylabel="grad norm")
@@ -326,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             run_ids=args.runs,
             sweep_dir=args.sweep,
             status=None if args.all_statuses else "FINISHED",
+            keys=COMPARED,
+            reduce=digested,
         )
     except (ValueError, ConfigError) as e:
         print(f"hlat compare: {e}", file=sys.stderr)

@@ -15,11 +15,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hlat.track.runs import HISTORY_POINTS, thin
+
 if TYPE_CHECKING:
     from hlat.track.runs import RunData
 
-HISTORY_POINTS = 1000
-"""At most this many points of each arm's loss go onto the parent run (evenly spaced, the last one kept)."""
+__all__ = ["HISTORY_POINTS", "arm_labels", "metric_label", "summarize", "summary_metrics", "sweep_view", "thin"]
+
 VIEW_TAG = "mlflow.sharedViewState."
 """The experiment-tag prefix of the MLflow UI's saved views ("Views" on the runs page), up to 3.17 at least."""
 _LINE_CHART: dict[str, Any] = {
@@ -55,13 +57,6 @@ def arm_labels(runs: Sequence[RunData]) -> list[str]:
     return [f"{lb} {r.run_id[:8]}" if labels.count(lb) > 1 else lb for lb, r in zip(labels, runs, strict=True)]
 
 
-def _thin(points: list[tuple[int, float]], n: int = HISTORY_POINTS) -> list[tuple[int, float]]:
-    """At most ``n`` of ``points``, evenly spaced, the first and the last kept."""
-    if len(points) <= n:
-        return points
-    return [points[round(i * (len(points) - 1) / (n - 1))] for i in range(n)]
-
-
 def summary_metrics(runs: Sequence[RunData]) -> list[tuple[str, float, int]]:
     """The parent run's metrics ``(key, value, step)``: its arms' losses.
 
@@ -70,17 +65,18 @@ def summary_metrics(runs: Sequence[RunData]) -> list[tuple[str, float, int]]:
     ``comparison.md``), ``min_loss/<arm>`` and ``train_loss/<arm>``, its loss history (at most
     :data:`HISTORY_POINTS` points, at its own steps); and ``sweep/best_final_loss``, the lowest final loss.
     """
-    from hlat.track.compare import final_loss, min_loss
+    from hlat.track.compare import digest
 
     out: list[tuple[str, float, int]] = []
     finals = []
     for run, label in zip(runs, arm_labels(runs), strict=True):
-        final, lowest = final_loss(run), min_loss(run)
+        got = digest(run)
+        final, lowest = got.final_loss, got.min_loss
         if final is None or lowest is None:
             continue
         finals.append(final)
         out += [(f"final_loss/{label}", final, 0), (f"min_loss/{label}", lowest, 0)]
-        out += [(f"train_loss/{label}", v, step) for step, v in _thin(run.series("train/loss"))]
+        out += [(f"train_loss/{label}", v, step) for step, v in got.loss_points]
     if any(math.isfinite(f) for f in finals):
         out.append(("sweep/best_final_loss", min(f for f in finals if math.isfinite(f)), 0))
     return out
