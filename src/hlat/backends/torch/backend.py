@@ -38,6 +38,7 @@ from hlat.backends.torch.dist import (
     fully_shard_dp,
     init_process_group,
     mean_over_ranks,
+    settle_buckets,
     tensor_parallel,
 )
 from hlat.backends.torch.precision import (
@@ -144,6 +145,7 @@ class TorchBackend:
             broadcast_parameters(model)
         elif dims.dp > 1:
             data_parallel(model, self.device, fp32_reduce=p.fp32_reduce)
+            settle_buckets(model, self.device)  # a resume then reduces as the uninterrupted run does, bit for bit
         if fp32_accum:  # after TP, which replaces the parameters (and would drop their hooks) with DTensor ones
             attach_fp32_grad_accum(model)
         return model

@@ -114,8 +114,8 @@ def _fp32_allreduce(state, bucket):
 def data_parallel(model: nn.Module, device: torch.device, *, fp32_reduce: bool) -> nn.Module:
     """Replicate ``model`` over the data-parallel ranks (DDP: gradients averaged in buckets during backward).
 
-    Every start reduces in the same bucket layout, so a resumed run is bitwise the uninterrupted one at any DP degree
-    (``settle_buckets``).
+    Before training, a model of tokens gets :func:`settle_buckets`, so that every start reduces in the same bucket
+    layout.
     """
     from torch.distributed._composable.replicate import replicate
 
@@ -123,12 +123,11 @@ def data_parallel(model: nn.Module, device: torch.device, *, fp32_reduce: bool) 
     low = any(p.dtype != torch.float32 for p in model.parameters())
     if fp32_reduce and low:
         model.register_comm_hook(None, _fp32_allreduce)
-    settle_buckets(model, device)
     return model
 
 
 def settle_buckets(model: nn.Module, device: torch.device) -> None:
-    """One throwaway forward and backward of one token, so that DDP's buckets take their final layout now.
+    """One throwaway forward and backward of one token through DDP-wrapped ``model``, so its buckets settle now.
 
     DDP rebuilds its buckets once, after its first iteration, in the order the gradients became ready. A ring
     all-reduce over three or more ranks sums each element in an order set by its place in the bucket, so without
