@@ -468,3 +468,39 @@ def test_a_bad_mix_is_refused_before_anything_is_built_naming_the_key_and_the_fi
     with pytest.raises(ConfigError) as e:
         run_config(*overrides)
     assert str(e.value) == message
+
+
+def test_the_torch_backend_tallies_each_sources_token_losses_from_the_one_forward_it_trains_on():
+    import torch.nn.functional as F
+
+    from hlat.backends.torch.backend import TorchBackend
+    from hlat.config import ModelConfig
+    from hlat.parallel import ParallelDims
+    from hlat.tally import Batch, SourceTally
+    from tests.conftest import backend_config
+
+    cfg = backend_config(model=ModelConfig(dim=32, n_layers=1, n_heads=2, ffn_dim=64, vocab_size=50, max_seq_len=8))
+    backend = TorchBackend(cfg)
+    backend.setup()
+    model = backend.build_model(ParallelDims.build(cfg.parallelism, 1, cfg.model, cfg.train))
+    g = torch.Generator().manual_seed(0)
+    tally = SourceTally(3)
+    batches = [
+        Batch(torch.randint(0, 50, (4, 8), generator=g), torch.randint(0, 50, (4, 8), generator=g), src, tally)
+        for src in (torch.tensor([0, 2, 2, 0]), torch.tensor([1, 0, 2, 2]))
+    ]
+    loss = backend.forward_backward(model, iter(batches), 2)
+    sums, windows = tally.take()
+    assert tally.take() is None  # taken: the next interval starts from nothing
+    with torch.no_grad():  # the oracle: each window's summed token loss, by source
+        per_window = torch.cat(
+            [F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").sum(1) for x, y in batches]
+        )
+    sources = torch.cat([b.sources for b in batches])
+    expected = torch.stack([per_window[sources == m].sum() for m in range(3)])
+    torch.testing.assert_close(sums, expected)
+    assert windows.tolist() == [3.0, 1.0, 4.0]
+    torch.testing.assert_close(loss, per_window.sum() / (8 * 8))  # the mean token loss of the step
+    plain = sum(backend.loss(model, x, y) for x, y in batches) / 2
+    torch.testing.assert_close(loss, plain)  # the same loss as without a mixture, to fp32 rounding
+    assert all(p.grad is not None for p in model.parameters())

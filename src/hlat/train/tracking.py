@@ -87,17 +87,22 @@ def start(
     first_step: int,
     saved_run_id: str | None,
     uptime_state: dict,
+    data_info: dict[str, Any] | None = None,
 ) -> Tracking:
     """Open the run's tracker with its tags and params; record the MLflow run in the job record (rank 0).
 
-    ``saved_run_id``: the MLflow run a restart continues; ``uptime_state`` is recorded with it.
+    ``saved_run_id``: the MLflow run a restart continues; ``uptime_state`` is recorded with it. ``data_info``: what
+    the loader records of its data (``Loader.run_info``: a mixture's tags, params and plan file).
     """
+    data_info = data_info or {}
     t = cfg.train
     progress = ProgressBar(t.steps, first_step, every=t.progress_every or t.log_every) if env.rank == 0 else None
     tags = _tags(cfg, run_dir, job, backend, env.bf16_matmul)
     throughput, peak_source = _throughput(cfg, n_params, env.world_size, env.bf16_matmul)
     tags["perf.peak_source"] = peak_source
+    tags |= data_info.get("tags", {})
     derived = {
+        **data_info.get("params", {}),
         "perf.flops_per_token": throughput.flops_per_token,
         "perf.flops_per_token_causal": throughput.flops_per_token_causal,
         "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
@@ -113,6 +118,9 @@ def start(
         upload = functools.partial(mlflow_tracker.log_artifact, artifact_path=SERIES_DIR)  # by the outbox: no wait
         series.upload_with(upload, mlflow_run, _series_logged(client, mlflow_run) if first_step else [])
     if env.rank == 0:
+        for name, text in data_info.get("files", {}).items():  # the mixture's plan
+            (run_dir / name).write_text(text)
+            tracker.log_artifact(run_dir / name)
         checkpoint.write_job(job.root, {"mlflow_run_id": run_id, "uptime": uptime_state})
         preempt.unmark(run_dir, mlflow_tracker)  # a preempted run that continues is no longer waiting to resume
     if throughput.peak_flops is None and env.rank == 0 and first_peak_hint(peak_source, cfg.data.cache_dir):
