@@ -8,6 +8,7 @@ of a mix may be edited at resume and its past may not, and the repetition cap is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -504,3 +505,45 @@ def test_the_torch_backend_tallies_each_sources_token_losses_from_the_one_forwar
     plain = sum(backend.loss(model, x, y) for x, y in batches) / 2
     torch.testing.assert_close(loss, plain)  # the same loss as without a mixture, to fp32 rounding
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_resume_whose_trained_tokenizer_would_change_names_the_runs_tokenizer(corpus, tmp_path):
+    first = _ranks(_cfg(corpus, {"a": 1.0}), 1, 8)
+    _steps(first, 1, 8)
+    texts = load_documents(corpus["files"]["b"]).texts  # another sample: another tokenizer
+    other = load_or_train_tokenizer(DataConfig(cache_dir=str(tmp_path)), texts, VOCAB, tmp_path)
+    cfg = dataclasses.replace(_cfg(corpus, {"a": 1.0}), tokenizer=str(other.path))
+    with pytest.raises(ConfigError) as e:
+        _ranks(cfg, 1, 8, _saved(first))
+    assert f"resume with data.tokenizer={corpus['tok'].path} (the run's)" in str(e.value)
+
+
+def test_beyond_log_sources_mlflow_gets_the_largest_sources_and_other_and_the_series_gets_every_one(corpus):
+    from hlat.track.series_only import SeriesOnly
+    from hlat.track.trackers import NoopTracker
+
+    class Recording(NoopTracker):
+        def __init__(self) -> None:
+            self.rows, self.params = [], {}
+
+        def log_metrics(self, rows):
+            self.rows += rows
+
+        def log_params(self, params):
+            self.params |= params
+
+    (loader,) = _ranks(_cfg(corpus, {"a": 0.5, "b": 0.1, "c": 0.4}, log_sources=2), 1, 8)
+    _steps([loader], 3, 8)
+    tensors, make = loader.interval(torch.device("cpu"))
+    row = loader.stats() | make({k: v.reshape(-1).tolist() for k, v in tensors.items()})
+    assert row["data/mix/other/tokens"] == row["data/mix/b/tokens"]  # b, the smallest, is the only other
+    assert sum(row[f"data/mix/{n}/tokens"] for n in "abc") == 3 * GLOBAL * SEQ_LEN
+    mlflow, info = Recording(), loader.run_info()
+    tracker = SeriesOnly(mlflow, **info["series_only"])
+    tracker.log_metrics([(3, row)])
+    tracker.log_params({"data.mix.a.weight": 0.5, "data.mix.b.weight": 0.1, "data.mix.b.fraction": 0.1})
+    logged = set(mlflow.rows[-1][1])
+    per_source = {k for k in logged if k.startswith(("data/mix/", "train/loss/")) and k != "data/mix/stage"}
+    assert {k.split("/")[-2] if k.startswith("data/") else k.split("/")[-1] for k in per_source} == {"a", "c", "other"}
+    assert set(row) - logged == {f"data/mix/b/{k}" for k in ("tokens", "target", "documents", "epochs")}
+    assert mlflow.params == {"data.mix.a.weight": 0.5}

@@ -17,7 +17,7 @@ import torch
 
 from hlat.config import ConfigError
 from hlat.data.loader import check_identity
-from hlat.data.mix_metrics import host_metrics, interval_metrics, reads_tensor, shown_sources
+from hlat.data.mix_metrics import host_metrics, interval_metrics, reads_tensor, series_only, shown_sources
 from hlat.data.mix_plan import Plan, check_plan, make_plan
 from hlat.data.mix_resume import CHECKPOINT, check_sources, resume_schedule
 from hlat.data.mixture import MixedStream, MixSpec, SourceRef
@@ -113,8 +113,10 @@ class MixLoader(OnlineLoader):
     def next_batch(self) -> Batch:
         """The next micro-batch: ``(inputs, targets)``, int64, ``(micro_batch_size, seq_len)`` each, with sources."""
         windows, info = self._next_windows()
-        for slot, cursor in info["cursors"].items():
-            self._cursors[slot - self.slots.start] = cursor
+        for slot, (done, name, position) in info["cursors"].items():
+            cursor = self._cursors[slot - self.slots.start]
+            cursor["windows"] = done
+            cursor["read"][name] = position
         self._at = info["after"]
         w = torch.from_numpy(windows.astype(np.int64, copy=False))
         sources = torch.from_numpy(np.asarray(info["sources"], dtype=np.int64))
@@ -170,6 +172,13 @@ class MixLoader(OnlineLoader):
                 f"the checkpoint's data stream read one corpus (data.path), this run mixes sources (data.mix): "
                 f"resume with that data.path and no data.mix, or start a new run (train.init_from={CHECKPOINT} "
                 "keeps its trained weights)"
+            )
+        if state.get("version") == STATE_VERSION and state.get("tokenizer") != self._identity["tokenizer"]:
+            raise ConfigError(
+                "cannot resume the data mix: the tokenizer is not the one the checkpoint was trained with (a "
+                "tokenizer trained on the sources changes with them: a source added or edited); resume with "
+                f"data.tokenizer={state.get('tokenizer_path')} (the run's), or start a new run "
+                f"(train.init_from={CHECKPOINT} keeps its trained weights)"
             )
         check_identity(state, self._identity, IDENTITY_KEYS, STATE_VERSION)
         if not covers(state, self.slots):
@@ -270,13 +279,19 @@ class MixLoader(OnlineLoader):
         return tensors, make
 
     def run_info(self) -> dict[str, Any]:
-        """What the run records of the mix: tags, params (each source's weight and fraction), the plan's file."""
+        """What the run records of the mix: tags, params (each source's fraction) and the plan's file.
+
+        Beyond ``data.log_sources`` sources, also what MLflow leaves to the Parquet series (``series_only``).
+        """
         fractions = self.mix.schedule.fractions(self.mix.schedule.stage_at(0))
         params: dict[str, Any] = {}
         for m, name in enumerate(self.names):
             params[f"data.mix.{name}.fraction"] = round(float(fractions[m]), 6)
+        stages = [s.name for s in self._planned if s.name]
+        hidden = series_only(self.names, self._shown(), stages) if len(self._shown()) < len(self.names) else {}
         tags = {"data.mix_revision": str(self.revision)}
         if self.edited:
             tags["data.mix_edits"] = "; ".join(self.edited)[:5000]
         plan = self.plan.to_dict() | {"revision": self.revision}
-        return {"tags": tags, "params": params, "files": {"mixture_plan.json": json.dumps(plan, indent=1)}}
+        files = {"mixture_plan.json": json.dumps(plan, indent=1)}
+        return {"tags": tags, "params": params, "files": files, "series_only": hidden}

@@ -5,8 +5,9 @@ share. Device values, fetched with the loss in the interval's one transfer and a
 data-parallel degree: every data-parallel group holds each of its sequences once): each source's loss sum and
 trained windows in the interval (``hlat.tally``), and the documents and rows its slots read on each rank.
 
-At most ``data.log_sources`` sources get series of their own, the largest by weight in any stage; the others are
-summed as ``other``.
+Beyond ``data.log_sources`` sources, the sources but the largest by weight in any stage are also summed as
+``other``, and the run keeps their own series in its Parquet series only (:func:`series_only`): MLflow gets at most
+``data.log_sources`` per-source series and ``other``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,25 @@ def shown_sources(names: tuple[str, ...], fractions: list[np.ndarray], limit: in
     return sorted(np.argsort(-largest, kind="stable")[:limit].tolist())
 
 
+SOURCE_KEYS = (
+    "data/mix/{}/tokens",
+    "data/mix/{}/target",
+    "data/mix/{}/documents",
+    "data/mix/{}/epochs",
+    "data/mix/{}/share",
+    "train/loss/{}",
+)
+"""The metrics of one source."""
+
+
+def series_only(names: tuple[str, ...], shown: list[int], stages: list[str]) -> dict[str, list[str]]:
+    """What MLflow leaves out of the sources not ``shown`` (the Parquet series has it): their metrics and params."""
+    hidden = [n for m, n in enumerate(names) if m not in set(shown)]
+    metrics = [key.format(n) for n in hidden for key in SOURCE_KEYS]
+    params = [f"data.mix.{n}." for n in hidden] + [f"data.stages.{s}.weights.{n}" for s in stages for n in hidden]
+    return {"metrics": metrics, "params": params}
+
+
 def reads_tensor(cursors: list[dict], names: tuple[str, ...], device: torch.device) -> torch.Tensor:
     """(2, M) documents and rows this rank's slots have read per source (``cursors``: the loader's per slot)."""
     index = {n: i for i, n in enumerate(names)}
@@ -39,8 +59,8 @@ def reads_tensor(cursors: list[dict], names: tuple[str, ...], device: torch.devi
 
 
 def _group(values: np.ndarray, shown: list[int], names: tuple[str, ...]) -> dict[str, float]:
-    """``values`` (M,) under the shown sources' names, the rest summed as ``other``."""
-    out = {names[m]: float(values[m]) for m in shown}
+    """``values`` (M,) under every source's name, and those not ``shown`` summed as ``other`` (if any)."""
+    out = {name: float(v) for name, v in zip(names, values.tolist(), strict=True)}
     if len(shown) < len(names):
         rest = np.ones(len(names), dtype=bool)
         rest[shown] = False

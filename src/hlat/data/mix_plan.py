@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 BUILTIN = "builtin"
 """A source path naming the builtin corpus (``builtin``) or one of its parts (``builtin:topics``)."""
-SAMPLE_CHARS = 8_000_000
+SAMPLE_CHARS = 2_000_000
 """Characters of all sources together that the plan tokenizes to estimate their tokens per character."""
 
 
@@ -117,16 +117,24 @@ class Plan:
 
 
 def estimate_tokens(sources: dict[str, TextSource], tokenizer: Tokenizer) -> dict[str, tuple[int, float]]:
-    """Each source's estimated tokens (EOS included) and the tokens per character measured on its sample."""
-    budget = max(16_384, SAMPLE_CHARS // max(1, len(sources)))
-    out = {}
+    """Each source's estimated tokens (EOS included) and the tokens per character measured on its sample.
+
+    The samples (rows at an even stride, ~SAMPLE_CHARS of all sources together, at least 2 KB each) go to the
+    tokenizer in one call.
+    """
+    budget = max(2048, SAMPLE_CHARS // max(1, len(sources)))
+    samples, chars = {}, {}
     for name, source in sources.items():
-        chars = source.total_chars()
-        stride = max(1, math.ceil(chars / budget))
-        sample = [d for d in source.get(np.arange(0, len(source), stride)) if d is not None]
-        sampled = sum(len(d) for d in sample)
-        per_char = sum(len(ids) for ids in tokenizer.encode(sample)) / sampled if sampled else 0.0
-        out[name] = (int(chars * per_char) + len(source) - source.column.null_count, per_char)
+        chars[name] = source.total_chars()
+        stride = max(1, math.ceil(chars[name] / budget))
+        samples[name] = [d for d in source.get(np.arange(0, len(source), stride)) if d is not None]
+    encoded = iter(tokenizer.encode([d for docs in samples.values() for d in docs]))
+    out = {}
+    for name, docs in samples.items():
+        tokens = sum(len(next(encoded)) for _ in docs)
+        per_char = tokens / max(1, sum(len(d) for d in docs)) if docs else 0.0
+        rows = len(sources[name]) - sources[name].column.null_count
+        out[name] = (int(chars[name] * per_char) + rows, per_char)
     return out
 
 

@@ -11,6 +11,7 @@ token offset, counters): a resumed stream yields exactly the tokens an uninterru
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +29,12 @@ from hlat.data.tokenizer import Tokenizer
 LOOKAHEAD = 64
 """Global batches ahead the planner looks for the windows a slot will need (it reads for at most these)."""
 READ = ("round", "offset", "documents", "skipped")
+SMALL_ROWS = 4096
+"""A source of at most this many rows has its order computed whole per epoch (an array lookup then)."""
+SMALL_CHARS = 1 << 20
+"""A source of at most this many characters (and SMALL_ROWS rows) is read once and kept in memory..."""
+KEPT_CHARS = 64 << 20
+"""... while all kept sources hold at most this many characters."""
 """A slot's saved position in one source, as a list in this order."""
 
 
@@ -55,6 +62,14 @@ class MixSpec:
     schedule: Schedule
 
 
+@functools.lru_cache(maxsize=4096)
+def _order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The whole ``Permutation(n, seed, epoch)`` as an array (small ``n``; read-only, shared)."""
+    order = Permutation(n, seed, epoch)(np.arange(n))
+    order.flags.writeable = False
+    return order
+
+
 class _Slot:
     """One sequence slot: a packer and a position per source it has read."""
 
@@ -80,17 +95,12 @@ class _Slot:
             (round_, documents, skipped), offset = at
         return [round_, offset, documents, skipped]
 
-    def cursor(self, names: tuple[str, ...]) -> dict:
-        """This slot's saved position: its windows and, per source read, :data:`READ` (plain values)."""
-        read = {names[m]: self.position(m) for m in sorted(self.read) if self.read[m][0] or self.skip.get(m)}
-        return {"windows": self.windows, "read": read}
-
 
 class MixedStream:
     """Synchronous producer of a rank's mixture windows, one micro-batch at a time (the worker runs one).
 
-    ``cursors``: each slot's saved position (:meth:`_Slot.cursor`), None for a fresh start; ``at``: the schedule's
-    cursor before the batch the slots are at.
+    ``cursors``: each slot's saved position (``{"windows": n, "read": {source: READ values}}``), None for a fresh
+    start; ``at``: the schedule's cursor before the batch the slots are at.
     """
 
     def __init__(
@@ -115,7 +125,9 @@ class MixedStream:
             self._slots.append(_Slot(slot, int(c["windows"]), read, s.seq_len, tokenizer.eos_id))
         self._ahead: deque[tuple[int, np.ndarray, Cursor]] = deque()  # (batch, source of each of my slots, after)
         self._next = at  # the schedule's cursor before the first batch not yet in _ahead
-        self._perms: list[dict[int, Permutation]] = [{} for _ in sources]
+        self._perms: list[dict[int, Permutation | np.ndarray]] = [{} for _ in sources]
+        self._texts: dict[int, list[str | None]] = {}  # the documents of small sources, read once
+        self._kept_chars = 0
         self._per_row = [float(s.seq_len)] * len(sources)  # tokens per row read, per source (the read sizes)
         self._rows_read = [0] * len(sources)
         self._tokens_read = [0] * len(sources)
@@ -139,6 +151,9 @@ class MixedStream:
     def _row_of(self, m: int, index: np.ndarray) -> np.ndarray:
         """Source ``m``'s rows at its stream indices ``index``: epoch ``i // N``'s permutation of ``i % N``."""
         n = len(self.sources[m])
+        if self.spec.stream.shuffle and n <= SMALL_ROWS and len(index) <= 8:  # a few rows of a small source: no numpy
+            seed = self.spec.stream.seed
+            return np.array([_order(n, seed, i // n)[i % n] for i in index.tolist()], dtype=np.int64)
         epoch, position = np.divmod(index, n)
         if not self.spec.stream.shuffle:
             return position
@@ -147,10 +162,25 @@ class MixedStream:
             if e not in perms:
                 if len(perms) >= 8:  # slots are at most a few epochs apart: keep the recent orders only
                     perms.pop(min(perms))
-                perms[e] = Permutation(n, self.spec.stream.seed, e)
-            at = epoch == e
-            rows[at] = perms[e](position[at])
+                # A small source's whole order, shared by the sources of its size: many small sources go through
+                # many epochs
+                perms[e] = (
+                    _order(n, self.spec.stream.seed, e) if n <= SMALL_ROWS else Permutation(n, self.spec.stream.seed, e)
+                )
+            at, order = epoch == e, perms[e]
+            rows[at] = order[position[at]] if isinstance(order, np.ndarray) else order(position[at])
         return rows
+
+    def _documents(self, m: int, rows: np.ndarray) -> list[str | None]:
+        """Source ``m``'s documents at ``rows``; a small source's are read once and kept (many small sources)."""
+        if m not in self._texts:
+            source = self.sources[m]
+            chars = source.total_chars() if len(source) <= SMALL_ROWS else SMALL_CHARS + 1
+            if chars > SMALL_CHARS or self._kept_chars + chars > KEPT_CHARS:
+                return source.get(rows)
+            self._texts[m], self._kept_chars = source.get(np.arange(len(source))), self._kept_chars + chars
+        texts = self._texts[m]
+        return [texts[r] for r in rows.tolist()]
 
     def _demand(self, needy: _Slot, m: int) -> dict[tuple[int, int], int]:
         """Rows to read per (slot, source) for the windows coming up: ~ENCODE_ROWS in all, for one tokenizer call.
@@ -158,19 +188,30 @@ class MixedStream:
         Each slot is topped up, source by source in the order its next windows need them, to one window plus its
         share of ``ENCODE_ROWS`` rows' worth of tokens (as the one-source stream does); only the speed depends on it.
         """
-        s = self.spec.stream
+        low = min(s.windows for s in self._slots)
+        self._extend(low + LOOKAHEAD - 1)
+        first = self._ahead[0][0]
+        ahead = np.stack([a[1] for a in list(self._ahead)[low - first : low - first + LOOKAHEAD]])  # (L, slots)
         budget = ENCODE_ROWS / len(self._slots)  # rows per slot
+        for _ in range(4):  # what is buffered already is not read: look further ahead for one full tokenizer call
+            plan = self._plan(needy, m, ahead, low, budget)
+            total = sum(plan.values())
+            if total >= ENCODE_ROWS:
+                break
+            budget *= 2 if not total else min(4.0, ENCODE_ROWS / total)
+        return plan
+
+    def _plan(self, needy: _Slot, m: int, ahead: np.ndarray, low: int, budget: float) -> dict[tuple[int, int], int]:
+        """Rows per (slot, source) that cover each slot's next windows up to ``budget`` rows' worth of tokens."""
+        seq_len, per_row = self.spec.stream.seq_len, np.asarray(self._per_row)
         plan: dict[tuple[int, int], int] = {}
         for i, slot in enumerate(self._slots):
-            want: dict[int, float] = {}
-            rows, batch = 0.0, slot.windows
-            while (rows < budget and batch < slot.windows + LOOKAHEAD) or batch == slot.windows:
-                src = int(self._assigned(batch)[0][i])
-                want[src] = want.get(src, 1.0) + s.seq_len
-                rows += s.seq_len / self._per_row[src]
-                batch += 1
-            for src, tokens in want.items():
-                short = tokens - (slot.packers[src].buffered if src in slot.packers else 0)
+            coming = ahead[slot.windows - low :, i]  # the sources of this slot's next windows
+            rows = np.cumsum(seq_len / per_row[coming])  # rows read by the end of each
+            n = max(1, min(len(coming), int(np.searchsorted(rows, budget)) + 1))
+            sources, windows = np.unique(coming[:n], return_counts=True)
+            for src, count in zip(sources.tolist(), windows.tolist(), strict=True):
+                short = count * seq_len + 1 - (slot.packers[src].buffered if src in slot.packers else 0)
                 if short > 0 or (slot is needy and src == m):
                     plan[(i, src)] = max(1, math.ceil(short / self._per_row[src]))
         return plan
@@ -194,7 +235,7 @@ class MixedStream:
                 by_source.setdefault(src, []).append((slot, src, index))
         texts, owners = [], []
         for src, wanted in by_source.items():
-            docs = iter(self.sources[src].get(self._row_of(src, np.concatenate([w[2] for w in wanted]))))
+            docs = iter(self._documents(src, self._row_of(src, np.concatenate([w[2] for w in wanted]))))
             for slot, _, index in wanted:
                 tags = self._take(slot, src, docs, len(index), texts)
                 owners.append((slot, src, tags))
@@ -246,8 +287,9 @@ class MixedStream:
     def next_windows(self) -> tuple[np.ndarray, dict]:
         """The next micro-batch as ``(micro_batch_size, seq_len + 1)`` windows, and what the loader keeps of it.
 
-        The second is ``{"cursors": {slot: cursor after it}, "sources": (micro_batch_size,) source indices,
-        "after": the schedule's cursor after this global batch}``.
+        The second is ``{"cursors": {slot: (windows, source, its READ position)} after it, "sources":
+        (micro_batch_size,) source indices, "after": the schedule's cursor after this global batch}``: a slot's
+        position changes only in the source it just gave a window of (what a feed changes is the same position).
         """
         start = self._turn()
         group = self._slots[start : start + self.spec.stream.micro_batch_size]
@@ -265,5 +307,6 @@ class MixedStream:
         while self._ahead and self._ahead[0][0] < low:
             self._ahead.popleft()  # every slot is past it
         names = self.spec.schedule.names
-        info = {"cursors": {s.index: s.cursor(names) for s in group}, "sources": picked.copy(), "after": after}
+        moved = {s.index: (s.windows, names[m], s.position(m)) for s, m in zip(group, picked.tolist(), strict=True)}
+        info = {"cursors": moved, "sources": picked.copy(), "after": after}
         return np.stack(windows), info

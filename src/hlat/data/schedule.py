@@ -89,21 +89,22 @@ def apportion(fractions: np.ndarray, done: np.ndarray, units: int) -> np.ndarray
     ``fractions``: (M,) shares summing to 1; ``done``: (M,) windows each source got since the stage began (the
     stage's units so far are ``done.sum()``). Deterministic: the same floats on every rank.
     """
-    positive = fractions > 0
+    positive = np.flatnonzero(fractions > 0)
     count = np.zeros(len(fractions), dtype=np.int64)
-    if positive.sum() == 1:
-        count[int(np.argmax(positive))] = units
+    if len(positive) == 1:
+        count[positive[0]] = units
         return count
-    c = 1.0 / (2 * int(positive.sum()) - 2)
-    due = np.where(positive, 1.0 / np.where(positive, fractions, 1.0), np.inf)  # units per window of each source
-    r = done.astype(np.float64)
-    t0 = int(done.sum())
-    for u in range(units):
-        t = t0 + u + 1
-        behind = positive & (fractions * t - r >= c - 1e-9)  # never empty: the deficits sum to 1 >= c
-        m = int(np.argmin(np.where(behind, (r + 1 - c) * due, np.inf)))
-        r[m] += 1
-        count[m] += 1
+    c = 1.0 / (2 * len(positive) - 2)
+    f = fractions[positive]
+    r = done[positive].astype(np.float64)
+    deficit = f * float(done.sum()) - r  # w t - r before the next unit, per positive source
+    due = (r + 1 - c) / f  # when each one's next unit is due
+    for _ in range(units):
+        deficit += f
+        j = int(np.argmin(np.where(deficit >= c - 1e-9, due, np.inf)))  # never all inf: the deficits sum to 1 >= c
+        deficit[j] -= 1
+        due[j] += 1 / f[j]
+        count[positive[j]] += 1
     return count
 
 

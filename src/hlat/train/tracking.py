@@ -23,6 +23,7 @@ from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resol
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
 from hlat.track.series import SERIES_DIR, LeanTracker, SeriesError, SeriesWriter
+from hlat.track.series_only import SeriesOnly
 from hlat.track.trackers import CHANGED_TAG, History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train.resume import JobStart
 
@@ -111,7 +112,8 @@ def start(
     series = SeriesWriter(job.root, first_step) if env.rank == 0 else None
     extra = [history, recorder] + ([series] if series else []) + ([progress] if progress else [])
     spool_dir = job.root / SPOOL_DIR
-    tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id, spool_dir)
+    hidden = data_info.get("series_only") or None  # a mixture of more than data.log_sources sources
+    tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id, spool_dir, hidden)
     run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
     if series is not None and mlflow_tracker is not None:
         client, mlflow_run = mlflow_tracker.client, mlflow_tracker.run_id
@@ -171,10 +173,12 @@ def _open(
     derived: dict[str, Any],
     run_id: str | None,
     spool_dir: Path,
+    hidden: dict[str, list[str]] | None = None,
 ) -> tuple:
     """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files.
 
     ``spool_dir``: where metrics wait while the tracking server is away (beside the checkpoints they belong to).
+    ``hidden``: metrics and param prefixes MLflow leaves to the Parquet series (``hlat.track.series_only``).
     """
     prov_tags, files = write_provenance(run_dir, to_yaml(cfg)) if rank == 0 else ({}, [])
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"
@@ -186,7 +190,8 @@ def _open(
         extra=extra,
         run_id=run_id,
         spool_dir=spool_dir,
-        thin=LeanTracker,  # MLflow gets the loss and grad norm every step, the rest thinned; the series has all
+        # MLflow gets the loss and grad norm every step, the rest thinned; the series has all
+        thin=LeanTracker if hidden is None else lambda t: LeanTracker(SeriesOnly(t, **hidden)),
     )
     params = flatten(dataclasses.asdict(cfg))
     tracker.log_params(params | bytes_per_param(cfg.precision).as_params() | derived)
