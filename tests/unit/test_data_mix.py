@@ -547,3 +547,25 @@ def test_beyond_log_sources_mlflow_gets_the_largest_sources_and_other_and_the_se
     assert {k.split("/")[-2] if k.startswith("data/") else k.split("/")[-1] for k in per_source} == {"a", "c", "other"}
     assert set(row) - logged == {f"data/mix/b/{k}" for k in ("tokens", "target", "documents", "epochs")}
     assert mlflow.params == {"data.mix.a.weight": 0.5}
+
+
+def test_a_worker_gives_the_inline_stream_across_a_restart_within_a_step_and_a_process_could_reopen_it(corpus):
+    import pickle
+
+    cfg = _cfg(corpus, {"a": 0.5, "b": 0.3, "c": 0.2}, {"mid": STAGES["mid"]})
+    runs, reopened = [], None
+    for worker in ("none", "thread"):
+        (loader,) = _ranks(dataclasses.replace(cfg, worker=worker), 1, 4)
+        got = []
+        for i in range(14):  # two micro-batches a global batch
+            batch = next(loader)
+            got.append(np.concatenate([batch[0].numpy(), batch.sources.numpy()[:, None]], axis=1))
+            if i == 6:  # half a global batch given: its other half comes from the restarted worker
+                loader.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+                # what a worker process gets: the spec and position, pickled; it opens the data again
+                reopened = pickle.loads(pickle.dumps(loader._reopen()))().next_windows()
+        loader.close()
+        runs.append(np.stack(got))
+    np.testing.assert_array_equal(runs[1], runs[0])
+    np.testing.assert_array_equal(reopened[0][:, :-1], runs[0][7][:, :-1])
+    np.testing.assert_array_equal(reopened[1]["sources"], runs[0][7][:, -1])

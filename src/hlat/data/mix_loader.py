@@ -78,6 +78,7 @@ class MixLoader(OnlineLoader):
         }
         self._data = {n: s.fingerprint for n, s in zip(self.names, sources, strict=True)}
         self._at = spec.schedule.start()  # after the last consumed batch (every rank alike)
+        self._before = self._at  # before it
         self._cursors = [{"windows": 0, "read": {}} for _ in self.slots]
         self._tokens = np.zeros(len(self.names), dtype=np.int64)  # trained tokens per source, as of _base
         self._base = self._at.counts.copy()  # windows per source when this process started (tokens: + seq_len each)
@@ -102,10 +103,15 @@ class MixLoader(OnlineLoader):
         return list(zip(self.mix.sources, self.sources, strict=True))
 
     def _make_stream(self) -> MixedStream:
-        return MixedStream(self.mix, self.sources, self.tokenizer, self._stream_cursors(), self._at)
+        return MixedStream(self.mix, self.sources, self.tokenizer, self._stream_cursors(), self._start_at())
 
     def _reopen(self) -> partial:
-        return partial(_reopened, self.mix, self._stream_cursors(), self._at)
+        return partial(_reopened, self.mix, self._stream_cursors(), self._start_at())
+
+    def _start_at(self) -> Cursor:
+        """The schedule's cursor before the first batch a slot has yet to give (mid-batch: the one in progress)."""
+        low = min(c["windows"] for c in self._cursors)
+        return self._at if low == self._at.batch else self._before
 
     def _stream_cursors(self) -> list[dict]:
         return [{"windows": c["windows"], "read": c["read"]} for c in self._cursors]
@@ -117,7 +123,8 @@ class MixLoader(OnlineLoader):
             cursor = self._cursors[slot - self.slots.start]
             cursor["windows"] = done
             cursor["read"][name] = position
-        self._at = info["after"]
+        if info["after"].batch != self._at.batch:  # a new global batch: the cursor before it is the last one's after
+            self._before, self._at = self._at, info["after"]
         w = torch.from_numpy(windows.astype(np.int64, copy=False))
         sources = torch.from_numpy(np.asarray(info["sources"], dtype=np.int64))
         return Batch(w[:, :-1].contiguous(), w[:, 1:].contiguous(), sources, self.tally)
@@ -127,21 +134,26 @@ class MixLoader(OnlineLoader):
         return self._tokens + (self._at.counts - self._base) * self.mix.stream.seq_len
 
     def state_dict(self) -> dict[str, Any]:
-        """Every slot's position per source after the last batch handed out, the schedule's, and the identity."""
+        """Every slot's position per source after the last batch handed out, the schedule's, and the identity.
+
+        The schedule's cursor is the one before the first batch a slot has yet to give (within a step, some slots
+        are a window ahead: their positions say where they are).
+        """
         s = self.mix.stream
         names = list(self.names)
         cursors = [
             {"windows": c["windows"], "read": {**self._carried.get("read", [{}] * len(self._cursors))[i], **c["read"]}}
             for i, c in enumerate(self._cursors)
         ]
-        sched = self.mix.schedule
-        now = [st for st in sched.stages if self._resumed_at <= st.start < self._at.batch]
+        sched, at = self.mix.schedule, self._start_at()  # at a step's end, after its batch
+        now = [st for st in sched.stages if self._resumed_at <= st.start < at.batch]
         begun = [st.to_dict() for st in self._past + now]
+        tokens = self._tokens + (at.counts - self._base) * s.seq_len
         mix = {
-            "batch": self._at.batch,
-            "counts": {**self._carried.get("counts", {}), **dict(zip(names, self._at.counts.tolist(), strict=True))},
-            "at_stage": dict(zip(names, self._at.at_stage.tolist(), strict=True)),
-            "tokens": {**self._carried.get("tokens", {}), **dict(zip(names, self.tokens().tolist(), strict=True))},
+            "batch": at.batch,
+            "counts": {**self._carried.get("counts", {}), **dict(zip(names, at.counts.tolist(), strict=True))},
+            "at_stage": dict(zip(names, at.at_stage.tolist(), strict=True)),
+            "tokens": {**self._carried.get("tokens", {}), **dict(zip(names, tokens.tolist(), strict=True))},
             "rows": {n: len(src) for n, src in zip(names, self.sources, strict=True)},
             "stages": begun,
             "planned": [st.to_dict() for st in self._planned],
@@ -214,7 +226,7 @@ class MixLoader(OnlineLoader):
         self._planned, self._past, self._resumed_at = saved + resumed.future, saved, k
         counts = np.array([int(mix["counts"].get(n, 0)) for n in self.names], dtype=np.int64)
         at_stage = np.array([int(mix["at_stage"].get(n, 0)) for n in self.names], dtype=np.int64)
-        self._at = Cursor(k, len(past) - 1 if past else 0, counts, at_stage if past else counts.copy())
+        self._at = self._before = Cursor(k, len(past) - 1 if past else 0, counts, at_stage if past else counts.copy())
         self._base = counts.copy()
         self._tokens = np.array([int(mix["tokens"].get(n, 0)) for n in self.names], dtype=np.int64)
         self._carried = {

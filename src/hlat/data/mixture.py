@@ -100,7 +100,7 @@ class MixedStream:
     """Synchronous producer of a rank's mixture windows, one micro-batch at a time (the worker runs one).
 
     ``cursors``: each slot's saved position (``{"windows": n, "read": {source: READ values}}``), None for a fresh
-    start; ``at``: the schedule's cursor before the batch the slots are at.
+    start; ``at``: the schedule's cursor before the first batch a slot has yet to give (the others are one ahead).
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class MixedStream:
         self._slots = []
         for slot, c in zip(slots, cursors, strict=True):
             read = {index[n]: list(r) for n, r in c["read"].items() if n in index}
-            assert int(c["windows"]) == at.batch, (c["windows"], at.batch)
+            assert int(c["windows"]) in (at.batch, at.batch + 1), (c["windows"], at.batch)  # mid-batch: some ahead
             self._slots.append(_Slot(slot, int(c["windows"]), read, s.seq_len, tokenizer.eos_id))
         self._ahead: deque[tuple[int, np.ndarray, Cursor]] = deque()  # (batch, source of each of my slots, after)
         self._next = at  # the schedule's cursor before the first batch not yet in _ahead
