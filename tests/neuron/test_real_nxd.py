@@ -46,14 +46,23 @@ def test_train_py_on_xla_cpu_trains_through_the_real_nxd(tmp_path: Path, cache: 
     assert saved == ["step_00000002", "step_00000003"]
 
 
+MIX_KEYS = ("train/loss/docstrings", "train/loss/topics", "data/mix/topics/share")
+
+
 def test_fp32_on_xla_cpu_equals_the_torch_backend(tmp_path: Path, cache: Path) -> None:
     """``python train.py cluster=xla_cpu`` (world 1, fp32) against ``cluster=cpu``: same weights, data and math.
 
     Both run fp32 on the same CPU; the XLA graph fuses and orders some sums differently, so the losses and pre-clip
-    grad norms of 3 steps should agree to 1e-5 relative, not bitwise.
+    grad norms of 3 steps should agree to 1e-5 relative, not bitwise. The data is a mixture (``data=mix_demo``: its
+    stage starts at step 3), so each source's loss, tallied in the graph NxD runs, is compared too, and the stage
+    change compiles no graph.
     """
-    ref = train(tmp_path, "torch", cache)
-    nxd = train(tmp_path, "xla", cache, "cluster=xla_cpu")
-    for key in ref:
+    keys = ("train/loss", "train/grad_norm", *MIX_KEYS)
+    ref = train(tmp_path, "torch", cache, "data=mix_demo", keys=keys)
+    nxd = train(tmp_path, "xla", cache, "cluster=xla_cpu", "data=mix_demo", keys=(*keys, "xla/graphs_compiled"))
+    for key in keys:
         assert len(nxd[key]) == len(ref[key]) == 3, key
         assert nxd[key] == pytest.approx(ref[key], rel=1e-5), key
+    assert nxd["data/mix/topics/share"][2] > nxd["data/mix/topics/share"][1]  # the stage began at step 3
+    graphs = nxd["xla/graphs_compiled"]
+    assert graphs[2] == graphs[1], graphs  # ... in the graphs step 2 compiled

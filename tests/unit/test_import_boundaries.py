@@ -98,6 +98,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hlat.host",
         "hlat.logs",
         "hlat.state",
+        "hlat.tally",
     ),
     ("hlat.launch",),
     ("hlat.plan",),

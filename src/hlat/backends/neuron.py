@@ -240,10 +240,10 @@ class NeuronBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss in the upcast dtype (fp32 on the device; float64 stands for fp32 under downcast)."""
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch: Any = None) -> torch.Tensor:
+        """Mean token loss in the upcast dtype (fp32; float64 under downcast); a mixture's ``batch`` tallies it too."""
         with self._autocast():
-            return model(inputs.to(self.device), targets.to(self.device))
+            return model(inputs.to(self.device), targets.to(self.device), batch=batch)
 
     def forward_backward(
         self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n: int
@@ -255,8 +255,8 @@ class NeuronBackend:
             with self._autocast():
                 return model.run_train(input_ids=inputs, labels=targets).detach()
         total: torch.Tensor | None = None
-        for inputs, targets in batches:
-            loss = self.loss(model, inputs, targets) / n
+        for batch in batches:  # a data mixture's (hlat.tally.Batch) also tallies its per-source losses in the model
+            loss = self.loss(model, *batch, batch=batch) / n
             loss.backward()
             self.api.sync()  # one graph per micro-batch, as NxD's MpDeviceLoader cuts them
             total = loss.detach() if total is None else total + loss.detach()

@@ -20,6 +20,7 @@ from hlat.backends.neuron_init import NamedInit, QKVInit, mark_fused_qkv
 from hlat.config import ModelConfig
 from hlat.model import apply_rope, init_stds, rms_norm, rope_tables
 from hlat.parallel import TP_PLAN
+from hlat.tally import Batch, mixture_of
 
 IGNORE_INDEX = -100
 """Label of a position that does not count in the loss (masked by hand: ``parallel_cross_entropy`` does not)."""
@@ -248,12 +249,17 @@ class TokenLoss(nn.Module):
         super().__init__()
         self.cross_entropy, self.upcast_dtype, self.out_dtype = cross_entropy, upcast_dtype, out_dtype
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``logits`` (B, T, V/tp), ``labels`` (B, T) -> 0-d loss in ``out_dtype``."""
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor, mixture: Batch | None = None) -> torch.Tensor:
+        """``logits`` (B, T, V/tp), ``labels`` (B, T) -> 0-d loss in ``out_dtype``.
+
+        ``mixture``: a mixture's micro-batch; its per-token losses go to its per-source tally too (``hlat.tally``).
+        """
         if self.upcast_dtype is not None:
             logits = logits.to(self.upcast_dtype)
         per_token = self.cross_entropy(logits, labels)  # (B, T), summed over the vocabulary shards inside
         keep = (labels != IGNORE_INDEX).to(per_token.dtype)
+        if mixture is not None:
+            mixture.tally.add(per_token * keep, mixture.sources)
         return ((per_token * keep).sum() / keep.sum().clamp_min(1)).to(self.out_dtype)
 
 
@@ -277,10 +283,13 @@ class NeuronTransformer(nn.Module):
         upcast = opts.upcast_dtype if opts.fp32_softmax_ce else None  # None: the loss on the logits' dtype
         self.loss_fn = TokenLoss(nxd.cross_entropy, upcast, upcast if upcast is not None else torch.float32)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, batch: tuple | None = None
+    ) -> torch.Tensor:
         """``input_ids`` (B, T) -> logits (B, T, V/tp); with ``labels`` (B, T), the 0-d mean token loss instead.
 
-        Traceable by torch.fx with blocks as leaves (``labels`` is then a proxy, never None).
+        Traceable by torch.fx with blocks as leaves (``labels`` is then a proxy, never None; ``batch`` None).
+        ``batch``: the micro-batch; a data mixture's (``hlat.tally.Batch``) gets its per-token losses in its tally.
         """
         h = self.embed(input_ids)  # (B, T, dim), or (T/tp, B, dim) under SP
         for layer in self.layers:
@@ -290,7 +299,8 @@ class NeuronTransformer(nn.Module):
             logits = logits.transpose(0, 1)
         if labels is None:
             return logits
-        return self.loss_fn(logits, labels)
+        mixture = mixture_of(batch)
+        return self.loss_fn(logits, labels) if mixture is None else self.loss_fn(logits, labels, mixture)
 
 
 class ModuleInit:

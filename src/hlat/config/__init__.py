@@ -12,6 +12,7 @@ from typing import Any
 
 from hlat.config.base import DTYPES, ConfigError, UnknownKeyError, _check, _Frozen, flatten
 from hlat.config.health import HealthConfig
+from hlat.config.mix import MixSourceConfig, MixStageConfig, check_schedule
 from hlat.config.ops import ClusterConfig, EvalConfig, EvalTask, FaultConfig, TrackerConfig
 from hlat.config.resolvers import register_resolvers
 from hlat.config.train import (
@@ -32,6 +33,8 @@ __all__ = [
     "EvalTask",
     "FaultConfig",
     "HealthConfig",
+    "MixSourceConfig",
+    "MixStageConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
@@ -74,6 +77,8 @@ class RunConfig(_Frozen):
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
             f"train.micro_batch_size={t.micro_batch_size}; make the global batch a multiple of the micro batch",
         )
+        if self.data.mixed:
+            check_schedule(self.data.mix, self.data.stages, t.steps, t.global_batch_size * t.seq_len)
         _check(
             o.warmup_steps < t.steps or t.dry_run,
             f"optimizer.warmup_steps={o.warmup_steps} is not below train.steps={t.steps}: the run would end "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from hlat.config.base import DTYPES, _check, _check_choice, _check_range, _Frozen
+from hlat.config.mix import check_sources, check_stages, merge_sources, read_mix_file
 
 
 @dataclass
@@ -208,6 +210,15 @@ class DataConfig(_Frozen):
     """Where the online loader tokenizes ahead of the trainer: thread, process, or none (inline)."""
     prefetch: int = 4
     """Micro-batches the background worker keeps ready."""
+    mix: dict[str, Any] = field(default_factory=dict)
+    """Named sources mixed by share of trained tokens: ``{name: {path, weight, text_column, max_epochs}}``; not with
+    data.path."""
+    stages: dict[str, Any] = field(default_factory=dict)
+    """The mix's schedule: ``{name: {start | start_tokens | start_fraction, weights: {source: weight}}}``."""
+    mix_file: str | None = None
+    """YAML file of ``data.mix`` sources, merged into data.mix when the config is validated (data.mix wins)."""
+    log_sources: int = 32
+    """Most sources with per-source series in MLflow (by weight; the rest as ``other``, all in the Parquet series)."""
 
     def __post_init__(self) -> None:
         _check_choice("data.tokenizer_type", self.tokenizer_type, ("bpe", "unigram"))
@@ -219,7 +230,34 @@ class DataConfig(_Frozen):
             "data.text_column is empty; set it to the column (or JSONL key) that holds the "
             "documents, e.g. data.text_column=text",
         )
+        _check_range(self, "data.log_sources", ">= 1")
+        self._check_mix()
         self._freeze()
+
+    def _check_mix(self) -> None:
+        """``data.mix`` (with ``data.mix_file``) and ``data.stages`` as typed entries, or the key to fix."""
+        raw = merge_sources(read_mix_file(self.mix_file), self.mix) if self.mix_file is not None else self.mix
+        self.mix_file = None  # merged: the validated config lists every source in data.mix
+        self.mix = check_sources(raw)
+        if not self.mix:
+            _check(not self.stages, "data.stages is set without data.mix; a schedule needs sources to weigh")
+            return
+        sources = f"{len(self.mix)} source{'s' * (len(self.mix) > 1)}"
+        _check(
+            self.path is None,
+            f"data.path={self.path} and data.mix ({sources}) are both set: data.path trains one corpus "
+            "weighted by size, data.mix named sources by weight; set data.path=null to mix, or drop data.mix",
+        )
+        _check(
+            self.loader == "online",
+            f"data.loader={self.loader} does not mix sources; data.mix needs data.loader=online",
+        )
+        self.stages = check_stages(self.stages, self.mix)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the run trains a mixture (``data.mix``) rather than one corpus (``data.path``)."""
+        return bool(self.mix)
 
 
 @dataclass

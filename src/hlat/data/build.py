@@ -47,6 +47,14 @@ class Loader(Protocol):
         """The ``data/*`` metrics of the interval."""
         ...
 
+    def interval(self, device: torch.device) -> tuple[dict[str, torch.Tensor], Any] | None:
+        """Device values to fetch with a log interval's, and the maker of their metrics (a mixture's); or None."""
+        ...
+
+    def run_info(self) -> dict[str, Any]:
+        """Tags, params and files (name -> text) the run records of its data; empty for one corpus."""
+        ...
+
     def close(self) -> None:
         """Stop the background worker, if any."""
         ...
@@ -62,11 +70,13 @@ def build_loader(
     dp_rank: int = 0,
     dp_size: int = 1,
     global_batch_size: int | None = None,
+    steps: int = 0,
 ) -> Loader:
     """Build one data-parallel rank's loader from the ``data`` config.
 
     The rank serves its share of the ``global_batch_size`` sequence slots (default: one micro-batch per rank), in
-    micro-batches of ``micro_batch_size``; every global batch is the same whatever the layout.
+    micro-batches of ``micro_batch_size``; every global batch is the same whatever the layout. ``steps``
+    (``train.steps``) is the horizon of a mixture's plan (its ``max_epochs`` checks); 0 plans nothing.
 
     Returns:
         The online loader, or the offline baseline for ``data.loader=offline_packed`` (see :class:`Loader`):
@@ -77,6 +87,9 @@ def build_loader(
     """
     global_batch_size = global_batch_size or micro_batch_size * dp_size
     _check_layout(seq_len, micro_batch_size, dp_rank, dp_size, global_batch_size)
+    layout = (vocab_size, seq_len, micro_batch_size, seed, global_batch_size, dp_rank, dp_size)
+    if cfg.mixed:
+        return _build_mix(cfg, layout, steps)
     source, tokenizer = _open_data(cfg, vocab_size)
     if cfg.loader == "offline_packed":
         from hlat.data.offline import build_offline_loader
@@ -106,6 +119,44 @@ def build_loader(
         dp_size,
     )
     return OnlineLoader(spec, source, tokenizer, worker=cfg.worker, prefetch=cfg.prefetch)
+
+
+def _build_mix(cfg: DataConfig, layout: tuple[int, ...], steps: int) -> Loader:
+    """A mixture's loader (``data.mix``): its sources and tokenizer, its schedule, its plan checked before step 0."""
+    from hlat.data.mix_loader import MixLoader
+    from hlat.data.mix_plan import config_stages, mixture_sample, open_sources
+    from hlat.data.mixture import MixSpec, SourceRef
+    from hlat.data.schedule import Schedule
+
+    vocab_size, seq_len, _, seed, global_batch_size, _, _ = layout
+    cache_dir = Path(cfg.cache_dir).expanduser()
+    tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer is not None else None
+    opened = open_sources(cfg)
+    names, sources = tuple(opened), list(opened.values())
+    if tokenizer is None:
+        sample = mixture_sample(sources)
+        if not sample:
+            raise sources[0].no_documents("every value of every source")
+        tokenizer = load_or_train_tokenizer(cfg, sample, vocab_size, cache_dir)
+    stream = StreamSpec("", cfg.text_column, str(tokenizer.path), *layout[:4], cfg.shuffle, *layout[4:])
+    refs = []
+    for name, source in opened.items():
+        cap = cfg.mix[name].max_epochs
+        rows = int(cap * len(source)) if cap is not None else None
+        refs.append(SourceRef(name, str(source.path), source.text_column, rows, f"data.mix.{name}.max_epochs"))
+    stages = config_stages(cfg, steps, global_batch_size * seq_len)
+    spec = MixSpec(stream, tuple(refs), Schedule(names, tuple(stages), global_batch_size, seed))
+    log.info("data: a mix of %d sources (%d rows), tokenizer %s", len(names), sum(map(len, sources)), tokenizer.path)
+    return MixLoader(
+        spec,
+        sources,
+        tokenizer,
+        stages,
+        steps=steps,
+        log_sources=cfg.log_sources,
+        worker=cfg.worker,
+        prefetch=cfg.prefetch,
+    )
 
 
 def _check_layout(seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int, global_batch_size: int) -> None:

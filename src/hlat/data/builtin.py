@@ -63,35 +63,48 @@ def _docstrings(path: Path) -> list[str]:
     return out
 
 
-def collect_documents() -> list[str]:
-    """The builtin corpus's documents, in a deterministic order: pydoc topics by name, then stdlib docstrings by path.
+PARTS = ("topics", "docstrings")
+"""The builtin corpus's two parts, in its order: ``data.mix`` names them ``builtin:topics``, ``builtin:docstrings``."""
 
-    Docstrings shorter than ``MIN_DOCSTRING_CHARS`` and exact duplicates are dropped.
+
+def collect_parts() -> dict[str, list[str]]:
+    """The builtin corpus's documents by part (:data:`PARTS`), each in a deterministic order.
+
+    ``topics``: the pydoc topics by name; ``docstrings``: the stdlib docstrings by path. Docstrings shorter than
+    ``MIN_DOCSTRING_CHARS`` and exact duplicates (of any earlier document) are dropped.
     """
     try:
         from pydoc_data.topics import topics
     except ImportError:  # Some distributions strip pydoc_data; the docstrings alone still suffice.
         topics = {}
-    docs: list[str] = []
+    parts: dict[str, list[str]] = {name: [] for name in PARTS}
     seen: set[str] = set()
     for key in sorted(topics):
         if topics[key] not in seen:  # some topics are aliases with the same text
             seen.add(topics[key])
-            docs.append(topics[key])
+            parts["topics"].append(topics[key])
     root = Path(sysconfig.get_paths()["stdlib"])
     for path in _stdlib_sources(root):
         for doc in _docstrings(path):
             if len(doc) >= MIN_DOCSTRING_CHARS and doc not in seen:
                 seen.add(doc)
-                docs.append(doc)
-    return docs
+                parts["docstrings"].append(doc)
+    return parts
 
 
-def _cache_name() -> str:
+def collect_documents() -> list[str]:
+    """The builtin corpus's documents, in a deterministic order: pydoc topics by name, then stdlib docstrings by path.
+
+    Docstrings shorter than ``MIN_DOCSTRING_CHARS`` and exact duplicates are dropped.
+    """
+    return [doc for docs in collect_parts().values() for doc in docs]
+
+
+def _cache_name(part: str | None = None) -> str:
     # The content is a function of the interpreter (its stdlib) and of the extraction rules, so the
     # name can be computed without building the corpus, which is what makes the cache check cheap.
     impl = sys.implementation.name
-    return f"corpus-{impl}-{platform.python_version()}-v{_FORMAT_VERSION}.arrow"
+    return f"corpus-{impl}-{platform.python_version()}-v{_FORMAT_VERSION}{f'-{part}' if part else ''}.arrow"
 
 
 def write_text_arrow(docs: list[str], path: Path) -> None:
@@ -108,14 +121,25 @@ def write_text_arrow(docs: list[str], path: Path) -> None:
         raise
 
 
-def builtin_corpus_path(cache_dir: Path | str) -> Path:
-    """Path of the builtin corpus under ``<cache_dir>/builtin/`` (``data.cache_dir``), building it on first use."""
-    path = Path(cache_dir).expanduser() / "builtin" / _cache_name()
+def builtin_corpus_path(cache_dir: Path | str, part: str | None = None) -> Path:
+    """Path of the builtin corpus (or one of its :data:`PARTS`) under ``<cache_dir>/builtin/``, built on first use.
+
+    ``cache_dir`` is ``data.cache_dir``; the whole corpus is its parts one after the other.
+    """
+    assert part is None or part in PARTS, part
+    path = Path(cache_dir).expanduser() / "builtin" / _cache_name(part)
     if path.is_file():
         return path
     log.info("building the builtin corpus from the Python %s standard library (one-off)", platform.python_version())
     start = time.perf_counter()
-    docs = collect_documents()
+    if part is None:
+        docs = collect_documents()
+    else:  # both parts from one pass over the stdlib (a mixture of the builtin corpus reads both)
+        parts = collect_parts()
+        for name, part_docs in parts.items():
+            if name != part:
+                write_text_arrow(part_docs, path.with_name(_cache_name(name)))
+        docs = parts[part]
     write_text_arrow(docs, path)
     size_mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
     log.info(

@@ -63,7 +63,7 @@ def content_digest(path: Path) -> str:
                 fh.seek((size - SAMPLE_BLOCK_BYTES) * i // (SAMPLE_BLOCKS - 1))
                 digest.update(fh.read(SAMPLE_BLOCK_BYTES))
         else:
-            buf = bytearray(_READ_BYTES)
+            buf = bytearray(min(_READ_BYTES, max(size, 1)))  # a small file (a mixture of many): a small buffer
             view = memoryview(buf)
             while n := fh.readinto(buf):
                 digest.update(view[:n])

@@ -90,6 +90,11 @@ def check_identity(
     """Refuse, in one line naming each change and the ways on, to resume a stream whose inputs changed."""
     saved, current = {"loader": "online", **saved}, {"loader": "online", **current}  # older states have no loader
     new_run = f"start a new run (a new hydra.run.dir; train.init_from={CHECKPOINT} keeps its trained weights)"
+    if "online_mix" in (saved["loader"], current["loader"]) and saved["loader"] != current["loader"]:
+        raise ConfigError(
+            "the checkpoint's data stream mixed sources (data.mix), this run reads one corpus: resume with the "
+            f"checkpoint's data.mix (and data.stages), or {new_run}"
+        )
     if saved["loader"] != current["loader"]:  # the other entries of another loader's state mean other things
         keys = ("loader",)
     elif saved.get("version") != version:  # an older state has other entries: its version is what to report
@@ -253,9 +258,12 @@ class PackedStream:
         return [slot.cursor() for slot in self._slots]
 
 
-def tokenizer_sample(source: TextSource) -> list[str]:
-    """Rows at an even stride, at most ~MAX_TRAIN_CHARS of text: bounded memory for any corpus size."""
-    stride = max(1, math.ceil(source.total_chars() / MAX_TRAIN_CHARS))
+def tokenizer_sample(source: TextSource, stride: int | None = None) -> list[str]:
+    """Rows at an even stride, at most ~MAX_TRAIN_CHARS of text: bounded memory for any corpus size.
+
+    ``stride``: every how many rows (default: the stride that gives ~MAX_TRAIN_CHARS of this source).
+    """
+    stride = stride or max(1, math.ceil(source.total_chars() / MAX_TRAIN_CHARS))
     sample: list[str] = []
     for lo in range(0, len(source), 1024 * stride):
         rows = np.arange(lo, min(lo + 1024 * stride, len(source)), stride)

@@ -237,6 +237,14 @@ class OfflinePackedLoader:
             "data/epochs": float(global_tokens / per_epoch),
         }
 
+    def interval(self, device: torch.device) -> None:
+        """Nothing to fetch from the device (one corpus)."""
+        return None
+
+    def run_info(self) -> dict[str, Any]:
+        """Nothing to record beside the config (one corpus)."""
+        return {}
+
     def close(self) -> None:
         """Nothing to release: the memmaps close with the object."""
 

@@ -26,16 +26,17 @@ def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
 class Permutation:
     """A pseudo-random bijection of ``[0, n)`` determined by ``(seed, epoch)``; every epoch an independent order.
 
-    ``rounds``: Feistel rounds (4 suffice for a pseudo-random permutation; 6 add margin).
+    ``rounds``: Feistel rounds (4 suffice for a pseudo-random permutation; 6 add margin). ``domain`` keys other uses
+    (a mixture's placement of sources in the batch) apart from the document order.
     """
 
-    def __init__(self, n: int, seed: int, epoch: int, rounds: int = 6) -> None:
+    def __init__(self, n: int, seed: int, epoch: int, rounds: int = 6, domain: str = "hlat-order") -> None:
         if n <= 0:
             raise ValueError(f"cannot permute an empty domain (n={n})")
         self.n = n
         self.half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)  # 2^(2*half) >= n, < 4n
         self.mask = np.uint64((1 << self.half) - 1)
-        digest = hashlib.blake2b(f"hlat-order|{seed}|{epoch}".encode(), digest_size=8 * rounds).digest()
+        digest = hashlib.blake2b(f"{domain}|{seed}|{epoch}".encode(), digest_size=8 * rounds).digest()
         self.keys = [np.uint64(int.from_bytes(digest[8 * i : 8 * i + 8], "little")) for i in range(rounds)]
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:

@@ -11,6 +11,8 @@ import multiprocessing as mp
 import queue
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -55,11 +57,15 @@ def _produce(stream: PackedStream, q: Any, stop: Any) -> None:
         _put(q, _Failure(exc), stop)
 
 
-def _process_main(spec: StreamSpec, cursors: list[dict], q: Any, stop: Any) -> None:
-    """Entry point of a worker process: reopen the (memory-mapped) data and the tokenizer, then produce."""
+def _reopened(spec: StreamSpec, cursors: list[dict]) -> PackedStream:
+    """The stream of ``spec`` from ``cursors``, over the (memory-mapped) data and tokenizer opened again."""
     source = TextSource(spec.data_path, spec.text_column)
-    tokenizer = load_tokenizer(spec.tokenizer_path, spec.vocab_size)
-    _produce(PackedStream(spec, source, tokenizer, cursors), q, stop)
+    return PackedStream(spec, source, load_tokenizer(spec.tokenizer_path, spec.vocab_size), cursors)
+
+
+def _process_main(build: Callable[[], Any], q: Any, stop: Any) -> None:
+    """Entry point of a worker process: ``build()`` reopens the stream (data, tokenizer), then produce."""
+    _produce(build(), q, stop)
     # Prefetched batches nobody will read must not hold the process open at exit (its queue feeder
     # thread would otherwise wait to flush them into the pipe).
     q.cancel_join_thread()
@@ -86,13 +92,21 @@ class OnlineLoader:
         self._stop: Any = None
         self._runner: threading.Thread | mp.Process | None = None
 
+    def _make_stream(self) -> Any:
+        """The stream from the current position, over this loader's open data (inline or in a thread)."""
+        return PackedStream(self.spec, self.source, self.tokenizer, self._cursors)
+
+    def _reopen(self) -> Callable[[], Any]:
+        """A picklable ``() -> stream`` from the current position that opens the data again (a worker process)."""
+        return partial(_reopened, self.spec, self._cursors)
+
     def _start(self) -> None:
         if self.worker == "none":
-            self._stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursors)
+            self._stream = self._make_stream()
             return
         if self.worker == "thread":
             self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
-            stream = PackedStream(self.spec, self.source, self.tokenizer, self._cursors)
+            stream = self._make_stream()
             self._runner = threading.Thread(
                 target=_produce,
                 args=(stream, self._queue, self._stop),
@@ -105,7 +119,7 @@ class OnlineLoader:
             self._queue, self._stop = ctx.Queue(self.prefetch), ctx.Event()
             self._runner = ctx.Process(
                 target=_process_main,
-                args=(self.spec, self._cursors, self._queue, self._stop),
+                args=(self._reopen(), self._queue, self._stop),
                 daemon=True,
                 name=f"hlat-data-rank{self.spec.dp_rank}",
             )
@@ -119,22 +133,27 @@ class OnlineLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next micro-batch: ``(inputs, targets)``, int64, ``(micro_batch_size, seq_len)`` each."""
+        windows, info = self._next_windows()
+        for slot, cursor in info.items():
+            self._cursors[slot - self.slots.start] = cursor
+        w = torch.from_numpy(windows.astype(np.int64, copy=False))
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def _next_windows(self) -> tuple[np.ndarray, Any]:
+        """The stream's next micro-batch of windows and what it says of them (this loader's stream: the cursors)."""
         if self._stream is None and self._runner is None:
             self._start()
         if self._stream is not None:
             t0 = time.perf_counter()
-            windows, cursors = self._stream.next_windows()
+            windows, info = self._stream.next_windows()
             self._busy += time.perf_counter() - t0
-        else:
-            item = self._get()
-            if isinstance(item, _Failure):
-                self.close()
-                raise item.exc
-            windows, cursors, self._busy = item
-        for slot, cursor in cursors.items():
-            self._cursors[slot - self.slots.start] = cursor
-        w = torch.from_numpy(windows.astype(np.int64, copy=False))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+            return windows, info
+        item = self._get()
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.exc
+        windows, info, self._busy = item
+        return windows, info
 
     def _get(self) -> Any:
         """The next queue item; fails loudly (instead of waiting forever) if the worker died silently."""
@@ -195,6 +214,14 @@ class OnlineLoader:
             # What the producer could sustain if never blocked: tokens per second of its busy time.
             "data/producer_tokens_per_s": tokens / self._busy if self._busy > 0 else 0.0,
         }
+
+    def interval(self, device: torch.device) -> None:
+        """One corpus: nothing to fetch from the device (``hlat.data.mix_loader.MixLoader`` has per-source tallies)."""
+        return None
+
+    def run_info(self) -> dict[str, Any]:
+        """One corpus: nothing to record beside the config."""
+        return {}
 
     def close(self) -> None:
         """Stop the worker (if any); the next batch restarts it from the current position."""

@@ -25,6 +25,11 @@ from hlat.track.goodput import Ledger
 
 Rows = list[tuple[int, dict[str, float]]]
 """Metric rows ``(step, {name: value})`` in step order."""
+Interval = Callable[
+    [torch.device], tuple[dict[str, torch.Tensor], Callable[[dict[str, list[float]]], dict[str, float]]] | None
+]
+"""Device values to fetch with an interval's (on the loss's device), and the maker of their metrics from the fetched
+values (averaged over the ranks); None when there are none (a data mixture's: ``Loader.interval``)."""
 
 
 class SpikeDetector:
@@ -220,7 +225,8 @@ class MetricsLogger:
 
     Each flush is ONE host transfer (``backend.fetch``): one row per step to ``sink``, the interval's throughput,
     memory, uptime, fault counters and ``extra``'s values on its last row, all computed on the host (docs/telemetry.md
-    lists them). ``first_nonfinite``: the first step whose fetched loss or gradient norm was not finite.
+    lists them); ``interval``'s device values join the transfer, their metrics the last row. ``first_nonfinite``: the
+    first step whose fetched loss or gradient norm was not finite.
     """
 
     def __init__(
@@ -240,8 +246,10 @@ class MetricsLogger:
         uptime: Uptime | None = None,
         layer_norms_every: int = 0,
         timer: StepTimer | NullTimer | None = None,
+        interval: Interval | None = None,
     ) -> None:
         self.backend, self.model, self.sink, self.extra = backend, model, sink, extra
+        self.interval = interval
         self.every, self.last_step, self.tokens_per_step, self.seq_len = every, last_step, tokens_per_step, seq_len
         self.spikes, self.spike_summary_every, self.throughput = spikes, spike_summary_every, throughput
         self.uptime, self.layer_norms_every = uptime, layer_norms_every
@@ -309,6 +317,9 @@ class MetricsLogger:
         }
         for step, norms in self._layer_norms.items():
             tensors.update({f"{step}|{name}": value for name, value in norms.items()})
+        fetched = self.interval(tensors["loss"].device) if self.interval is not None else None
+        if fetched is not None:  # a data mixture's per-source tallies, in the same transfer
+            tensors.update(fetched[0])
         # Captured by value: on lazy devices ``emit`` runs after later steps have started.
         steps, lrs, wait, tokens_seen = self._steps, self._lr, self._wait, state.tokens_seen
         faults = {
@@ -344,6 +355,8 @@ class MetricsLogger:
             if self.timer is not None and self.timer.enabled:
                 last.update(phase_metrics(phases, len(steps), elapsed))
             last.update(host)
+            if fetched is not None:
+                last.update(fetched[1]({k: values[k] for k in fetched[0]}))
             rows[0][1].update(startup)
             every = self.spike_summary_every
             summary_due = steps[-1] == self.last_step or (every and steps[-1] // every > (steps[0] - 1) // every)

@@ -210,4 +210,5 @@ def _metrics_logger(
         uptime=uptime,
         layer_norms_every=cfg.tracker.layer_grad_norms_every,
         timer=timer,
+        interval=data.interval,
     )

@@ -69,13 +69,16 @@ def main(cfg: RunConfig, run_dir: Path) -> RunResult:
         dp_rank=dims.dp_rank(env.rank),
         dp_size=dims.dp,
         global_batch_size=t.global_batch_size,
+        steps=t.steps,
     )
     init_state = initial_weights(cfg) if job.resume_from is None and t.init_from else None
     model = backend.build_model(dims, init_state)
     optimizer = backend.build_optimizer(model, param_groups(model, cfg.optimizer))
     spikes = SpikeDetector(cfg.tracker.spike_window, cfg.tracker.spike_threshold)
     state, uptime, run_id = resume.resume_job(job, backend, model, optimizer, data, spikes)  # new job: step 0
-    track = tracking.start(cfg, run_dir, job, env, backend.name, n_params, state.step, run_id, uptime.state_dict())
+    track = tracking.start(
+        cfg, run_dir, job, env, backend.name, n_params, state.step, run_id, uptime.state_dict(), data.run_info()
+    )
     tracking.log_health(track, health, env, run_dir)
     hooks = build_hooks(
         cfg, backend, env, model, optimizer, data, spikes, uptime, track, job, run_dir, first_tokens=state.tokens_seen

@@ -24,6 +24,7 @@ from hlat.track.metrics import SpikeDetector, Throughput, first_peak_hint, resol
 from hlat.track.progress import ProgressBar
 from hlat.track.provenance import write_provenance
 from hlat.track.series import SERIES_DIR, LeanTracker, SeriesError, SeriesWriter, store_every
+from hlat.track.series_only import SeriesOnly
 from hlat.track.trackers import CHANGED_TAG, History, MLflowTracker, SeriesRecorder, Tracker, build_tracker
 from hlat.train.resume import JobStart
 
@@ -88,17 +89,22 @@ def start(
     first_step: int,
     saved_run_id: str | None,
     uptime_state: dict,
+    data_info: dict[str, Any] | None = None,
 ) -> Tracking:
     """Open the run's tracker with its tags and params; record the MLflow run in the job record (rank 0).
 
-    ``saved_run_id``: the MLflow run a restart continues; ``uptime_state`` is recorded with it.
+    ``saved_run_id``: the MLflow run a restart continues; ``uptime_state`` is recorded with it. ``data_info``: what
+    the loader records of its data (``Loader.run_info``: a mixture's tags, params and plan file).
     """
+    data_info = data_info or {}
     t = cfg.train
     progress = ProgressBar(t.steps, first_step, every=t.progress_every or t.log_every) if env.rank == 0 else None
     tags = _tags(cfg, run_dir, job, backend, env.bf16_matmul)
     throughput, peak_source = _throughput(cfg, n_params, env.world_size, env.bf16_matmul)
     tags["perf.peak_source"] = peak_source
+    tags |= data_info.get("tags", {})
     derived = {
+        **data_info.get("params", {}),
         "perf.flops_per_token": throughput.flops_per_token,
         "perf.flops_per_token_causal": throughput.flops_per_token_causal,
         "perf.peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
@@ -107,8 +113,11 @@ def start(
     series = SeriesWriter(job.root, first_step) if env.rank == 0 else None
     extra = [history, recorder] + ([series] if series else []) + ([progress] if progress else [])
     spool_dir = job.root / SPOOL_DIR
-    # MLflow gets the loss and grad norm every step, the rest thinned to a fixed budget per run; the series has all.
-    thin = functools.partial(LeanTracker, every=store_every(t.steps, t.log_every), first_step=first_step)
+    # MLflow gets the loss and grad norm every step, the rest thinned to a fixed budget per run, and of a mixture of
+    # more than data.log_sources sources only the largest sources' series; the Parquet series has all.
+    lean = functools.partial(LeanTracker, every=store_every(t.steps, t.log_every), first_step=first_step)
+    hidden = data_info.get("series_only") or None
+    thin = lean if hidden is None else lambda mlflow: lean(SeriesOnly(mlflow, **hidden))
     tracker, mlflow_tracker = _open(cfg, run_dir, tags, env.rank, extra, derived, saved_run_id, spool_dir, thin)
     run_id = mlflow_tracker.run_id if mlflow_tracker else saved_run_id
     if series is not None and mlflow_tracker is not None:
@@ -116,6 +125,9 @@ def start(
         upload = functools.partial(mlflow_tracker.log_artifact, artifact_path=SERIES_DIR)  # by the outbox: no wait
         series.upload_with(upload, mlflow_run, _series_logged(client, mlflow_run) if first_step else [])
     if env.rank == 0:
+        for name, text in data_info.get("files", {}).items():  # the mixture's plan
+            (run_dir / name).write_text(text)
+            tracker.log_artifact(run_dir / name)
         checkpoint.write_job(job.root, {"mlflow_run_id": run_id, "uptime": uptime_state})
         preempt.unmark(run_dir, mlflow_tracker)  # a preempted run that continues is no longer waiting to resume
     if throughput.peak_flops is None and env.rank == 0 and first_peak_hint(peak_source, cfg.data.cache_dir):
@@ -171,7 +183,8 @@ def _open(
     """Write provenance into ``run_dir``, open the tracker, log params (config + ``derived``) and provenance files.
 
     ``spool_dir``: where metrics wait while the tracking server is away (beside the checkpoints they belong to).
-    ``thin``: wraps the MLflow tracker (the lean store, :class:`~hlat.track.series.LeanTracker`).
+    ``thin``: wraps the MLflow tracker (the lean store, :class:`~hlat.track.series.LeanTracker`, and a large
+    mixture's :class:`~hlat.track.series_only.SeriesOnly`).
     """
     prov_tags, files = write_provenance(run_dir, to_yaml(cfg)) if rank == 0 else ({}, [])
     run_name = cfg.tracker.run_name or f"{cfg.model.name}-{cfg.precision.name}"

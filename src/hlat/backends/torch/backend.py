@@ -55,6 +55,7 @@ from hlat.norms import global_norm, grad_of
 from hlat.parallel import ParallelDims
 from hlat.plan.bf16_policy import resolve_policy
 from hlat.state import NULL_TIMER
+from hlat.tally import Batch, mixture_of
 
 log = logging.getLogger(__name__)
 
@@ -162,14 +163,25 @@ class TorchBackend:
         return ZeroRedundancyOptimizer(groups, optimizer_class=inner, **kwargs)
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, targets = self._logits(model, inputs, targets)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).float()
+
+    def _logits(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Forward under the precision policy: the logits the loss is taken on (B, T, V), and the targets."""
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         p = self.precision
         autocast = p.param_dtype == "float32" and p.compute_dtype != "float32"
         with torch.autocast(self.device.type, dtype=DTYPE[p.compute_dtype], enabled=autocast):
             logits = model(inputs)  # (B, T, V)
         # fp32 softmax/CE by default: over a 32k vocabulary bf16 loses accuracy (HLAT slides p.37).
-        logits = logits.float() if p.fp32_softmax_ce else logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).float()
+        return (logits.float() if p.fp32_softmax_ce else logits), targets
+
+    def _tallied_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """A mixture's micro-batch: the mean token loss, its per-token losses added to the per-source tally."""
+        logits, targets = self._logits(model, *batch)
+        per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").float()
+        batch.tally.add(per_token.view(targets.shape), batch.sources)
+        return per_token.mean()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         grads = [g for g in map(grad_of, model.parameters()) if g is not None]
@@ -254,9 +266,10 @@ class TorchBackend:
                 q.main_grad = None
         timer = getattr(batches, "timer", NULL_TIMER)  # hlat.train.loop.MicroBatches carries the step's phase timer
         total: torch.Tensor | None = None
-        for inputs, targets in batches:  # (inputs, targets) pairs, drawn one micro-batch at a time
+        for batch in batches:  # (inputs, targets) pairs, drawn one micro-batch at a time
             with timer.phase("forward"):
-                loss = self.loss(model, inputs, targets) / n
+                mixture = mixture_of(batch)  # a mixture's: per-source losses too (hlat.tally)
+                loss = (self.loss(model, *batch) if mixture is None else self._tallied_loss(model, mixture)) / n
             with timer.phase("backward"):
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
