@@ -64,6 +64,10 @@ class GraphEvent:
     """Canonical fingerprints of every graph the phase ran, in order (with ``health.graph_hlo_dir``; else empty)."""
     raw: tuple[str, ...] = ()
     """torch-xla's own hash of each of those graphs (comparable within one torch-xla build and device only)."""
+    transfers: int = 0
+    """Device-to-host transfers in the phase (with fingerprints on; else 0): a sync inside a step shows here."""
+    fallbacks: int = 0
+    """Ops that ran on the CPU for want of a lowering (with fingerprints on; else 0)."""
     time: float = field(default=0.0, compare=False)
     """Wall time the phase ended."""
 
@@ -105,6 +109,8 @@ class HloTail:
 
 Counters = Callable[[], tuple[int, float]]
 """Returns this process's (graphs compiled, compile seconds) so far."""
+Hygiene = Callable[[], tuple[int, int]]
+"""Returns this process's (device-to-host transfers, CPU fallback ops) so far."""
 
 
 class GraphLedger:
@@ -114,14 +120,21 @@ class GraphLedger:
     dump file when fingerprints are on. Cheap when nothing compiles: two counter lookups per phase, no I/O.
     """
 
-    def __init__(self, counters: Counters, hlo: HloTail | None = None, wall: Callable[[], float] = time.time) -> None:
-        self.counters, self.hlo, self.wall = counters, hlo, wall
+    def __init__(
+        self,
+        counters: Counters,
+        hlo: HloTail | None = None,
+        wall: Callable[[], float] = time.time,
+        hygiene: Hygiene | None = None,
+    ) -> None:
+        self.counters, self.hlo, self.wall, self.hygiene = counters, hlo, wall, hygiene
         self.step = 0
         """The step in flight (:meth:`at_step`)."""
         self.seq = 0
         self.total = 0
         """New graphs since the ledger started."""
         self._last = counters()
+        self._moved = hygiene() if hygiene is not None else (0, 0)
         self._events: list[GraphEvent] = []
         self._depth = 0
         self.listener: Callable[[GraphEvent], None] | None = None
@@ -157,8 +170,13 @@ class GraphLedger:
         new, spent = count - self._last[0], seconds - self._last[1]
         self._last = (count, seconds)
         graphs, raw = self.hlo.read() if self.hlo is not None else ((), ())
-        if new or (always and graphs) or (name == OTHER and graphs):
-            event = GraphEvent(self.step, self.seq, name, micro, new, round(spent, 6), graphs, raw, self.wall())
+        moved = (0, 0)
+        if self.hygiene is not None:
+            now = self.hygiene()
+            moved, self._moved = (now[0] - self._moved[0], now[1] - self._moved[1]), now
+        if new or (always and graphs) or (name == OTHER and (graphs or any(moved))):
+            spent = round(spent, 6)
+            event = GraphEvent(self.step, self.seq, name, micro, new, spent, graphs, raw, *moved, time=self.wall())
             self._events.append(event)
             self.total += new
             if self.listener is not None:

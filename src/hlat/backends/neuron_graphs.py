@@ -83,11 +83,20 @@ def compile_counters(met: Any) -> Callable[[], tuple[int, float]]:
 
 
 def neuron_ledger(met: Any, hlo_dir: str | None, rank: int) -> GraphLedger:
-    """This rank's graph ledger; with ``hlo_dir`` (``health.graph_hlo_dir``) it fingerprints every graph run."""
-    hlo = None
-    if hlo_dir is not None:
-        hlo = HloTail(Path(hlo_dump_env(hlo_dir, rank)["XLA_SAVE_TENSORS_FILE"] + ".0"))  # torch-xla's ordinal 0
-    return GraphLedger(compile_counters(met), hlo)
+    """This rank's graph ledger (compile counts and times).
+
+    With ``hlo_dir`` (``health.graph_hlo_dir``) it also fingerprints every graph run and counts each phase's
+    device-to-host transfers and CPU fallbacks.
+    """
+    if hlo_dir is None:
+        return GraphLedger(compile_counters(met))
+    hlo = HloTail(Path(hlo_dump_env(hlo_dir, rank)["XLA_SAVE_TENSORS_FILE"] + ".0"))  # torch-xla's ordinal 0
+
+    def hygiene() -> tuple[int, int]:  # a planning trace: every counter, per phase
+        m = graph_metrics(met)
+        return int(m[DEVICE_TO_HOST]), int(m[CPU_FALLBACKS])
+
+    return GraphLedger(compile_counters(met), hlo, hygiene=hygiene)
 
 
 def emit(values: torch.Tensor, names: list[str], sizes: list[int], fn: Callable) -> None:
