@@ -139,6 +139,19 @@ def compile_overrides(cfg: RunConfig, overrides: Sequence[str], steps: int) -> l
     return [o for o in overrides if override_key(o) not in replaced] + changed
 
 
+def pinned_overrides(cfg: RunConfig, overrides: Sequence[str], target: str) -> list[str]:
+    """``overrides`` plus ``tracker.uri=<the default store, absolute>`` for MLflow without a ``tracker.uri``.
+
+    The default ``mlflow.db`` is per working directory; pinned here, every node and requeue writes one store (not on
+    EKS, whose pods have their image's paths).
+    """
+    if target == "eks" or cfg.tracker.kind != "mlflow" or cfg.tracker.uri is not None:
+        return list(overrides)
+    from hlat.track.trackers import default_uri
+
+    return [*overrides, f"tracker.uri={default_uri()}"]
+
+
 def torchrun_argv(
     cfg: RunConfig, overrides: Sequence[str], *, endpoint: str, rdzv_id: str, install: Install | None = None
 ) -> list[str]:
