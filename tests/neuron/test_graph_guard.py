@@ -68,7 +68,8 @@ def test_late_compiles_on_every_rank_are_expected_and_the_job_finishes(tmp_path:
     compile the same late graphs, so the job ends with exit 0 and rank 0 logs each as expected by the schedule.
 
     Catches: a guard that stops on compiles every rank makes, a schedule analysis that misses one of these (an
-    "unexpected" line), special-scalar rules that differ from torch-xla's (the step-8 and step-13 optimizer graphs).
+    "unexpected" line), special-scalar rules that differ from torch-xla's (the step-8 and step-13 optimizer graphs),
+    a ledger that does not reach the Parquet series (``graphs/*``) or that counts other compiles than torch-xla's.
     """
     code, out = run(
         tmp_path / "run", cache, "train.steps=20", "train.log_every=5", "train.checkpoint_every=7",
@@ -82,3 +83,10 @@ def test_late_compiles_on_every_rank_are_expected_and_the_job_finishes(tmp_path:
     ledgers = [read_ledger(tmp_path / "run" / "graphs" / f"rank{r}.jsonl") for r in (0, 1)]
     compiled = [[(e.step, e.seq, e.phase, e.new_graphs) for e in ledger if e.step > 2] for ledger in ledgers]
     assert compiled[0] == compiled[1] and len(compiled[0]) >= 5, compiled
+    # Rank 0's ledger also goes to the run's Parquet series, beside the interval's xla/* counters.
+    from hlat.track.series import read_series, to_points
+
+    table = read_series(tmp_path / "run" / "checkpoints" / "series")
+    steps, new = (a.tolist() for a in to_points(table, "graphs/new"))
+    assert {5, 8, 13} <= set(steps) and sum(new) == sum(e.new_graphs for e in ledgers[0]), (steps, new)
+    assert to_points(table, "xla/graphs_compiled")[0].tolist() == [5, 7, 10, 14, 15, 20]  # each fetch's last row

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from hlat.config import RunConfig
 from hlat.parallel import ParallelDims
-from hlat.plan.graph_keys import KEYS, SHAPE, flat
+from hlat.plan.graph_keys import KEYS, SHAPE, TRACED, flat
 from hlat.plan.graph_schedule import expected_compiles, fetch_lengths, optimizer_patterns
 
 RUNTIME_ONLY = ("NEURON_RT_", "FI_", "MALLOC_ARENA_MAX", "NEURON_COMPILE_CACHE_URL", "PJRT_DEVICE", "NXD_CPU_MODE")
@@ -161,7 +161,7 @@ def why_split(a: Arm, b: Arm) -> list[str]:
     for k in keys:
         cls, mechanism = KEYS[k]
         va, vb = flat(a.cfg)[k], flat(b.cfg)[k]  # type: ignore[arg-type]
-        special = " (a special scalar: exactly 0 or 1)" if any(_special(v) for v in (va, vb)) else ""
+        special = " (exactly 0 or 1: a constant in the graph)" if cls == TRACED and any(map(_special, (va, vb))) else ""
         out.append(f"key {k}: {va} vs {vb} [{cls}: {mechanism}]{special}")
     return out
 

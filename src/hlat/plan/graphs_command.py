@@ -46,7 +46,8 @@ TWIN_STEPS = 3
 """Steps of a twin: step 1 (AdamW's state created), step 2 (the steady optimizer), step 3 (nothing new, or a leak)."""
 MAX_TWIN_ACCUM = 8
 """Micro-batches per step a twin keeps (beyond: capped, and the arm's count goes into its shape signature)."""
-TWIN_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 128, "vocab_size": 512, "max_seq_len": 64}
+TWIN_MODEL = {"n_layers": 2, "n_heads": 4, "ffn_dim": 128, "vocab_size": 512, "max_seq_len": 64}
+"""The twin's model: 4 heads of the arm's head size (``model.dim`` follows), 2 layers, a small MLP and vocabulary."""
 TWIN_TRAIN = {"seq_len": 32, "micro_batch_size": 2}
 TRACE_TIMEOUT_S = 1800.0
 
@@ -211,6 +212,9 @@ def twin_overrides(arm: Arm, hlo_dir: Path, run_dir: Path) -> list[str]:
     mb = TWIN_TRAIN["micro_batch_size"]
     twin = {
         **{f"model.{k}": v for k, v in TWIN_MODEL.items()},
+        # The arm's head size: its attention scale head_dim^-0.5 is a scalar of the micro-batch graph, and equal
+        # scalars share one input (1 / grad_accum = 1/4 = 16^-0.5 merged on a twin of head size 16).
+        "model.dim": TWIN_MODEL["n_heads"] * cfg.model.head_dim,
         "model.n_kv_heads": twin_kv,
         "train.seq_len": TWIN_TRAIN["seq_len"],
         "train.micro_batch_size": mb,
