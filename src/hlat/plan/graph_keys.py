@@ -119,7 +119,10 @@ KEYS: dict[str, tuple[str, str]] = {
     "tracker.skip_finished": (HOST, _RUN),
     "train.steps": (HOST, _SCHED + "; and the last interval's fetch length"),
     "train.seq_len": (SHAPE, _DIMS),
-    "train.global_batch_size": (TRACED, "micro-batches per step: 1 -> 2 adds an accumulating graph"),
+    "train.global_batch_size": (
+        TRACED,
+        "micro-batches per step: 1 -> 2 adds an accumulating graph; 1/n is a graph scalar, which can equal another",
+    ),
     "train.micro_batch_size": (SHAPE, _DIMS),
     "train.log_every": (HOST, "host schedule: one fetch graph per interval length"),
     "train.progress_every": (HOST, _RUN),
