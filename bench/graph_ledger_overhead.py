@@ -7,7 +7,7 @@ Two measurements, side by side in one invocation:
 
 1. per call: ``GraphLedger.phase`` around nothing, with the real ``torch_xla.debug.metrics`` counters the neuron
    backend reads (``neuron_graphs.compile_counters``), against a bare ``contextlib.nullcontext``; and the trainer's
-   ledger hook (``hlat.health.graph_guard.GraphWatch``) per step, with nothing to write;
+   ledger hook (``hlat.health.graph_watch.GraphWatch``) per step, with nothing to write;
 2. end to end: ``python train.py cluster=xla_cpu`` on the NxD lane's micro model, with the ledger (as shipped) and
    without it (``GraphLedger.phase`` replaced by a null context in that process only: the bench's switch, not a
    config key), interleaved; per run the median ``perf/step_time_s`` of the steady steps and the run's final
@@ -58,7 +58,7 @@ def micro(n: int) -> dict[str, float]:
 
     from hlat.backends.neuron_graphs import neuron_ledger
     from hlat.config.compose import compose_run_config
-    from hlat.health.graph_guard import GraphWatch
+    from hlat.health.graph_watch import GraphWatch
 
     ledger = neuron_ledger(met, None, 0)
 
@@ -102,6 +102,7 @@ def run(tmp: Path, name: str, steps: int, ledger: bool) -> dict[str, float]:
 
 
 def main() -> None:
+    """Measure both and print the markdown report."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
@@ -118,7 +119,9 @@ def main() -> None:
     load = os.getloadavg()
     print(f"# graph ledger overhead ({time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, load {load[0]:.1f}, "
           f"{time.time() - started:.0f} s)\n")  # fmt: skip
-    print(f"per call: ledger phase {m['phase']:.2f} us (bare context {m['bare']:.2f} us), ledger hook {m['hook']:.2f} us")
+    print(
+        f"per call: ledger phase {m['phase']:.2f} us (bare context {m['bare']:.2f} us), ledger hook {m['hook']:.2f} us"
+    )
     phases = 2 + 2 + 1  # per step of the micro model: 2 micro-batches, the optimizer, the fetch (every 5th), "other"
     print(f"per step: ~{phases * m['phase'] + m['hook']:.1f} us of ledger work\n")
     print("| ledger | median steady step (s) | xla/graphs_compiled | xla/device_to_host_transfers |")

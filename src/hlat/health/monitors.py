@@ -14,7 +14,7 @@ from torch import nn
 from hlat.backends.base import Env
 from hlat.backends.graphs import GraphLedger
 from hlat.config import RunConfig
-from hlat.health.graph_guard import GraphWatch
+from hlat.health.graph_watch import GraphWatch
 from hlat.health.heartbeat import Heartbeat, PhaseMarks, beat_period, board_for
 from hlat.health.stragglers import Rows, StragglerMonitor
 from hlat.health.watchdog import HangWatchdog
