@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -254,7 +255,8 @@ def trace(arm: Arm, work: Path, sweep: Sweep) -> None:
     """Run the arm's twin (``python train.py``) and read its ledgers into ``arm.twin``; a failure marks the arm."""
     from hlat.health.graph_guard import LEDGER_DIR, read_ledger
 
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # a twin starts from nothing (a plan run again into the same --out)
+    work.mkdir(parents=True)
     run_dir = work / "run"
     hydra = ["--config-dir", sweep.search_dir, "--config-name", sweep.config_name] if sweep.search_dir else []
     args = [sys.executable, str(train_script()), *hydra, *twin_overrides(arm, work / "hlo", run_dir)]
