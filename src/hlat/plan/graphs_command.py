@@ -152,8 +152,9 @@ def arms_of(sweep: Sweep, verify: str | None) -> list[tuple[str, list[str]]]:
 def probes(sweep: Sweep) -> list[tuple[str, list[str]]]:
     """A search's probes: every searched key at a first interior value, then each key alone at a second one.
 
-    Keys classified ``host`` only move the schedule (``graph_schedule``); if every searched key is one, the first
-    probe alone is traced and the schedule is compared at the ends and the interior of each range.
+    Keys classified ``host`` only move the schedule (``graph_schedule``): they get no probe of their own, so a search
+    over host keys alone traces the first probe only. Its schedule signature is that probe's: a range whose values
+    reach a special learning rate (exactly 0) is not checked at its ends.
     """
     values = {k: search_values(k, v) for k, v in sweep.search.items()}
     first = [f"{k}={v[0]}" for k, v in values.items()]
