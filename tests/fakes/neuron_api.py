@@ -699,6 +699,12 @@ class FakeNeuronApi:
             },
             "torch_xla.distributed": {},
             "torch_xla.distributed.xla_backend": {},
+            "torch_xla.debug": {},
+            "torch_xla.debug.metrics": {  # no compile counted: the fake traces no graphs
+                "counter_value": lambda name: None,
+                "metric_data": lambda name: None,
+                "counter_names": lambda: [],
+            },
             "neuronx_distributed": {
                 "neuronx_distributed_config": self.neuronx_distributed_config,
                 "initialize_parallel_model": self.initialize_parallel_model,
@@ -731,6 +737,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         "torch_xla.core.xla_model",
         "torch_xla.distributed",
         "torch_xla.distributed.xla_backend",
+        "torch_xla.debug",
+        "torch_xla.debug.metrics",
         "neuronx_distributed",
         "neuronx_distributed.parallel_layers",
         "neuronx_distributed.modules",

@@ -35,32 +35,44 @@ def test_nxd_imports_and_hlat_binds_its_entry_points() -> None:
     assert "xla device xla:0" in r.stdout
 
 
-def test_train_py_on_xla_cpu_trains_through_the_real_nxd(tmp_path: Path, cache: Path) -> None:
+MIX_KEYS = ("train/loss/docstrings", "train/loss/topics", "data/mix/topics/share")
+KEYS = ("train/loss", "train/grad_norm", *MIX_KEYS)
+
+
+@pytest.fixture(scope="module")
+def xla_fp32(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> tuple[Path, dict[str, list[float]]]:
+    """``python train.py cluster=xla_cpu data=mix_demo``, fp32, world 1, checkpointing steps 2 and 3: run once for
+    this module."""
+    tmp = tmp_path_factory.mktemp("xla")
+    keys = (*KEYS, "xla/graphs_compiled")
+    return tmp, train(tmp, "xla", cache, "cluster=xla_cpu", "data=mix_demo", "train.checkpoint_every=2", keys=keys)
+
+
+def test_train_py_on_xla_cpu_trains_through_the_real_nxd(xla_fp32: tuple[Path, dict[str, list[float]]]) -> None:
     """``python train.py cluster=xla_cpu``: the neuron backend's whole path (NxD config, parallel model and
     optimizer, step closures, xser checkpoint) on the real library, world 1, fp32: every step logged and finite."""
-    nxd = train(tmp_path, "xla", cache, "cluster=xla_cpu", "train.checkpoint_every=2")
+    tmp, nxd = xla_fp32
     for key in ("train/loss", "train/grad_norm"):
         assert len(nxd[key]) == 3 and all(math.isfinite(v) and v > 0 for v in nxd[key]), (key, nxd[key])
     assert nxd["train/loss"][0] == pytest.approx(math.log(512), rel=0.05)  # ~ln(vocab) at init
-    saved = sorted(p.name for p in (tmp_path / "xla" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    saved = sorted(p.name for p in (tmp / "xla" / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert saved == ["step_00000002", "step_00000003"]
 
 
-MIX_KEYS = ("train/loss/docstrings", "train/loss/topics", "data/mix/topics/share")
-
-
-def test_fp32_on_xla_cpu_equals_the_torch_backend(tmp_path: Path, cache: Path) -> None:
+def test_fp32_on_xla_cpu_equals_the_torch_backend(
+    tmp_path: Path, cache: Path, xla_fp32: tuple[Path, dict[str, list[float]]]
+) -> None:
     """``python train.py cluster=xla_cpu`` (world 1, fp32) against ``cluster=cpu``: same weights, data and math.
 
     Both run fp32 on the same CPU; the XLA graph fuses and orders some sums differently, so the losses and pre-clip
-    grad norms of 3 steps should agree to 1e-5 relative, not bitwise. The data is a mixture (``data=mix_demo``: its
+    grad norms of 3 steps should agree to 1e-5 relative, not bitwise. (The XLA run also checkpoints steps 2 and 3:
+    a save changes no number, which the resume tests show bitwise.) The data is a mixture (``data=mix_demo``: its
     stage starts at step 3), so each source's loss, tallied in the graph NxD runs, is compared too, and the stage
     change compiles no graph.
     """
-    keys = ("train/loss", "train/grad_norm", *MIX_KEYS)
-    ref = train(tmp_path, "torch", cache, "data=mix_demo", keys=keys)
-    nxd = train(tmp_path, "xla", cache, "cluster=xla_cpu", "data=mix_demo", keys=(*keys, "xla/graphs_compiled"))
-    for key in keys:
+    ref = train(tmp_path, "torch", cache, "data=mix_demo", keys=KEYS)
+    _, nxd = xla_fp32
+    for key in KEYS:
         assert len(nxd[key]) == len(ref[key]) == 3, key
         assert nxd[key] == pytest.approx(ref[key], rel=1e-5), key
     assert nxd["data/mix/topics/share"][2] > nxd["data/mix/topics/share"][1]  # the stage began at step 3

@@ -158,6 +158,17 @@ EXCEPTIONS: dict[str, Policy] = {
     "src/hlat/eval/tasks --device cpu": Policy("run", "lm-eval's own CLI and `hf` model on the export"),
     "lm_eval --model hf --model_args pretrained=export/myrun-neuron-hf,dtype=float32 --tasks hlat_local_ppl "
     "--include_path src/hlat/eval/tasks --device cpu": Policy("run", "lm-eval's `hf` model on a neuron run's export"),
+    ".venv-neuron/bin/hlat graphs plan -m --config-dir sweeps --config-name precision_ablation cluster=xla_cpu "
+    "--out outputs/graphs/precision --jobs 2": Policy(
+        "skip", "5 twins traced with NxD (minutes): the NxD lane runs this plan (tests/neuron/test_graph_plan.py)"
+    ),
+    ".venv-neuron/bin/hlat graphs plan cluster=xla_cpu --verify optimizer.beta2=0.95,0.99 "
+    "--out outputs/graphs/beta2": Policy(
+        "skip", "2 twins traced with NxD: the NxD lane's plan traces this pair (bf16_sr and bf16_sr_beta2_0.99)"
+    ),
+    "hlat compile --audit /var/tmp/neuron-compile-cache": Policy(
+        "skip", "no Neuron compile cache here: tests/unit/test_sweep_compile.py audits one of every entry state"
+    ),
     "hlat data prepare corpus/*.jsonl --output data/arrow": Policy(
         "run", "the user's corpus: the lane writes corpus/*.jsonl first", setup="corpus"
     ),

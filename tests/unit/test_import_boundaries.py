@@ -106,7 +106,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlat.checkpoint",),
     ("hlat.health",),
     ("hlat.train", "hlat.sweep"),
-    ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.plan.command"),
+    ("hlat.eval", "hlat.deploy", "hlat.cli", "hlat.plan.command", "hlat.plan.graphs_command"),
 )
 """Bottom to top: the config layer; the core (model, layouts, norms, ...); launching (torch elastic supervision,
 the rendezvous, restart attempts, preemption: the backends, checkpoints, health checks and the trainer use them); the

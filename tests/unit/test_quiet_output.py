@@ -103,8 +103,13 @@ def test_the_mfu_hint_is_given_once_per_host(tmp_path: Path) -> None:
 def test_doctor_flags_are_split_from_the_overrides() -> None:
     from hlat.cli.doctor import _flags
 
-    assert _flags(["cluster=cpu", "--mlflow", "--out", "r.md"]) == (["cluster=cpu"], Path("r.md"), True)
-    assert _flags(["--out=x/y.md", "health=off"]) == (["health=off"], Path("x/y.md"), False)
+    assert _flags(["cluster=cpu", "--mlflow", "--out", "r.md"]) == (["cluster=cpu"], Path("r.md"), True, None)
+    assert _flags(["--out=x/y.md", "health=off", "--manifest", "m.json"]) == (
+        ["health=off"],
+        Path("x/y.md"),
+        False,
+        Path("m.json"),
+    )
     with pytest.raises(ValueError, match="unknown option"):
         _flags(["--mlfow"])
 

@@ -11,12 +11,15 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from hlat.parallel import ParallelDims
+
+if TYPE_CHECKING:
+    from hlat.backends.graphs import GraphLedger
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,14 @@ class Backend(Protocol):
 
         Never touches the device (no graph, no transfer). Neuron: the XLA graph counters of ``neuron_graphs``
         (``xla/graphs_compiled``, ``xla/compile_time_s``, ``xla/device_to_host_transfers`` ...), cumulative.
+        """
+        ...
+
+    def graph_ledger(self) -> GraphLedger | None:
+        """Which step and phase compiled new graphs (``hlat.backends.graphs``); None where nothing compiles graphs.
+
+        Neuron: every sync of the backend is a phase of the ledger (set-up, each micro-batch, the optimizer step, the
+        fetch, a checkpoint); the trainer stamps the step and hands the events to the divergence guard.
         """
         ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hlat.backends import graphs as ph
 from hlat.backends.base import EXTRA, Env, read_extra
-from hlat.backends.neuron_graphs import graph_metrics
+from hlat.backends.graphs import GraphLedger, hlo_dump_env
+from hlat.backends.neuron_graphs import emit, graph_metrics, neuron_ledger
+from hlat.backends.neuron_init import move_parameters
 from hlat.backends.neuron_model import ModuleInit, NeuronTransformer, NxDLayers
 from hlat.backends.neuron_plan import (
     XLA_MODULES,
@@ -36,6 +39,7 @@ from hlat.backends.neuron_plan import (
     precision_plan,
 )
 from hlat.backends.neuron_shards import hlat_name, tp_split
+from hlat.backends.neuron_sync import HostBarrier
 from hlat.backends.torch.dist import Ranks
 from hlat.config import ConfigError, RunConfig
 from hlat.parallel import ParallelDims
@@ -134,6 +138,10 @@ class NeuronBackend:
         """NxD's CPU mode (``cluster.nxd_cpu_mode``): model and tensors on the CPU, collectives over gloo."""
         self.nxd_config: dict[str, Any] = {}
         self._api: _Api | None = None
+        self.barrier: HostBarrier | None = None
+        """Every rank's wait at checkpoints (``neuron_sync``), from ``setup`` on."""
+        self.ledger: GraphLedger | None = None
+        """Which phases compiled new graphs (``hlat.backends.graphs``), from ``setup`` on."""
 
     @property
     def api(self) -> _Api:
@@ -164,8 +172,12 @@ class NeuronBackend:
                 f"model.mask_leak={cfg.model.mask_leak} (the information-leak demonstration) runs on the torch backend "
                 "only: NxD's attention is always causal; set model.mask_leak=0"
             )
-        apply_env(neuron_env(cfg))
+        dump = cfg.health.graph_hlo_dir  # every graph this rank runs as HLO, for fingerprints (hlat graphs plan)
+        apply_env({**neuron_env(cfg), **(hlo_dump_env(dump, ranks.rank) if dump else {})})
         self._api = api = _import_api(cluster.nxd_cpu_mode)
+        import torch_xla.debug.metrics as met  # imported by torch_xla.core.xla_model: a sys.modules lookup
+
+        self.ledger = ledger = neuron_ledger(met, dump, ranks.rank)
         threads = cluster.num_threads
         if threads is not None:
             torch.set_num_threads(threads)
@@ -177,10 +189,12 @@ class NeuronBackend:
             else:
                 dist.init_process_group(backend, timeout=timeout)
         # Initializes NxD's tensor/pipeline/data-parallel groups (the process group exists: NxD's ``trainer.py``).
-        self.nxd_config = api.nxd.neuronx_distributed_config(
-            **nxd_config_kwargs(cfg, param_init_fn=ModuleInit(cfg.model), world_size=ranks.world_size)
-        )
+        with ledger.phase(ph.SETUP):
+            self.nxd_config = api.nxd.neuronx_distributed_config(
+                **nxd_config_kwargs(cfg, param_init_fn=ModuleInit(cfg.model), world_size=ranks.world_size)
+            )
         api.manual_seed(seed)  # device RNG: after model-parallel init, per TP rank (NxD's ``random.py``)
+        self.barrier = HostBarrier(api.xm, cluster.nxd_cpu_mode or cluster.pjrt_device == "CPU")  # collective
         self.ranks, self.device = ranks, api.device()
         return Env(
             rank=ranks.rank,
@@ -201,9 +215,10 @@ class NeuronBackend:
         # would also reseed the device RNG that model_parallel_xla_manual_seed set per rank).
         torch.default_generator.manual_seed(self.cfg.train.seed)
         cfg = self.cfg.model  # a closure without arguments: NxD >= 0.10 passes include_buffers positionally after it
-        model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: NeuronTransformer(cfg, layers, opts))
+        with self.graphs.phase(ph.SETUP):
+            model = api.nxd.initialize_parallel_model(self.nxd_config, lambda: NeuronTransformer(cfg, layers, opts))
         if self.cpu_mode and dims.pp == 1:  # NxD's CPU mode: initialize_parallel_model moved the
-            _move_parameters(model, self.device)  # model to xm.xla_device() whatever NXD_CPU_MODE says
+            move_parameters(model, self.device)  # model to xm.xla_device() whatever NXD_CPU_MODE says
         if init_state is not None:  # NxD materialized and initialized its shards: overwrite them with the given ones
             self._load_full(model, init_state, tp_rank=self.ranks.rank % dims.tp)
         return model
@@ -252,13 +267,14 @@ class NeuronBackend:
         if self.dims.pp > 1:
             # The pipeline schedule takes the step's micro-batches at once, on the host, and splits them again.
             inputs, targets = (torch.cat(t) for t in zip(*batches, strict=True))
-            with self._autocast():
+            with self._autocast(), self.graphs.phase(ph.FORWARD_BACKWARD):
                 return model.run_train(input_ids=inputs, labels=targets).detach()
         total: torch.Tensor | None = None
-        for batch in batches:  # a data mixture's (hlat.tally.Batch) also tallies its per-source losses in the model
-            loss = self.loss(model, *batch, batch=batch) / n
-            loss.backward()
-            self.api.sync()  # one graph per micro-batch, as NxD's MpDeviceLoader cuts them
+        for i, batch in enumerate(batches):  # a data mixture's (hlat.tally.Batch) also tallies per-source losses
+            with self.graphs.phase(ph.FORWARD_BACKWARD, micro=i):
+                loss = self.loss(model, *batch, batch=batch) / n
+                loss.backward()
+                self.api.sync()  # one graph per micro-batch, as NxD's MpDeviceLoader cuts them
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None, "a step has at least one micro-batch"
         return total
@@ -269,7 +285,18 @@ class NeuronBackend:
         return optimizer.grad_norm, True
 
     def step_end(self) -> None:
-        self.api.sync()
+        with self.graphs.phase(ph.OPTIMIZER):  # the update traced since the last micro-batch runs here
+            self.api.sync()
+
+    @property
+    def graphs(self) -> GraphLedger:
+        """The graph ledger (after ``setup``)."""
+        if self.ledger is None:
+            raise RuntimeError("NeuronBackend.setup() must run first: the graph ledger reads torch_xla's counters")
+        return self.ledger
+
+    def graph_ledger(self) -> GraphLedger | None:
+        return self.ledger
 
     def param_norm(self, model: nn.Module) -> torch.Tensor:
         """Global L2 norm of the whole model's parameters, the same on every rank (``train/param_norm``).
@@ -293,8 +320,9 @@ class NeuronBackend:
         return total.sqrt()
 
     def synchronize(self) -> None:
-        self.api.sync()  # run what was traced so far, then wait for the device to finish it
-        self.api.xm.wait_device_ops()
+        with self.graphs.phase(ph.SYNC):
+            self.api.sync()  # run what was traced so far, then wait for the device to finish it
+            self.api.xm.wait_device_ops()
 
     def fetch(self, tensors: dict[str, torch.Tensor], fn: Callable[[dict[str, list[float]]], None]) -> None:
         xm = self.api.xm
@@ -308,9 +336,10 @@ class NeuronBackend:
             else:
                 values = xm.all_reduce(xm.REDUCE_SUM, values / self.ranks.world_size)
         sizes = [t.numel() for t in flat]
-        xm.add_step_closure(_emit, (values, names, sizes, fn))
+        xm.add_step_closure(emit, (values, names, sizes, fn))
         # A small graph of its own (the step's graph has run at step_end): its closures run once values exist.
-        self.api.sync()
+        with self.graphs.phase(ph.FETCH):
+            self.api.sync()
 
     def host_metrics(self) -> dict[str, float]:
         """``xla/*``: graphs compiled, compile seconds, executions, transfers (``neuron_graphs.graph_metrics``)."""
@@ -325,76 +354,16 @@ class NeuronBackend:
         # in the background): NxD's async save finishes in CheckpointIOState.wait_save, which needs xm.rendezvous on
         # the main thread and writes its "done" marker late, into a directory the Checkpointer has renamed by then.
         # HLAT's own scripts saved synchronously with xser too (github.com/awslabs/HLAT).
-        self._barrier("hlat-checkpoint-dir")  # rank 0 has (re)created `path`: now every rank writes into it
-        torch.save(extra, path / EXTRA.format(rank=self.ranks.rank))
         kwargs, _ = checkpoint_calls(path, extra, async_save=False, zero1=self.cfg.parallelism.zero1)
-        with self._rendezvous():
-            self.api.nxd.save_checkpoint(model=model, optimizer=optimizer, **kwargs)  # ends with a rendezvous
+        with self.graphs.phase(ph.CHECKPOINT):
+            self.barrier.wait("hlat-checkpoint-dir")  # rank 0 has (re)created `path`: now every rank writes into it
+            torch.save(extra, path / EXTRA.format(rank=self.ranks.rank))
+            with self.barrier.standing_in():
+                self.api.nxd.save_checkpoint(model=model, optimizer=optimizer, **kwargs)  # ends with a rendezvous
         return None
-
-    @contextlib.contextmanager
-    def _rendezvous(self) -> Iterator[None]:
-        """In NxD's CPU mode, make NxD's own ``xm.rendezvous`` calls wait for every rank, as they do on trn1.
-
-        torch-xla's CPU processes do not communicate, so there ``xm.rendezvous`` returns at once: rank 0's
-        ``CheckpointIOState.begin`` (re)created the checkpoint's directories after pipeline stage 1 had written its
-        files into them, and stage 1's part of a mid-run checkpoint was lost (found by the PP resume test). A gloo
-        barrier stands in for it while NxD saves or loads; on the device nothing changes.
-        """
-        if not self.cpu_mode:
-            yield
-            return
-        xm = self.api.xm
-        original = xm.rendezvous
-
-        def barrier(tag: str, payload: bytes = b"", replicas: list[int] | None = None) -> list[bytes]:
-            dist.barrier()
-            return []
-
-        xm.rendezvous = barrier
-        try:
-            yield
-        finally:
-            xm.rendezvous = original
-
-    def _barrier(self, tag: str) -> None:
-        """Wait for every rank: ``xm.rendezvous`` on the device, a gloo barrier in NxD's CPU mode."""
-        if self.cpu_mode:
-            dist.barrier()
-        else:
-            self.api.xm.rendezvous(tag)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         _, kwargs = checkpoint_calls(path, {}, async_save=False, zero1=self.cfg.parallelism.zero1)
-        with self._rendezvous():
+        with self.barrier.standing_in(), self.graphs.phase(ph.RESTORE):
             self.api.nxd.load_checkpoint(model=model, optimizer=optimizer, **kwargs)
         return read_extra(path, self.ranks.rank)  # rank 0's for a rank the saving run had not
-
-
-@torch.no_grad()
-def _move_parameters(model: nn.Module, device: torch.device) -> None:
-    """Move every parameter and buffer of ``model`` to ``device`` as new tensors that keep their NxD attributes.
-
-    ``Module.to`` cannot change an XLA parameter's device in place, so it makes new Parameters and drops what NxD
-    set on the old ones (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel_enabled``...), which its
-    gradient norm and ZeRO-1 read.
-    """
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and p.device != device:
-                moved = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-                moved.__dict__.update(p.__dict__)
-                module._parameters[name] = moved
-        for name, b in list(module._buffers.items()):
-            if b is not None and b.device != device:
-                module._buffers[name] = b.to(device)
-
-
-def _emit(values: torch.Tensor, names: list[str], sizes: list[int], fn: Callable) -> None:
-    """Step closure of ``fetch``: one device-to-host copy, split back into named lists of floats."""
-    host = values.cpu().tolist()
-    out, i = {}, 0
-    for name, size in zip(names, sizes, strict=True):
-        out[name] = host[i : i + size]
-        i += size
-    fn(out)

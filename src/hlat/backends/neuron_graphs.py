@@ -1,13 +1,20 @@
 """Graph hygiene of the neuron backend: torch_xla's debug counters as plain host numbers (``xla/*`` metrics).
 
 Reading them is a host-side lookup in torch_xla's process-wide counters (``torch_xla.debug.metrics``): no graph, no
-transfer, no synchronisation. Imports nothing of torch_xla: ``NeuronBackend.host_metrics`` hands it that module.
+transfer, no synchronisation. Imports nothing of torch_xla: ``NeuronBackend`` hands it that module. Also the
+backend's graph ledger (``hlat.backends.graphs``) on those counters, and ``fetch``'s step closure.
 What each torch-xla 2.9 metric counts: docs/trn1.md, "Graph hygiene".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import torch
+
+from hlat.backends.graphs import GraphLedger, HloTail, hlo_dump_env
 
 NS = 1e-9
 """Seconds per nanosecond: torch_xla's timing metrics accumulate nanoseconds."""
@@ -56,3 +63,47 @@ def graph_metrics(met: Any) -> dict[str, float]:
         HOST_TO_DEVICE: float(_metric(met, "TransferToDeviceTime")[0]),
         CPU_FALLBACKS: float(fallbacks),
     }
+
+
+def compile_counters(met: Any) -> Callable[[], tuple[int, float]]:
+    """Reads (graphs compiled, compile seconds) of this process: a counter lookup, the time only when it moved.
+
+    ``UncachedCompile`` counts the graphs torch-xla had not compiled in this process (on trn1: a neuronx-cc run or
+    a Neuron persistent cache hit); ``CompileTime`` sums their compile time.
+    """
+    last = [-1, 0.0]
+
+    def read() -> tuple[int, float]:
+        count = int(met.counter_value("UncachedCompile") or 0)
+        if count != last[0]:
+            last[:] = [count, _metric(met, "CompileTime")[1] * NS]
+        return count, last[1]
+
+    return read
+
+
+def neuron_ledger(met: Any, hlo_dir: str | None, rank: int) -> GraphLedger:
+    """This rank's graph ledger (compile counts and times).
+
+    With ``hlo_dir`` (``health.graph_hlo_dir``) it also fingerprints every graph run and counts each phase's
+    device-to-host transfers and CPU fallbacks.
+    """
+    if hlo_dir is None:
+        return GraphLedger(compile_counters(met))
+    hlo = HloTail(Path(hlo_dump_env(hlo_dir, rank)["XLA_SAVE_TENSORS_FILE"] + ".0"))  # torch-xla's ordinal 0
+
+    def hygiene() -> tuple[int, int]:  # a planning trace: every counter, per phase
+        m = graph_metrics(met)
+        return int(m[DEVICE_TO_HOST]), int(m[CPU_FALLBACKS])
+
+    return GraphLedger(compile_counters(met), hlo, hygiene=hygiene)
+
+
+def emit(values: torch.Tensor, names: list[str], sizes: list[int], fn: Callable) -> None:
+    """Step closure of ``NeuronBackend.fetch``: one device-to-host copy, split back into named lists of floats."""
+    host = values.cpu().tolist()
+    out, i = {}, 0
+    for name, size in zip(names, sizes, strict=True):
+        out[name] = host[i : i + size]
+        i += size
+    fn(out)

@@ -84,3 +84,22 @@ def mark_fused_qkv(layer: nn.Module) -> None:
     values = (True, 0, 1, layer.output_sizes[0] // layer.q_output_size_per_partition, None)
     for name, value in zip(TP_ATTRIBUTES, values, strict=True):
         setattr(w, name, value)
+
+
+@torch.no_grad()
+def move_parameters(model: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of ``model`` to ``device`` as new tensors that keep their NxD attributes.
+
+    ``Module.to`` cannot change an XLA parameter's device in place, so it makes new Parameters and drops what NxD
+    set on the old ones (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel_enabled``...), which its
+    gradient norm and ZeRO-1 read.
+    """
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device != device:
+                moved = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                moved.__dict__.update(p.__dict__)
+                module._parameters[name] = moved
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)

@@ -122,8 +122,11 @@ def neuron_env(cfg: RunConfig) -> dict[str, str]:
 
     The launch renderer exports exactly this dict (Slurm, EKS, torchrun); ``NeuronBackend.setup`` applies it
     in-process with ``apply_env`` before torch_xla is imported. Contents (HLAT's scripts; paper §3.5, §4.3):
-    ``NEURON_CC_FLAGS`` (``COMPILER_FLAGS``, the precision's flags, ``--cache_dir``), ``NEURON_COMPILE_CACHE_URL``
-    (``cluster.compile_cache``: local disk by default, not the shared FSx), ``NEURON_FUSE_SOFTMAX=1``,
+    ``NEURON_CC_FLAGS`` (``COMPILER_FLAGS`` and the precision's flags), ``NEURON_COMPILE_CACHE_URL``
+    (``cluster.compile_cache``: local disk by default, not the shared FSx; alone, as HLAT's scripts set it: a
+    ``--cache_dir`` in the flags would put the cache's location into the string the cache key's flags hash is taken
+    of, so entries compiled into a staging cache and copied to each node's disk could miss; docs/trn1.md),
+    ``NEURON_FUSE_SOFTMAX=1``,
     ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` (3, or 31 with pipeline parallelism), ``MALLOC_ARENA_MAX``
     (64, or 128 with pipeline parallelism), the precision variables of ``precision_plan``,
     ``XLA_DISABLE_FUNCTIONALIZATION=0`` with ZeRO-1 (NxD's scripts: needed for ZeRO-1 convergence; also torch-xla's
@@ -139,7 +142,7 @@ def neuron_env(cfg: RunConfig) -> dict[str, str]:
     plan = precision_plan(cfg.precision, par, cfg.train.seed)
     pp = par.pp > 1
     env = {
-        "NEURON_CC_FLAGS": " ".join((*COMPILER_FLAGS, *plan.cc_flags, f"--cache_dir={c.compile_cache}")),
+        "NEURON_CC_FLAGS": " ".join((*COMPILER_FLAGS, *plan.cc_flags)),
         "NEURON_COMPILE_CACHE_URL": c.compile_cache,
         "NEURON_FUSE_SOFTMAX": "1",
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": str(INFLIGHT_REQUESTS_PP if pp else INFLIGHT_REQUESTS),

@@ -35,6 +35,7 @@ COMMANDS = (
     "convert",
     "launch",
     "compile",
+    "graphs",
 )
 """Every ``hlat`` command, in the order USAGE lists them."""
 
@@ -64,7 +65,9 @@ commands:
             layout, tensor by tensor, carrying the optimizer state where the target holds it (docs/evaluation.md)
   launch    render a cluster launch: `hlat launch --target torchrun|slurm|eks [--out DIR] [--image IMG] overrides...`
   compile   ahead-of-time Neuron compile of the run: `hlat compile [--steps N] [--target torchrun|slurm] [--run]
-            overrides...` (see `hlat launch --help`, `hlat compile --help`)
+            overrides...`; of a sweep, one job per graph group: `hlat compile -m ...` (`hlat compile --help`)
+  graphs    which sweep arms compile the same graphs on Trainium, traced on this CPU: `hlat graphs plan [-m]
+            [--config-dir DIR --config-name NAME] overrides...`; `hlat graphs keys` (docs/trn1.md)
 """
 # ConfigError messages of the shared data code name config keys; `hlat data tokenizer` names its flags.
 _FLAG_NAMES = {
@@ -348,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         from hlat.cli.doctor import main as doctor_main
 
         raise SystemExit(doctor_main(argv[1:]))
+    if argv and argv[0] == "graphs":
+        from hlat.plan.graphs_command import main as graphs_main
+
+        raise SystemExit(graphs_main(argv[1:]))
     if argv and argv[0] == "plan":
         from hlat.plan.command import main as plan_main
 

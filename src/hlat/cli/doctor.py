@@ -22,7 +22,7 @@ from hlat.health.report import HealthReport, PreflightError
 
 log = logging.getLogger(__name__)
 
-USAGE = """hlat doctor [--out FILE.md] [--mlflow] [hydra overrides...]
+USAGE = """hlat doctor [--out FILE.md] [--mlflow] [--manifest compile-manifest.json] [hydra overrides...]
 
 Pre-flight health check of the cluster the overrides configure (the same overrides as `python train.py`): per rank,
 the device computes a known matmul correctly, matmul TFLOP/s against the expected peak and the median rank, and
@@ -36,6 +36,8 @@ options:
   --out FILE.md  where the report (the table and the verdict) goes; default outputs/doctor/<time>-<cluster>.md
   --mlflow       also log the result to MLflow: a run in experiment <tracker.experiment>-health (tracker.uri;
                  tracker=console turns it off), with preflight/* metrics and the table as doctor.md
+  --manifest F   first compare this image's neuronx-cc with the one `hlat compile -m` pinned in F (its
+                 compile-manifest.json): another compiler finds none of the sweep's compiled graphs (exit 1)
 
 examples:
   hlat doctor cluster=cpu_x2
@@ -55,11 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     try:
-        argv, out, to_mlflow = _flags(argv)
+        argv, out, to_mlflow, manifest = _flags(argv)
     except ValueError as e:
         print(f"hlat doctor: {e}\n\n{USAGE}", file=sys.stderr)
         return 2
     console_logging(LOG_FORMAT)
+    if manifest is not None:
+        problem = check_manifest(manifest)
+        if problem is not None:
+            print(f"hlat doctor: {problem}", file=sys.stderr)
+            return 1
     try:
         from hlat.config.compose import compose_run_config
 
@@ -93,27 +100,63 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report.passed else 1
 
 
-def _flags(argv: list[str]) -> tuple[list[str], Path | None, bool]:
-    """Split ``--out FILE`` / ``--out=FILE`` and ``--mlflow`` from the Hydra overrides.
+def _flags(argv: list[str]) -> tuple[list[str], Path | None, bool, Path | None]:
+    """Split ``--out FILE``, ``--manifest FILE`` (or ``--x=FILE``) and ``--mlflow`` from the Hydra overrides.
 
     Raises:
-        ValueError: ``--out`` without a file, or another ``--`` flag.
+        ValueError: a flag without its file, or another ``--`` flag.
     """
-    rest, out, to_mlflow = [], None, False
+    rest, files, to_mlflow = [], {"--out": None, "--manifest": None}, False
     it = iter(argv)
     for a in it:
+        flag = a.partition("=")[0]
         if a == "--mlflow":
             to_mlflow = True
-        elif a == "--out" or a.startswith("--out="):
+        elif flag in files:
             value = a.partition("=")[2] if "=" in a else next(it, "")
             if not value:
-                raise ValueError("--out needs a file name (--out FILE.md)")
-            out = Path(value).expanduser()
+                raise ValueError(f"{flag} needs a file name ({flag} FILE)")
+            files[flag] = Path(value).expanduser()
         elif a.startswith("--"):
-            raise ValueError(f"unknown option {a!r} (the options are --out FILE.md and --mlflow)")
+            raise ValueError(f"unknown option {a!r} (the options are --out FILE.md, --manifest FILE and --mlflow)")
         else:
             rest.append(a)
-    return rest, out, to_mlflow
+    return rest, files["--out"], to_mlflow, files["--manifest"]
+
+
+def check_manifest(path: Path) -> str | None:
+    """Why this image cannot use the graphs compiled for ``hlat compile -m``'s manifest at ``path``, or None.
+
+    The Neuron cache keeps each compiler version's entries apart (``neuronxcc-<version>/``), so an image with another
+    neuronx-cc than the one that compiled them recompiles every graph, for minutes each.
+    """
+    import importlib.metadata
+    import json
+
+    try:
+        pinned = json.loads(path.read_text())["neuronx-cc"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"--manifest {path}: not a compile manifest of `hlat compile -m` ({type(e).__name__}: {e})"
+    try:
+        here = importlib.metadata.version("neuronx-cc")
+    except importlib.metadata.PackageNotFoundError:
+        here = None
+    if pinned is None:
+        print(f"hlat doctor: {path} pins no compiler (rendered where neuronx-cc was not installed): nothing to compare")
+        return None
+    if here is None:
+        return (
+            f"{path} was compiled with neuronx-cc {pinned}, and this environment has no neuronx-cc: run hlat doctor "
+            "in the image the sweep runs in (docker build --target trn1)"
+        )
+    if here.split("+")[0] != str(pinned).split("+")[0]:
+        return (
+            f"this image has neuronx-cc {here}, {path} was compiled with {pinned}: the runs would find none of the "
+            f"compiled graphs (the cache keeps them under neuronxcc-{pinned}/); use the image of {pinned} or compile "
+            "the sweep again with this one (hlat compile -m ...)"
+        )
+    print(f"hlat doctor: neuronx-cc {here} is the compiler {path} was compiled with")
+    return None
 
 
 def _write_report(cfg: RunConfig, report: HealthReport, out: Path | None) -> Path | None:

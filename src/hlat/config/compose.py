@@ -8,8 +8,9 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hlat.config import RunConfig
@@ -133,3 +134,95 @@ _VALUE_HINTS = {
     "eval.tasks": "each entry is a task and its shots, e.g. eval.tasks=[{task:hlat_local_mc,num_fewshot:0}]",
 }
 """The fix for a value of the wrong type, where "a value of its type" would not say enough."""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The runs that ``python train.py -m [--config-dir D --config-name N] overrides`` would start, as overrides."""
+
+    kind: str
+    """``basic`` (Hydra's grid: every arm listed), ``optuna`` (a search: trials are not known ahead) or ``single``."""
+    arms: list[list[str]]
+    """Each arm's overrides (for ``optuna``: the fixed overrides, one arm)."""
+    search: dict[str, str]
+    """``optuna``: the searched keys and their Hydra search space (``tag(log, interval(1e-4, 1e-2))``)."""
+    config_name: str = "config"
+    search_dir: str | None = None
+    """The sweep's ``--config-dir`` (absolute), searched before hlat's conf/."""
+
+
+def sweep_arms(overrides: Sequence[str], *, config_name: str = "config", search_dir: str | None = None) -> Sweep:
+    """Expand a multirun as Hydra's basic sweeper would: ``hydra.sweeper.params`` and ``key=a,b`` overrides.
+
+    Raises:
+        ConfigError: a sweep config or override Hydra cannot compose or parse, in one line.
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from hlat.config import ConfigError
+
+    try:
+        hydra_cfg = _compose(overrides=[], config_name=config_name, search_dir=search_dir, hydra=True).hydra
+        sweeper = hydra_cfg.sweeper
+        params = {str(k): str(v) for k, v in (sweeper.get("params") or {}).items()}
+        if "optuna" in str(sweeper.get("_target_", "")).lower():
+            return Sweep("optuna", [list(overrides)], params, config_name, search_dir)
+        parsed = OverridesParser.create().parse_overrides([*(f"{k}={v}" for k, v in params.items()), *overrides])
+        if not any(o.is_sweep_override() for o in parsed):
+            return Sweep("single", [list(overrides)], {}, config_name, search_dir)
+        arms = [list(arm) for batch in BasicSweeper.split_arguments(parsed, None) for arm in batch]
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(hydra_error_message(e, overrides) or str(e)) from None
+    return Sweep("basic", arms, {}, config_name, search_dir)
+
+
+def compose_arm(overrides: Sequence[str], *, config_name: str = "config", search_dir: str | None = None) -> RunConfig:
+    """One arm of a sweep, composed and validated as its job would be (:func:`compose_run_config` for a sweep)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from hlat.config import ConfigError, to_run_config
+
+    try:
+        return to_run_config(_compose(overrides, config_name=config_name, search_dir=search_dir))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(hydra_error_message(e, overrides) or str(e)) from None
+
+
+def _compose(overrides: Sequence[str], *, config_name: str, search_dir: str | None, hydra: bool = False) -> Any:
+    """Hydra's compose of ``config_name``: from ``search_dir`` (a sweep's ``--config-dir``) with conf/ behind it."""
+    from hydra import compose, initialize_config_dir
+
+    from hlat.config import register_configs
+
+    register_configs()
+    primary = search_dir or str(config_dir())
+    extra = [f"hydra.searchpath=[file://{config_dir()}]"] if search_dir else []
+    with initialize_config_dir(config_dir=primary, version_base="1.3"):
+        return compose(config_name=config_name, overrides=[*extra, *overrides], return_hydra_config=hydra)
+
+
+def search_values(key: str, space: str) -> list[Any]:
+    """Two values inside a Hydra search space (``interval``, ``range``, ``choice``), for probing a search.
+
+    Raises:
+        ValueError: a search space of another kind.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
+
+    value = OverridesParser.create().parse_override(f"{key}={space}").value()
+    if isinstance(value, IntervalSweep):
+        lo, hi = float(value.start), float(value.end)
+        if "log" in value.tags and lo > 0:
+            return [float(f"{lo * (hi / lo) ** f:.3g}") for f in (1 / 3, 2 / 3)]
+        return [float(f"{lo + (hi - lo) * f:.3g}") for f in (1 / 3, 2 / 3)]
+    if isinstance(value, RangeSweep):
+        grid = list(range(int(value.start), int(value.stop), int(value.step or 1)))
+        return [grid[len(grid) // 3], grid[(2 * len(grid)) // 3]]
+    if isinstance(value, ChoiceSweep):
+        return list(value.list[:2]) if len(value.list) >= 2 else list(value.list) * 2
+    raise ValueError(f"{key}={space}: a search space hlat graphs cannot probe (interval, range or choice)")

@@ -1,4 +1,4 @@
-"""Schema of cluster health (``conf/health/``): the pre-flight check, the hang watchdog, straggler detection."""
+"""Schema of cluster health (``conf/health/``): pre-flight check, hang watchdog, stragglers, graph divergence."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from hlat.config.base import _check_choice, _check_range, _Frozen
 
 PREFLIGHT_MODES = ("auto", "on", "off")
+GRAPH_GUARD_MODES = ("stop", "warn", "off")
 
 
 @dataclass
@@ -62,6 +63,12 @@ class HealthConfig(_Frozen):
     """Every this many steps, log the slowest rank's step and local time and its lag (``health/*``); 0: off."""
     straggler_warn_ratio: float = 1.25
     """Log a warning naming the slowest rank when its local time exceeds this multiple of the median rank's."""
+    graph_guard: str = "stop"
+    """Ranks of one class compiling different graphs at a step (on trn1 a hang): ``stop`` exits 76 naming rank, step
+    and phase, ``warn`` logs it, ``off`` (quoted in YAML); the graph ledger stays on (docs/trn1.md)."""
+    graph_hlo_dir: str | None = None
+    """Each rank writes every graph it runs here as HLO, fingerprinted in the graph ledger (``hlat graphs plan``'s
+    traces); null: compile counts and times only. Lowers every sync to HLO: not for long runs."""
     inject_slow_rank: int | None = None
     """TEST HOOK: this rank's pre-flight matmuls run at ``inject_slow_factor`` of their speed; null in real runs."""
     inject_slow_factor: float = 0.1
@@ -84,6 +91,7 @@ class HealthConfig(_Frozen):
         _check_range(self, "health.watchdog_grace_s", ">= 0", note="(seconds)")
         _check_range(self, "health.straggler_every", ">= 0", note="(0: off)")
         _check_range(self, "health.straggler_warn_ratio", ">= 1")
+        _check_choice("health.graph_guard", self.graph_guard, GRAPH_GUARD_MODES)
         _check_range(self, "health.inject_slow_rank", ">= 0", null="no slow rank", note="(a rank of the job)")
         _check_range(self, "health.inject_slow_factor", "(0, 1]")
         self._freeze()

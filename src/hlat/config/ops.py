@@ -206,6 +206,11 @@ class FaultConfig(_Frozen):
     it."""
     hang_rank: int = 1
     """The rank that hangs at ``hang_at`` or stops at ``sigstop_at`` (a rank of the job: 0 in a one-process run)."""
+    graph_at: int | None = None
+    """At this step rank ``graph_rank`` alone traces one extra op into its update (a new graph only it compiles:
+    what the graph divergence guard must catch); numerically a no-op."""
+    graph_rank: int = 1
+    """The rank that traces the extra graph at ``graph_at``."""
     min_step_s: float = 0.0
     """Every step lasts at least this many seconds, so a test signalling a running job cannot lose the race to a
     fast machine (0: off)."""
@@ -218,9 +223,10 @@ class FaultConfig(_Frozen):
                 f"fault.{key}={show(steps)} holds a step below 1: steps count from 1 (the first optimizer step); "
                 f"keep the steps >= 1, e.g. fault.{key}={show([s for s in steps if s >= 1] or [1])}",
             )
-        for key in ("crash_in_save_at", "corrupt_at", "disk_full_at", "hang_at", "sigstop_at"):
+        for key in ("crash_in_save_at", "corrupt_at", "disk_full_at", "hang_at", "sigstop_at", "graph_at"):
             _check_range(self, f"fault.{key}", ">= 1", null="no such fault", example=1)
         _check_range(self, "fault.hang_rank", ">= 0", note="(a rank of the job)")
+        _check_range(self, "fault.graph_rank", ">= 0", note="(a rank of the job)")
         _check_range(self, "fault.kill_random", ">= 0", note="(0: no random kills)")
         _check_range(self, "fault.min_step_s", ">= 0", note="(seconds; 0: off)", example=0.1)
         self._freeze()
@@ -230,7 +236,14 @@ class FaultConfig(_Frozen):
         """Whether anything is injected."""
         return bool(self.kill_at or self.kill_random or self.nonfinite_at or self.min_step_s) or any(
             s is not None
-            for s in (self.crash_in_save_at, self.corrupt_at, self.disk_full_at, self.hang_at, self.sigstop_at)
+            for s in (
+                self.crash_in_save_at,
+                self.corrupt_at,
+                self.disk_full_at,
+                self.hang_at,
+                self.sigstop_at,
+                self.graph_at,
+            )
         )
 
 

@@ -24,6 +24,7 @@ from hlat.deploy.render import (
     compile_overrides,
     job_name,
     node_script,
+    pinned_overrides,
     train_overrides,
 )
 from hlat.deploy.slurm import default_cpus, sbatch_script
@@ -106,6 +107,28 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument(
             "--run", action="store_true", help="run the compile on this node now, instead of printing the script"
         )
+        sweep = p.add_argument_group('a sweep (docs/trn1.md, "Compiling a sweep")')
+        sweep.add_argument(
+            "-m", "--multirun", action="store_true", help="one compile job per compile group of the sweep (needs --out)"
+        )
+        sweep.add_argument("--config-dir", help="the sweep's directory, as `python train.py --config-dir` (sweeps)")
+        sweep.add_argument("--config-name", default="config", help="the sweep's config name (precision_ablation)")
+        sweep.add_argument("--plan", metavar="PLAN.json", help="the groups `hlat graphs plan -m ... --out DIR` wrote")
+        sweep.add_argument(
+            "--stage",
+            metavar="DIR",
+            help="compile into this cache on storage every node sees, and render the script that copies its finished "
+            "entries into each node's cluster.compile_cache",
+        )
+        cache = p.add_argument_group("the compile cache")
+        cache.add_argument("--audit", metavar="CACHE", help="count CACHE's entries by state per compiler version")
+        cache.add_argument(
+            "--distribute", metavar="STAGE", help="copy STAGE's finished entries into --to, each atomically"
+        )
+        cache.add_argument("--to", metavar="CACHE", help="--distribute's target: this node's local cache")
+        cache.add_argument(
+            "--version", help="the pinned neuronx-cc version (default: the one installed here, the image's)"
+        )
     _common(p)
     return p
 
@@ -137,26 +160,6 @@ def install() -> Install:
         "hlat launch from an hlat checkout installed with pip install -e, or from the directory that holds train.py "
         "(/opt/hlat in hlat's images)"
     )
-
-
-def pinned_overrides(cfg: RunConfig, overrides: Sequence[str], target: str) -> list[str]:
-    """``overrides`` plus ``tracker.uri=<the store>`` where the config names none.
-
-    That store is this shell's ``MLFLOW_TRACKING_URI``, else the default ``mlflow.db`` here, by absolute path. The
-    nodes need not share this shell's environment and the default store is per working directory; pinned here, every
-    node and requeue writes one store (not on EKS, whose pods have their image's paths). A URI that carries a
-    password is not written into a launch file: the job's environment must set ``MLFLOW_TRACKING_URI`` then.
-    """
-    if target == "eks" or cfg.tracker.kind != "mlflow":
-        return list(overrides)
-    from urllib.parse import urlsplit
-
-    from hlat.track.mlflow_store import DEFAULT, ENV_URI, command_store
-
-    store = command_store(cfg.tracker.uri, overrides)
-    if store.source == DEFAULT or (store.source == ENV_URI and "@" not in urlsplit(store.uri).netloc):
-        return [*overrides, f"tracker.uri={store.uri}"]
-    return list(overrides)
 
 
 def check_cluster(cfg: RunConfig) -> None:
@@ -243,12 +246,54 @@ def _execute(text: str) -> int:
     return subprocess.run(["bash", "-c", text], env=os.environ.copy(), check=False).returncode
 
 
+def cache_command(args: argparse.Namespace) -> int:
+    """``hlat compile --audit CACHE`` / ``--distribute STAGE --to CACHE``: exit 0, or 1 when the audit finds trouble."""
+    from hlat.deploy import neuron_cache
+    from hlat.plan.graphs_command import compiler_version
+
+    version = args.version or compiler_version()
+    if args.audit:
+        if not Path(args.audit).is_dir():
+            raise UsageError(
+                f"--audit {args.audit}: no such directory (a Neuron compile cache, e.g. cluster.compile_cache)"
+            )
+        print(neuron_cache.audit_text(Path(args.audit), version))
+        found = neuron_cache.audit(Path(args.audit), version)
+        return 1 if any(not a.matches or a.states[neuron_cache.FAILED] for a in found) else 0
+    if not args.to or version is None:
+        raise UsageError(
+            "--distribute STAGE needs --to CACHE (this node's cluster.compile_cache) and the compiler's version "
+            "(--version, or run it in the image that has neuronx-cc)"
+        )
+    done = neuron_cache.distribute(Path(args.distribute), Path(args.to), version)
+    skipped = ", ".join(f"{n} {s}" for s, n in sorted(done.skipped.items())) or "none"
+    print(f"{args.to}: {done.copied} entries copied, {done.present} already there, skipped: {skipped}")
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     """``hlat launch ...`` / ``hlat compile ...`` (``argv[0]`` is the command). Returns the exit status."""
     command = argv[0]
     args = parser(command).parse_intermixed_args(list(argv[1:]))
     if command == "compile":
         args.image, args.fsx_claim, args.fsx_mount = None, FSX_CLAIM, FSX_MOUNT
+        try:
+            if args.audit or args.distribute:
+                return cache_command(args)
+            if args.multirun:
+                from hlat.deploy.sweep_compile import render_sweep, stage_dir
+
+                if args.stage:
+                    args.stage = stage_dir(args.stage)
+                for path in render_sweep(args, install()):
+                    print(path)
+                return 0
+        except ConfigError as e:
+            print(f"hlat: configuration error: {e}", file=sys.stderr)
+            return 2
+        except (UsageError, ValueError, OSError) as e:  # SweepCompileError is a ValueError
+            print(f"hlat: error: {e}", file=sys.stderr)
+            return 2
     try:
         filename, text = render(args, command)
         if command == "compile" and args.run:

@@ -139,6 +139,26 @@ def compile_overrides(cfg: RunConfig, overrides: Sequence[str], steps: int) -> l
     return [o for o in overrides if override_key(o) not in replaced] + changed
 
 
+def pinned_overrides(cfg: RunConfig, overrides: Sequence[str], target: str) -> list[str]:
+    """``overrides`` plus ``tracker.uri=<the store>`` where the config names none.
+
+    That store is this shell's ``MLFLOW_TRACKING_URI``, else the default ``mlflow.db`` here, by absolute path. The
+    nodes need not share this shell's environment and the default store is per working directory; pinned here, every
+    node and requeue writes one store (not on EKS, whose pods have their image's paths). A URI that carries a
+    password is not written into a launch file: the job's environment must set ``MLFLOW_TRACKING_URI`` then.
+    """
+    if target == "eks" or cfg.tracker.kind != "mlflow":
+        return list(overrides)
+    from urllib.parse import urlsplit
+
+    from hlat.track.mlflow_store import DEFAULT, ENV_URI, command_store
+
+    store = command_store(cfg.tracker.uri, overrides)
+    if store.source == DEFAULT or (store.source == ENV_URI and "@" not in urlsplit(store.uri).netloc):
+        return [*overrides, f"tracker.uri={store.uri}"]
+    return list(overrides)
+
+
 def torchrun_argv(
     cfg: RunConfig, overrides: Sequence[str], *, endpoint: str, rdzv_id: str, install: Install | None = None
 ) -> list[str]:

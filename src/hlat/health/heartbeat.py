@@ -56,6 +56,8 @@ class Beat:
     """Wall time it entered ``phase``."""
     time: float
     """Wall time of this beat."""
+    graphs: dict[str, Any] | None = None
+    """The graph ledger's state (``hlat.health.graph_guard.GraphGuard.snapshot``) where the guard runs."""
 
     @property
     def position(self) -> tuple[int, int]:
@@ -79,13 +81,17 @@ class Beat:
 
 
 class Board(Protocol):
-    """Where beats are published and read."""
+    """Where beats are published and read, and where a rank raises a flag every rank can see."""
 
     def publish(self, beat: Beat) -> None: ...
 
     def read(self) -> dict[int, Beat | None]: ...
 
     def describe(self) -> str: ...
+
+    def raise_flag(self, name: str, text: str) -> None: ...
+
+    def flag(self, name: str) -> str | None: ...
 
 
 def beat_period(world_size: int) -> float:
@@ -109,6 +115,8 @@ class Heartbeat:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.rank, self.board, self.attempt, self.every_s, self.wall = rank, board, attempt, every_s, wall
+        self.graphs: Callable[[], dict[str, Any]] | None = None
+        """What the graph guard publishes with each beat (set by the guard; None without one)."""
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         # (step, phase, seq, since): replaced whole by the training thread, read whole by the others.
@@ -141,7 +149,10 @@ class Heartbeat:
     def beat(self) -> Beat:
         """This rank's beat as of now."""
         step, phase, seq, since = self._now
-        return Beat(self.rank, self.host, self.pid, self.local_rank, self.attempt, step, phase, seq, since, self.wall())
+        graphs = self.graphs() if self.graphs is not None else None
+        return Beat(
+            self.rank, self.host, self.pid, self.local_rank, self.attempt, step, phase, seq, since, self.wall(), graphs
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -246,6 +257,13 @@ class StoreBoard:
     def describe(self) -> str:
         return self.where
 
+    def raise_flag(self, name: str, text: str) -> None:
+        self.store.set(f"{STORE_PREFIX}/flag/{name}", text)
+
+    def flag(self, name: str) -> str | None:
+        key = f"{STORE_PREFIX}/flag/{name}"
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
 
 class FileBoard:
     """Beats as files ``<directory>/rank<N>.json``, each replaced whole (for jobs without torch elastic's store)."""
@@ -264,6 +282,17 @@ class FileBoard:
 
     def describe(self) -> str:
         return f"the heartbeat files in {self.directory}"
+
+    def raise_flag(self, name: str, text: str) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".flag-{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.directory / f"flag-{name}")
+
+    def flag(self, name: str) -> str | None:
+        with contextlib.suppress(FileNotFoundError):
+            return (self.directory / f"flag-{name}").read_text()
+        return None
 
 
 def _read_beat(path: Path) -> Beat | None:

@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -139,6 +140,8 @@ class SignalFlag:
 class StopHook:
     """Loop hook: at every step boundary the ranks agree whether any got a signal; then it raises PreemptedError.
 
+    Other stops (``stops``: the graph divergence guard) ride on the same agreement, so every rank raises together.
+
     With several ranks that is one all-reduce (MAX) of a 0-d integer over a gloo group, on the host (no device
     synchronisation); with one rank no collective. Construct it on every rank at the same point (the group is
     created collectively). The last step is left alone: that run is finishing anyway, with its final checkpoint.
@@ -151,6 +154,9 @@ class StopHook:
 
     def __init__(self, flag: SignalFlag, last_step: int, distributed: bool) -> None:
         self.flag, self.last_step = flag, last_step
+        self.stops: list[Callable[[bool], BaseException | None]] = []
+        """Other reasons to stop every rank at the same step: ``stop(False)`` is this rank's error if it wants to
+        stop, ``stop(True)`` (once any rank wanted to) the error to raise, or None (the graph divergence guard)."""
         self._group: Any = None
         if distributed:
             import torch.distributed as dist
@@ -161,13 +167,17 @@ class StopHook:
         if state.step >= self.last_step:
             return
         signum = self.flag.signum or 0
+        wanted = int(any(stop(False) is not None for stop in self.stops))
         if self._group is not None:
             import torch
             import torch.distributed as dist
 
-            t = torch.tensor(signum, dtype=torch.int32)
+            t = torch.tensor([signum, wanted], dtype=torch.int32)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-            signum = int(t)
+            signum, wanted = int(t[0]), int(t[1])
+        for stop in self.stops if wanted else ():
+            if (error := stop(True)) is not None:
+                raise error
         if signum:
             received = self.flag.received_at if self.flag.signum else time.monotonic()
             raise PreemptedError(signum, state.step, received)

@@ -22,6 +22,7 @@ from hlat import checkpoint
 from hlat.checkpoint import CheckpointError
 from hlat.config import ConfigError, RunConfig, to_run_config
 from hlat.health.blame import last_verdict
+from hlat.health.graph_guard import GRAPH_DIVERGENCE_EXIT_CODE, GraphDivergenceError, divergence_text
 from hlat.health.host import check_neuron_host
 from hlat.health.report import PreflightError
 from hlat.health.watchdog import HANG_EXIT_CODE
@@ -36,10 +37,17 @@ from hlat.train.run import main
 
 log = logging.getLogger(__name__)
 
-FINAL_ERRORS: tuple[type[Exception], ...] = (PreflightError, ConfigError, CheckpointError, HaltedError, EvalFailedError)
+FINAL_ERRORS: tuple[type[Exception], ...] = (
+    PreflightError,
+    ConfigError,
+    CheckpointError,
+    HaltedError,
+    EvalFailedError,
+    GraphDivergenceError,
+)
 """Failures a restart would only repeat: the worker reports them instead of dying, so the agent stops. (A node that
 fails the pre-flight check fails it again after a restart onto the same nodes; a failed evaluation comes after the
-last step.)"""
+last step; ranks that compiled different graphs compile them again.)"""
 
 
 def hydra_output_dir() -> Path:
@@ -69,6 +77,9 @@ def _exit_text(exitcode: int, run_dir: Path) -> str:
         verdict = last_verdict(hang)
         said = f": {verdict}" if verdict else ""
         return f"exit code {exitcode} (a hang{said}; the watchdog's report and stack dumps are in {hang})"
+    if exitcode == GRAPH_DIVERGENCE_EXIT_CODE:
+        said = divergence_text(run_dir) or "graph divergence"
+        return f"exit code {exitcode} ({said}; each rank's graph ledger is in {run_dir / 'graphs'})"
     return elastic.exit_code_text(exitcode)
 
 
@@ -145,7 +156,9 @@ def _train(cfg: RunConfig) -> tuple[str | None, list[float]]:
         return checkpoint.read_job(checkpoint.checkpoint_root(cfg, run_dir)).get("mlflow_run_id"), []
     try:
         result = main(cfg, run_dir)
-    except (ConfigError, HaltedError, CheckpointError, EvalFailedError, preempt.PreemptedError, KeyboardInterrupt):
+    except (ConfigError, HaltedError, CheckpointError, EvalFailedError, GraphDivergenceError):
+        raise
+    except (preempt.PreemptedError, KeyboardInterrupt):
         raise
     except BaseException:  # a crash: say how to pick the run up again
         _print_continue_hint(cfg)
@@ -159,7 +172,7 @@ def error_message(e: BaseException) -> str | None:
         return f"hlat: health check failed: {e}"
     if isinstance(e, ConfigError):
         return f"hlat: configuration error: {e}"
-    if isinstance(e, (JobFailedError, HaltedError, checkpoint.CheckpointError, EvalFailedError)):
+    if isinstance(e, (JobFailedError, HaltedError, checkpoint.CheckpointError, EvalFailedError, GraphDivergenceError)):
         return f"hlat: {e}"
     return None
 
@@ -167,12 +180,13 @@ def error_message(e: BaseException) -> str | None:
 def entry(hydra_cfg: DictConfig) -> float | None:
     """Command-line entry: train, under torch elastic when ``cluster.max_restarts > 0`` or several processes.
 
-    A configuration error prints one clean message and exits 2 (a failed pre-flight health check: 3, its own
-    ``exit_code``); a failure a rerun can continue from (a halt, a full disk, restarts exhausted) prints what
-    happened and how to continue, and exits 1. A run stopped by a signal with a checkpoint of the step in flight
-    (``hlat.launch.preempt``) prints the command that continues it and exits 85; one stopped without it (a second
-    Ctrl-C) exits 128 + the signal. A job of a multirun (``-m``) goes through :func:`hlat.sweep.job.run_job` instead,
-    which returns the job's objective (and exits only when the job was stopped by a signal).
+    A configuration error prints one clean message and exits 2 (a failed pre-flight health check: 3, a graph
+    divergence between ranks: 76, their own ``exit_code``); a failure a rerun can continue from (a halt, a full
+    disk, restarts exhausted) prints what happened and how to continue, and exits 1. A run stopped by a signal
+    with a checkpoint of the step in flight (``hlat.launch.preempt``) prints the command that continues it and exits
+    85; one stopped without it (a second Ctrl-C) exits 128 + the signal. A job of a multirun (``-m``) goes through
+    :func:`hlat.sweep.job.run_job` instead, which returns the job's objective (and exits only when the job was
+    stopped by a signal).
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -186,7 +200,7 @@ def entry(hydra_cfg: DictConfig) -> float | None:
         _train(cfg)
     except (preempt.PreemptedError, preempt.AbortedError, KeyboardInterrupt) as e:
         _stopped(cfg, e)
-    except (ConfigError, HaltedError, checkpoint.CheckpointError, EvalFailedError) as e:
+    except (ConfigError, HaltedError, checkpoint.CheckpointError, EvalFailedError, GraphDivergenceError) as e:
         print(error_message(e), file=sys.stderr)
         if cfg is not None and not isinstance(e, (ConfigError, EvalFailedError)):  # training did not finish
             _print_continue_hint(cfg)

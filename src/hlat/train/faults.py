@@ -54,9 +54,11 @@ class FaultInjector:
         if cfg.active:
             log.warning(
                 "fault injection (fault=%s): kill after steps %s, crash in save %s, corrupt %s, disk full %s, NaN "
-                "gradients at %s, hang at %s / SIGSTOP at %s on rank %d, steps of at least %gs",
+                "gradients at %s, hang at %s / SIGSTOP at %s on rank %d, a graph of its own at %s on rank %d, steps of "
+                "at least %gs",
                 *(cfg.name, sorted(self.kills), cfg.crash_in_save_at, cfg.corrupt_at, cfg.disk_full_at),
-                *(cfg.nonfinite_at, cfg.hang_at, cfg.sigstop_at, cfg.hang_rank, cfg.min_step_s),
+                *(cfg.nonfinite_at, cfg.hang_at, cfg.sigstop_at, cfg.hang_rank, cfg.graph_at, cfg.graph_rank),
+                cfg.min_step_s,
             )
 
     @staticmethod
@@ -131,6 +133,14 @@ class FaultInjector:
             with torch.no_grad():
                 p.grad.fill_(float("nan"))
 
+    def diverge_graph(self, step: int, model: nn.Module) -> None:
+        """Grad hook: at ``graph_at``, rank ``graph_rank`` adds zeros to one gradient, an op only its graph holds."""
+        if step == self.cfg.graph_at and self.rank == self.cfg.graph_rank and self._once(f"graph-{step}"):
+            log.warning("fault injection: rank %d traces a graph of its own at step %d", self.rank, step)
+            p = next(p for p in model.parameters() if p.grad is not None)
+            with torch.no_grad():
+                p.grad.add_(torch.zeros_like(p.grad))
+
     def on_save(self, stage: str, step: int, path: Path) -> None:
         """Checkpoint callback (``hlat.checkpoint.SaveFault``)."""
         if self.rank != 0:
@@ -171,4 +181,5 @@ def fault_hooks(cfg: FaultConfig, steps: int, markers: Path, rank: int) -> Fault
     if not cfg.active:
         return FaultHooks()
     injector = FaultInjector(cfg, steps, markers, rank)
-    return FaultHooks(loop=[injector], grad=[injector.poison_grads], on_save=injector.on_save)
+    grad = [injector.poison_grads, injector.diverge_graph]
+    return FaultHooks(loop=[injector], grad=grad, on_save=injector.on_save)

@@ -133,8 +133,10 @@ def build_hooks(
         rank=env.rank,
         on_saved=scheduler,
     )
-    monitors = Monitors(cfg, env, model, run_dir, tracking.tracker.log_metrics)
+    monitors = Monitors(cfg, env, model, run_dir, tracking.tracker.log_metrics, backend.graph_ledger())
     stop = preempt.StopHook(preempt.SignalFlag(), t.steps, distributed=env.world_size > 1)  # collective
+    if monitors.graphs is not None:  # a graph divergence stops every rank at the same step boundary
+        stop.stops.append(monitors.graphs.stop_request)
     marked = monitors.marking(timer)  # the heartbeat learns each phase of the step from the step's timer
     ledger = uptime.ledger
     loop = [

@@ -201,6 +201,9 @@ class TorchBackend:
     def host_metrics(self) -> dict[str, float]:
         return {}
 
+    def graph_ledger(self) -> None:
+        return None  # eager PyTorch: no graphs to compile (torch.compile's are its own, not a platform's)
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
