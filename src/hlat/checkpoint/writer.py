@@ -10,21 +10,27 @@ May import: ``hlat.config``, the core.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import queue
 import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 _STOP = object()
 
 
-class _Hashing:
-    """A file that hashes what is written to it (what ``torch.save`` needs of a stream: ``write``, ``flush``)."""
+class Hashing:
+    """A file written from start to end that hashes what is written to it (``size``, ``sha``).
+
+    What ``torch.save`` and DCP's file writer ask of a stream: ``write``, ``flush``, ``tell``, ``fileno``, ``close``.
+    """
 
     def __init__(self, f: Any) -> None:
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
@@ -37,6 +43,15 @@ class _Hashing:
 
     def flush(self) -> None:
         self.f.flush()
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def close(self) -> None:
+        self.f.close()
 
 
 class Writer:
@@ -112,14 +127,8 @@ class Writer:
 
     def _write(self) -> None:
         try:
-            while (item := self._queue.get()) is not _STOP:
-                obj, path, pickle_module, size = item
-                if self._error is None:
-                    self._write_one(obj, path, pickle_module)
-                del obj, item  # the tensor's memory goes before the next one is taken
-                with self._held:
-                    self._waiting -= size
-                    self._held.notify_all()
+            with no_crc32():
+                self._write_all()
         except BaseException as e:  # raised on the caller's thread
             with self._held:
                 self._error = self._error or e
@@ -129,13 +138,23 @@ class Writer:
         finally:
             self._syncs.put(None)
 
+    def _write_all(self) -> None:
+        while (item := self._queue.get()) is not _STOP:
+            obj, path, pickle_module, size = item
+            if self._error is None:
+                self._write_one(obj, path, pickle_module)
+            del obj, item  # the tensor's memory goes before the next one is taken
+            with self._held:
+                self._waiting -= size
+                self._held.notify_all()
+
     def _write_one(self, obj: Any, path: Path, pickle_module: ModuleType | None) -> None:
         if path.parent not in self._dirs:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._dirs |= {d for d in (path.parent, *path.parent.parents) if self.root in d.parents}
         f = open(path, "wb")  # noqa: SIM115  closed by the fsync thread, once durable
         try:
-            out = _Hashing(f)
+            out = Hashing(f)
             torch.save(obj, out, **({"pickle_module": pickle_module} if pickle_module else {}))
             f.flush()
         except BaseException:
@@ -159,3 +178,37 @@ class Writer:
 def _tensor_bytes(obj: Any) -> int:
     """Bytes of the tensor ``obj`` (0 for anything else: pickles of references and shapes are small)."""
     return obj.untyped_storage().nbytes() if isinstance(obj, torch.Tensor) else 0
+
+
+@contextlib.contextmanager
+def no_crc32() -> Iterator[None]:
+    """``torch.save`` on this thread without the CRC32 of its zip records while the block runs.
+
+    Torch's option is per thread. ``torch.load`` does not check them (torch's ``set_crc32_options``), the
+    manifest's sha256 covers every file, and they cost a CPU pass over every byte written. Torch before 2.6 has no
+    such option: its saves are unchanged.
+    """
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        yield
+        return
+    with config.patch({"save.compute_crc32": False}):
+        yield
+
+
+T = TypeVar("T")
+_END = object()
+
+
+def ahead(items: Iterable[T]) -> Iterator[T]:
+    """``items`` in order, the next one made on a thread of its own while the caller works on the last.
+
+    One item ahead: what the caller holds and the next one are in memory.
+    """
+    it = iter(items)
+    with ThreadPoolExecutor(1, thread_name_prefix="hlat-ahead") as pool:
+        coming = pool.submit(next, it, _END)
+        while (item := coming.result()) is not _END:
+            coming = pool.submit(next, it, _END)
+            yield item  # type: ignore[misc]

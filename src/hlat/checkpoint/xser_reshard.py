@@ -18,7 +18,6 @@ import itertools
 import math
 import os
 import re
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from hlat.backends.neuron_shards import param_names, stage_of, tp_index, tp_split, zero1_rows, zero1_split
+from hlat.backends.neuron_shards import param_names, stage_of, tp_gather, tp_index, tp_split, zero1_rows, zero1_split
+from hlat.checkpoint import ranges
 from hlat.checkpoint.hf_layout import expected_shapes
 from hlat.checkpoint.xser import STATE_KEYS, Layout, NeuronCheckpoint, disk_dtype
 from hlat.config import ConfigError, ModelConfig, RunConfig
@@ -184,12 +184,14 @@ class Cutter:
 class RangedPieces:
     """The pieces the ranks of a tp-``tp`` layout hold of a neuron checkpoint, each read as the byte ranges it needs.
 
-    ``bytes_read`` counts the tensor bytes read (the small reference and info pickles aside).
+    ``bytes_read`` counts the tensor bytes read (the small reference and info pickles aside); ``headers`` the saved
+    files whose shape and dtype their info file did not give (their tensor header was read), ``whole`` those read
+    whole because they do not hold one uncompressed contiguous tensor (none that NxD or hlat writes).
     """
 
     def __init__(self, source: NeuronCheckpoint, model: ModelConfig, tp: int) -> None:
         self.source, self.model, self.tp = source, model, tp
-        self.bytes_read = 0
+        self.bytes_read = self.headers = self.whole = 0
         self._records: dict[Path, _Record] = {}
 
     def piece(self, name: str, param: str, t: int, d: int, chunks: int) -> torch.Tensor:
@@ -198,12 +200,10 @@ class RangedPieces:
         shape, dtype = src.tensors()[name]
         if name.endswith(".step"):  # a scalar, the same on every rank: the full reader takes tp rank 0's
             f = src.stored(name, 0)
-            if f not in self._records:
-                self._records[f] = self._find(f)
-            rec = self._records[f]
-            buf = bytearray(math.prod(rec.shape) * rec.dtype.itemsize)
-            self._fill(buf, rec.dtype, f, [Run(0, 0, 0, 0, 1, 0, 0, len(buf) // rec.dtype.itemsize)], None)
-            return torch.frombuffer(buf, dtype=rec.dtype).reshape(shape).to(dtype)
+            rec = self._record(f, None)
+            out = torch.empty(rec.shape, dtype=rec.dtype)
+            self._fill(out, f, [Run(0, 0, 0, 0, 1, 0, 0, out.numel())], None)
+            return out.reshape(shape).to(dtype)
         lay = src.layout
         chunks_src = lay.dp if lay.zero1 and not name.startswith("model.") else 1
         target = plan(param, shape, self.model, (lay.tp, chunks_src), (self.tp, chunks), t, d)
@@ -211,47 +211,46 @@ class RangedPieces:
         stored = {self._record(f, target.shape_src).dtype for f in files.values()}
         if len(stored) != 1:
             raise ConfigError(f"neuron checkpoint {src.path}: the pieces of {name} are stored in dtypes {stored}")
-        dt = stored.pop()
-        buf = bytearray(math.prod(target.shape) * dt.itemsize)  # zeros: ZeRO-1's padding
+        out = torch.zeros(target.shape, dtype=stored.pop())  # zeros: ZeRO-1's padding
         for key, f in files.items():
-            self._fill(buf, dt, f, [r for r in target.runs if (r.t, r.d) == key], target)
-        return torch.frombuffer(buf, dtype=dt).reshape(target.shape).to(dtype)
+            self._fill(out, f, [r for r in target.runs if (r.t, r.d) == key], target)
+        return out.to(dtype)
 
-    def _fill(self, buf: bytearray, dtype: torch.dtype, f: Path, runs: list[Run], target: Target | None) -> None:
-        """Copy ``runs`` of saved file ``f`` into ``buf``: read at their offsets, or cut from the whole tensor.
+    def _fill(self, out: torch.Tensor, f: Path, runs: list[Run], target: Target | None) -> None:
+        """Copy ``runs`` of saved file ``f`` into ``out``: read at their offsets, or cut from the whole tensor.
 
         ``target`` None: one flat run.
         """
         width, width_src = (target.width, target.width_src) if target else (1, 1)
         offset = self._records[f].offset
-        ranges = [  # (target element, saved element, elements): a run of whole rows is one range
+        spans = [  # (target element, saved element, elements): a run of whole rows is one span
             (((r.dst_row + k) * width + r.dst_col), ((r.src_row + k) * width_src + r.src_col), r.cols * rows)
             for r in runs
             for rows in [r.rows if r.cols == width == width_src else 1]
             for k in range(0, r.rows, rows)
         ]
+        flat = out.view(-1)
         if offset is None:  # not one uncompressed contiguous record: read it whole (counted), cut in memory
             whole = torch.load(f, map_location="cpu", weights_only=True).reshape(-1)
-            self.bytes_read += whole.nbytes
-            out = torch.frombuffer(buf, dtype=dtype)
-            for a, b, n in ranges:
-                out[a : a + n] = whole[b : b + n]
+            self.bytes_read, self.whole = self.bytes_read + whole.nbytes, self.whole + 1
+            for a, b, n in spans:
+                flat[a : a + n] = whole[b : b + n]
             return
-        size, view = dtype.itemsize, memoryview(buf)
+        size, view = out.element_size(), ranges.writable(out)
         fd = os.open(f, os.O_RDONLY)
         try:
-            for a, b, n in ranges:
-                _pread(fd, view[a * size : (a + n) * size], offset + b * size, f)
+            for a, b, n in spans:
+                ranges.pread_into(fd, view[a * size : (a + n) * size], offset + b * size, f)
                 self.bytes_read += n * size
         finally:
             os.close(fd)
 
-    def _record(self, f: Path, shape: tuple[int, ...]) -> _Record:
-        """Saved file ``f``'s dtype and where its data starts, checked to hold ``shape``."""
+    def _record(self, f: Path, shape: tuple[int, ...] | None) -> _Record:
+        """Saved file ``f``'s dtype and where its data starts, checked to hold ``shape`` (None: any)."""
         if f not in self._records:
             self._records[f] = self._find(f)
         rec = self._records[f]
-        if rec.shape != shape:
+        if shape is not None and rec.shape != shape:
             raise ConfigError(
                 f"neuron checkpoint {self.source.path}: {f.relative_to(self.source.path)} holds {rec.shape}, "
                 f"its layout gives {shape}: it does not match its config"
@@ -266,14 +265,16 @@ class RangedPieces:
         read whole.
         """
         info = self.source.stored_info(f)
-        if info is not None:
-            shape, dtype = tuple(info["shape"]), info["dtype"]
-            offset = _data_offset(f, math.prod(shape) * dtype.itemsize)
-            if offset is not None:
-                return _Record(dtype, shape, offset)
-        meta = torch.load(f, map_location="cpu", weights_only=True, mmap=True)  # maps the file, reads no data
-        whole = not meta.is_contiguous() or meta.storage_offset() or meta.untyped_storage().nbytes() != meta.nbytes
-        return _Record(meta.dtype, tuple(meta.shape), None if whole else _data_offset(f, meta.nbytes))
+        with open(f, "rb") as fh:
+            if info is not None:
+                shape, dtype = tuple(info["shape"]), info["dtype"]
+                offset = ranges.data_offset(fh, math.prod(shape) * dtype.itemsize)
+                if offset is not None:
+                    return _Record(dtype, shape, offset)
+            meta = torch.load(f, map_location="cpu", weights_only=True, mmap=True)  # maps the file, reads no data
+            self.headers += 1
+            whole = not meta.is_contiguous() or meta.storage_offset() or meta.untyped_storage().nbytes() != meta.nbytes
+            return _Record(meta.dtype, tuple(meta.shape), None if whole else ranges.data_offset(fh, meta.nbytes))
 
 
 @dataclass(frozen=True)
@@ -284,29 +285,24 @@ class _Record:
     """Where the tensor's bytes start in the file (None: not one uncompressed contiguous record)."""
 
 
-def _data_offset(f: Path, nbytes: int) -> int | None:
-    """Where the ``nbytes`` of the one storage ``torch.save`` wrote to ``f`` start (None: not stored so)."""
-    try:
-        with zipfile.ZipFile(f) as z:
-            data = [i for i in z.infolist() if re.fullmatch(r"[^/]+/data/\d+", i.filename)]
-            if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED or data[0].file_size != nbytes:
-                return None
-            with open(f, "rb") as raw:  # the local header: 30 bytes, then the name and the extra field
-                raw.seek(data[0].header_offset)
-                head = raw.read(30)
-    except (zipfile.BadZipFile, OSError):
-        return None
-    name, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
-    return data[0].header_offset + 30 + name + extra
+class RangedCheckpoint(NeuronCheckpoint):
+    """A neuron checkpoint whose full tensors are read as byte ranges straight into place (``hlat convert``).
 
+    ``NeuronCheckpoint.read`` loads every piece and concatenates them: two copies of each byte; this reads each
+    piece's rows into the full tensor (the tp = 1 piece, which only the fused qkv weight orders otherwise).
+    """
 
-def _pread(fd: int, into: memoryview, offset: int, f: Path) -> None:
-    """Fill ``into`` from ``fd`` at ``offset``."""
-    while len(into):
-        n = os.preadv(fd, [into], offset)
-        if n <= 0:
-            raise ConfigError(f"{f} ends before its tensor's bytes do: it is truncated")
-        into, offset = into[n:], offset + n
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            return super().read(name)  # its KeyError
+        shape = self._tensors[name][0]
+        param = (
+            name.removeprefix("model.")
+            if name.startswith("model.")
+            else name.removeprefix("optimizer.state.").rpartition(".")[0]
+        )
+        piece = RangedPieces(self, self.config.model, 1).piece(name, param, 0, 0, 1)
+        return piece if name.endswith(".step") else tp_gather(param, [piece], self.config.model).reshape(shape)
 
 
 @dataclass(frozen=True)

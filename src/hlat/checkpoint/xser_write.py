@@ -133,7 +133,7 @@ def write_neuron_checkpoint(
     try:
         pieces = pieces or Cutter(source.read, cfg.model, par.tp)
         largest = max(math.prod(s) * d.itemsize for s, d in source.tensors().values())
-        with Writer(tmp, 2 * largest, fsync=fsync) as files:  # float64 on disk: twice an fp32 source's bytes
+        with Writer(tmp, largest, fsync=fsync) as files:  # a tensor written while the next is cut
             writer = _Writer(tmp, cfg, layout, pieces, {_place(r, layout) for r in ranks}, files)
             writer.model()
             if has_state:
