@@ -206,6 +206,24 @@ def test_a_damaged_or_incomplete_checkpoint_is_refused_naming_the_file(tmp_path:
         write_neuron_checkpoint(Tensors({}), tmp_path / "out", cfg)
 
 
+def test_a_resharded_resume_refuses_a_piece_missing_or_misshapen_naming_its_file(tmp_path: Path) -> None:
+    """The ranged reader checks each file as it reads it (it lists no other rank's): a tensor file gone or holding
+    another shape than its layout gives is named, and no copy is left beside the checkpoint."""
+    cfg, now = run_config(*MICRO, "parallelism.tp=2"), run_config(*MICRO)
+    src = write_neuron_checkpoint(Tensors(full_state(cfg, masters=False)), tmp_path / "step_00000007", cfg)
+    model = src / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt.tensors"
+    (model / "tensor_2.pt").unlink()
+    with pytest.raises(ConfigError, match=re.escape("tp_rank_01_pp_rank_00.pt.tensors/tensor_2.pt: it is incomplete")):
+        resharded_copy(src, now, ParallelDims(1, 1, 1, 1), 0)
+    torch.save(torch.zeros(3), model / "tensor_2.pt")
+    info = load_pickle(model.with_name("dp_rank_00_tp_rank_01_pp_rank_00.pt.info.pt"))
+    info[2]["shape"] = torch.Size([3])  # as if the writer had saved another tensor there
+    torch.save(info, model.with_name("dp_rank_00_tp_rank_01_pp_rank_00.pt.info.pt"))
+    with pytest.raises(ConfigError, match=re.escape("tensor_2.pt holds (3,), its layout gives")):
+        resharded_copy(src, now, ParallelDims(1, 1, 1, 1), 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000007"]
+
+
 def test_a_neuron_checkpoint_may_resume_in_another_tp_or_pp_but_not_another_dtype(tmp_path: Path) -> None:
     """``check_compatible``: parallelism.tp and .pp may change between a neuron checkpoint and a neuron run (hlat
     reshards), a storage dtype still may not."""

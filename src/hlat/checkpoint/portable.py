@@ -9,8 +9,6 @@ May import: ``hlat.config``, the core, ``hlat.backends.torch``, the rest of ``hl
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import json
 import shutil
@@ -39,7 +37,7 @@ from hlat.checkpoint.hf_layout import (
     to_hf_one,
 )
 from hlat.checkpoint.weights import EXTRA, model_config, run_config
-from hlat.checkpoint.writer import ahead
+from hlat.checkpoint.writer import ahead, unmap_freed_tensors
 from hlat.config import ConfigError, ModelConfig, OptimizerConfig, RunConfig, TrainConfig
 from hlat.model import Transformer
 from hlat.optim import param_groups
@@ -254,17 +252,6 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ writers
-
-
-def unmap_freed_tensors() -> None:
-    """Have glibc give each freed buffer of 1 MiB or more back to the OS at once (no-op elsewhere).
-
-    glibc raises its mmap threshold to the largest buffer freed (up to 32 MiB); the layer-sized tensors a conversion
-    then reads and frees come from the heap, which fragments: converting 1.1B parameters to torch peaked at 3.2 GB
-    of RSS for a 250 MiB largest tensor. A fixed threshold keeps every tensor its own mapping, unmapped when freed.
-    """
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator is its own
-        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (malloc.h)
 
 
 def optimizer_param_groups(cfg: RunConfig) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ May import: ``hlat.config``, the core.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import queue
@@ -173,6 +174,17 @@ class Writer:
                     self._error = self._error or e
             finally:
                 f.close()
+
+
+def unmap_freed_tensors() -> None:
+    """Have glibc give each freed buffer of 1 MiB or more back to the OS at once (no-op elsewhere).
+
+    glibc raises its mmap threshold to the largest buffer freed (up to 32 MiB); the layer-sized tensors a conversion
+    then reads and frees come from the heap, which fragments: converting 1.1B parameters to torch peaked at 3.2 GB
+    of RSS for a 250 MiB largest tensor. A fixed threshold keeps every tensor its own mapping, unmapped when freed.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator is its own
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (malloc.h)
 
 
 def _tensor_bytes(obj: Any) -> int:

@@ -25,7 +25,7 @@ import torch
 from hlat.backends.neuron_shards import nxd_name, optimizer_order, param_names, stage_of, tp_split
 from hlat.checkpoint.hf_layout import check_tensors, expected_shapes
 from hlat.checkpoint.manifest import MANIFEST, config_hash, sha256
-from hlat.checkpoint.writer import Writer
+from hlat.checkpoint.writer import Writer, unmap_freed_tensors
 from hlat.checkpoint.xser import (
     EXTRA,
     STATE_KEYS,
@@ -129,6 +129,8 @@ def write_neuron_checkpoint(
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if rank is None:  # a conversion: its own process (a resume's copy leaves the trainer's allocator as it is)
+        unmap_freed_tensors()
     ranks = range(par.tp * par.pp * dp) if rank is None else [rank]
     try:
         pieces = pieces or Cutter(source.read, cfg.model, par.tp)
