@@ -130,9 +130,9 @@ def run_arm(arm: str, code: Path, src: Path, dst: Path, spm: Path) -> dict:
     """One arm in a fresh process importing hlat from ``code``: its own report, plus the bytes it wrote."""
     env = {**os.environ, "PYTHONPATH": str(code)}
     load = os.getloadavg()[0]
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, arm, str(src), str(dst), str(spm)], env=env, check=True, capture_output=True
-    )
+    out = subprocess.run([sys.executable, "-c", CHILD, arm, str(src), str(dst), str(spm)], env=env, capture_output=True)
+    if out.returncode:
+        raise SystemExit(f"arm {arm} ({code}) failed:\n{out.stderr.decode()[-3000:]}")
     report = json.loads(out.stdout.decode().strip().splitlines()[-1])
     written = Path(report["out"])
     report["bytes"] = sum(p.stat().st_size for p in written.rglob("*") if p.is_file())
