@@ -3,7 +3,8 @@
 The canonical form is what the torch backend saves at TP=1, PP=1: ``model.<name>`` and
 ``optimizer.state.<name>.{step,exp_avg,exp_avg_sq[,master]}``, full shapes, the backend's dtypes. A reader lists
 them (``tensors``) and hands out one at a time (``read``), with the run's ``config`` and rank 0's small state
-(``extra``); the writers ask for one tensor at a time, so a conversion holds about one tensor, never the model.
+(``extra``); the writers ask for one tensor at a time and read the next while one is written, so a conversion
+holds about two tensors, never the model.
 May import: ``hlat.config``, the core, ``hlat.backends.torch``, the rest of ``hlat.checkpoint``.
 """
 

@@ -3,8 +3,10 @@
 The inverse of ``hlat.checkpoint.xser``: from any reader (``tensors()``, ``read(name)``, ``extra()``) it writes the
 files ``nxd.save_checkpoint(use_xser=True)`` would have written for the target layout, so that NxD's
 ``load_checkpoint`` loads them, plus hlat's ``extra.rank<r>.pt`` and ``manifest.json``. Everything is checked before
-the first file is written; the files go into ``<dst>.tmp`` and the directory is renamed when complete. One full
-tensor is in memory at a time.
+the first file is written; the files go into ``<dst>.tmp`` and the directory is renamed when complete. Each rank's
+piece comes from a :class:`~hlat.checkpoint.xser_reshard.Pieces` (cut from one full tensor at a time, or read as
+byte ranges of a neuron checkpoint's pieces) and is written on a background thread while the next is made
+(``hlat.checkpoint.writer``): about two tensors are in memory.
 """
 
 from __future__ import annotations
