@@ -1,21 +1,28 @@
-"""``hlat convert`` on a checkpoint of ~1.1B parameters with AdamW state: peak memory, MB/s, time.
+"""``hlat convert`` and a neuron resharded resume of ~1.1B parameters with AdamW state: MB/s, CPU, peak memory.
 
-    python bench/convert_checkpoint.py --dir /big/disk/convert-bench      # TinyLlama's shape, fp32 + AdamW: ~13 GB
-    python bench/convert_checkpoint.py --dir /tmp/x --dim 64 --layers 2 --ffn 128 --vocab 256 --disk-gb 0.01  # smoke
+    python bench/convert_checkpoint.py --dir /big/disk/convert-bench       # TinyLlama's shape, fp32 + AdamW: ~13 GB
+    python bench/convert_checkpoint.py --dir /big/disk/x --code /tmp/before/src --code src   # two trees, interleaved
+    python bench/convert_checkpoint.py --dir /tmp/x --dim 64 --layers 2 --ffn 128 --vocab 256 --heads 4 \
+        --kv-heads 2 --disk-gb 0.01                                                                       # smoke
 
-1. The disk's sequential write speed in this run: ``--disk-gb`` written in 64 MiB blocks, then fsync.
-2. The source: a torch-backend step directory (DCP, fp32 weights and AdamW moments, manifest with sha256s) written
-   by hlat's streaming DCP writer from tensors generated one at a time, so it never exists in memory.
-3. Each conversion (``--to hf``, then ``--to torch``) runs in a fresh process that reports its own peak RSS
-   (``ru_maxrss``), the seconds it spent verifying the source (sha256 of every file, tensor names and shapes) and
-   writing; peak RSS is compared with the largest tensor and with the RSS of the same process before converting
-   (the interpreter, torch and hlat), MB/s with the disk's. Every output is removed after it is measured, the source
-   at the end (``--keep`` keeps it).
+1. The disk's sequential write speed, measured again before each arm: ``--disk-gb`` written in 64 MiB blocks, then
+   fsync (other work on the machine moves it; each arm is compared with the measure taken just before it).
+2. A torch-backend source (DCP, fp32 weights and AdamW moments, manifest with sha256s) written by hlat's streaming
+   DCP writer from tensors generated one at a time; its arms: ``--to hf``, ``--to torch``, ``--to neuron``. Then a
+   neuron-backend source at TP 2 (xser), written by this tree's xser writer; its arms: ``--to torch`` (``n2t``) and
+   a resharded resume at TP 1 (``reshard``: ``resharded_copy`` of rank 0, which holds everything). One source and one
+   output are on the disk at a time.
+3. Each arm runs in a fresh process per code tree (``--code``: the ``src`` directory it imports hlat from), which
+   reports its peak RSS (``VmHWM``), its RSS before converting, the CPU seconds the conversion took (every thread;
+   imports aside) and the seconds it spent verifying the source (sha256 of every file, names and shapes) and
+   writing. MB/s are the output's bytes over the writing seconds; the CPU ceiling is what the writing's CPU seconds
+   per GB would allow on two idle cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -33,7 +40,7 @@ from hlat.config import ModelConfig, OptimizerConfig, RunConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
-import json, sys, time
+import dataclasses, json, resource, sys, time
 from pathlib import Path
 from hlat.eval import hf
 
@@ -42,19 +49,33 @@ def rss(key):  # VmRSS: now, VmHWM: the peak (ru_maxrss would carry the parent's
     return int(line.split()[1]) * 1024
 
 import safetensors.torch, sentencepiece  # noqa: E401  imports out of the timings: only the conversion is timed
-from hlat.checkpoint import convert, portable  # noqa: F401
+from hlat.checkpoint import convert, portable, xser_write  # noqa: F401
+from hlat.checkpoint.saved_config import run_config
+from hlat.parallel import ParallelDims
+arm, src, dst, spm = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
 before, writing = rss("VmRSS"), {}
-for name in ("write_torch", "write_hf_weights"):  # time the writing apart from the verification before it
+for name in ("write_torch", "write_hf_weights", "write_neuron_checkpoint"):  # the writing timed apart
     def timed(*a, _f=getattr(hf, name), **k):
-        writing["start"] = time.perf_counter()
+        writing["start"], writing["cpu"] = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         return _f(*a, **k)
     setattr(hf, name, timed)
-start = time.perf_counter()
-hf.convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], tokenizer=Path(sys.argv[4]))
+cpu, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+if arm == "reshard":  # rank 0 of the same run at TP 1: what a resume on the new layout writes before NxD loads it
+    cfg = run_config(src)
+    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, tp=1))
+    writing["start"], writing["cpu"] = start, cpu
+    dst = xser_write.resharded_copy(src, cfg, ParallelDims(1, 1, 1, 1), 0)
+else:
+    hf.convert(src, dst, {"n2t": "torch"}.get(arm, arm), tokenizer=spm)
 end = time.perf_counter()
+usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"rss_before": before, "rss_peak": rss("VmHWM"), "verify_s": writing["start"] - start,
-                  "write_s": end - writing["start"], "total_s": end - start}))
+                  "write_s": end - writing["start"], "total_s": end - start, "out": str(dst),
+                  "cpu_s": usage.ru_utime + usage.ru_stime - cpu.ru_utime - cpu.ru_stime,
+                  "write_cpu_s": usage.ru_utime + usage.ru_stime - writing["cpu"].ru_utime - writing["cpu"].ru_stime}))
 """
+ARMS = {"hf": "torch", "torch": "torch", "neuron": "torch", "n2t": "neuron", "reshard": "neuron"}
+"""Each arm and the source it converts."""
 
 
 class Generated:
@@ -105,20 +126,33 @@ def tokenizer(where: Path) -> Path:
     return load_or_train_tokenizer(data, sample, 512, where).path
 
 
-def convert(src: Path, dst: Path, to: str, spm: Path) -> dict:
-    """One conversion in a fresh process: its own report, plus the bytes it wrote."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(src), str(dst), to, str(spm)], env=env, check=True, capture_output=True
-    )
+def run_arm(arm: str, code: Path, src: Path, dst: Path, spm: Path) -> dict:
+    """One arm in a fresh process importing hlat from ``code``: its own report, plus the bytes it wrote."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    load = os.getloadavg()[0]
+    out = subprocess.run([sys.executable, "-c", CHILD, arm, str(src), str(dst), str(spm)], env=env, capture_output=True)
+    if out.returncode:
+        raise SystemExit(f"arm {arm} ({code}) failed:\n{out.stderr.decode()[-3000:]}")
     report = json.loads(out.stdout.decode().strip().splitlines()[-1])
-    report["bytes"] = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
-    shutil.rmtree(dst)
+    written = Path(report["out"])
+    report["bytes"] = sum(p.stat().st_size for p in written.rglob("*") if p.is_file())
+    report["load"] = (load + os.getloadavg()[0]) / 2
+    shutil.rmtree(written)
     return report
 
 
+def neuron_source(reader: Generated, dst: Path) -> None:
+    """The generated checkpoint as a neuron-backend one at TP 2, written by this tree's xser writer."""
+    from hlat.checkpoint.xser_write import write_neuron_checkpoint
+    from hlat.eval.hf import neuron_target
+
+    cfg = neuron_target(reader.config)
+    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, tp=2))
+    write_neuron_checkpoint(reader, dst, cfg)
+
+
 def main() -> None:
-    """Measure the disk, build the source, convert it to each target, print the markdown report."""
+    """Measure the disk, build each source, run its arms with each tree, print the markdown report."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", type=Path, required=True, help="work directory on the disk to measure")
     p.add_argument("--dim", type=int, default=2048)
@@ -128,8 +162,11 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--disk-gb", type=float, default=4.0, help="GiB written to measure the disk (default 4)")
-    p.add_argument("--keep", action="store_true", help="keep the source checkpoint")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--code", type=Path, action="append", help="a src directory to import hlat from (repeatable)")
     args = p.parse_args()
+    codes = [c.resolve() for c in args.code or [ROOT / "src"]]
+    arms = [a for a in ARMS if a in args.arms.split(",")]
     model = ModelConfig(
         name="bench",
         dim=args.dim,
@@ -147,40 +184,48 @@ def main() -> None:
     largest = max(map(safetensors_io.nbytes, specs.values()))
     args.dir.mkdir(parents=True, exist_ok=True)
     spm = tokenizer(args.dir / "cache")
-    disk = disk_write_speed(args.dir / "disk-probe", args.disk_gb)
-    src = args.dir / "source"
-    shutil.rmtree(src, ignore_errors=True)
-    src.mkdir()
-    start = time.perf_counter()
-    portable.write_torch(reader, src, optimizer=True, meta={})
-    built, build_rss = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    size = sum(f.stat().st_size for f in src.iterdir())
-    rows = []
-    try:
-        for to in ("hf", "torch"):
-            rows.append((to, convert(src, args.dir / f"to-{to}", to, spm)))
-    finally:
-        if not args.keep:
-            shutil.rmtree(src)
-    print(f"\n{platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; torch {torch.__version__}")
+    rows, built = [], {}
+    for kind, make in (
+        ("torch", lambda d: portable.write_torch(reader, d, optimizer=True, meta={})),
+        ("neuron", lambda d: neuron_source(reader, d)),
+    ):
+        todo = [a for a in arms if ARMS[a] == kind]
+        if not todo:
+            continue
+        src = args.dir / f"source-{kind}" / "step_00000001"
+        shutil.rmtree(src.parent, ignore_errors=True)
+        src.parent.mkdir()
+        start = time.perf_counter()
+        make(src)
+        built[kind] = (time.perf_counter() - start, sum(f.stat().st_size for f in src.rglob("*") if f.is_file()))
+        try:
+            for arm in todo:
+                disk = disk_write_speed(args.dir / "disk-probe", args.disk_gb)
+                for code in codes:
+                    rows.append((arm, code, disk, run_arm(arm, code, src, args.dir / f"to-{arm}", spm)))
+        finally:
+            shutil.rmtree(src.parent)
+    print(
+        f"\n{platform.node()}, {os.cpu_count()} cores; torch {torch.__version__}; build peak RSS "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+    )
     print(
         f"model: {params / 1e9:.3f}B parameters (dim {args.dim}, {args.layers} layers, ffn {args.ffn}, vocab "
-        f"{args.vocab}); source {size / 1e9:.2f} GB (fp32 weights + AdamW moments), written in {built:.0f} s by "
-        f"the streaming DCP writer (peak RSS of this process {build_rss / 1024:.0f} MiB)"
+        f"{args.vocab}); largest tensor {largest / 2**20:.0f} MiB; sources: "
+        + ", ".join(f"{k} {b / 1e9:.2f} GB written in {s:.0f} s" for k, (s, b) in built.items())
     )
     print(
-        f"largest tensor {largest / 2**20:.0f} MiB; disk sequential write {disk:.0f} MB/s ({args.disk_gb} GiB, fsync)\n"
+        "\n| arm | code | load | disk MB/s | output GB | verify s | write s | write MB/s | vs disk | CPU s | "
+        "write CPU s/GB | CPU ceiling MB/s (2 cores) | peak RSS MiB | (peak - before) / largest |"
     )
-    print(
-        "| to | output GB | verify s | write s | total s | write MB/s | vs disk | peak RSS MiB | before MiB | "
-        "(peak - before) / largest |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for to, r in rows:
-        mbs = r["bytes"] / r["write_s"] / 1e6
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for arm, code, disk, r in rows:
+        mbs, gb = r["bytes"] / r["write_s"] / 1e6, r["bytes"] / 1e9
+        per_gb = r["write_cpu_s"] / gb
         print(
-            f"| {to} | {r['bytes'] / 1e9:.2f} | {r['verify_s']:.1f} | {r['write_s']:.1f} | {r['total_s']:.1f} | "
-            f"{mbs:.0f} | {mbs / disk:.2f} | {r['rss_peak'] / 2**20:.0f} | {r['rss_before'] / 2**20:.0f} | "
+            f"| {arm} | {code.parent.name}/{code.name} | {r['load']:.1f} | {disk:.0f} | {gb:.2f} | "
+            f"{r['verify_s']:.1f} | {r['write_s']:.1f} | {mbs:.0f} | {mbs / disk:.2f} | {r['cpu_s']:.1f} | "
+            f"{per_gb:.1f} | {2e3 / per_gb:.0f} | {r['rss_peak'] / 2**20:.0f} | "
             f"{(r['rss_peak'] - r['rss_before']) / largest:.1f} |"
         )
 

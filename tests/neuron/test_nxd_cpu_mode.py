@@ -140,7 +140,9 @@ def test_a_checkpoint_resumes_bitwise_on_another_layout(
     too), equals the checkpoint bit for bit, read back as full tensors: weights, AdamW moments and steps; (2) the
     resumed ``train.py`` logs step 3 as the flat model does, to 1e-5 (the layouts' own tolerance: tensor-parallel and
     gloo sums in another order); (3) the checkpoint is unchanged and no resharded copy is left; (4) written back in
-    its own layout, the files are NxD's own (tensors bitwise, reference and info pickles by content).
+    its own layout, the files are NxD's own (tensors bitwise, reference and info pickles by content); (5) NxD's
+    files are read as byte ranges found from its info files (no tensor header read, no file whole), no more than 1.5x
+    the tensor bytes the rank holds.
 
     Catches: a wrong cut (qkv heads, gate_up halves, the vocabulary split, row vs column), AdamW state put on
     another parameter, a stage's parameters lost, steps or moments not restored, masters not widened, a resume
@@ -162,6 +164,8 @@ def test_a_checkpoint_resumes_bitwise_on_another_layout(
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
     r = subprocess.run([*args, "--", *probe], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    for read in json.loads(r.stdout.strip().splitlines()[-1])["reads"]:  # NxD's files, read by byte ranges
+        assert read["headers"] == read["whole"] == 0 and read["read"] <= 1.5 * read["held"], read
     cfg = compose_run_config(probe)
     for i, source in enumerate(sources):
         saved, restored = NeuronCheckpoint(source), NeuronCheckpoint(tmp_path / "probe" / str(i), cfg, verify=False)

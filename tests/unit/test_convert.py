@@ -333,7 +333,8 @@ def test_a_converted_checkpoint_resumes_as_its_source(tmp_path, cache_dir) -> No
 
 @pytest.mark.slow
 def test_the_benchmark_runs_at_a_tiny_size(tmp_path) -> None:
-    """bench/convert_checkpoint.py end to end on a tiny model: a row per target, and it removes what it wrote."""
+    """bench/convert_checkpoint.py end to end on a tiny model: a row per arm asked for (one from each kind of source:
+    a conversion and a resharded resume), and it removes what it wrote."""
     shape = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"]
     out = subprocess.run(
         [
@@ -344,6 +345,8 @@ def test_the_benchmark_runs_at_a_tiny_size(tmp_path) -> None:
             *shape,
             "--disk-gb",
             "0.01",
+            "--arms",
+            "hf,reshard",
         ],
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         capture_output=True,
@@ -353,6 +356,6 @@ def test_the_benchmark_runs_at_a_tiny_size(tmp_path) -> None:
     ).stdout
     assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "GB" not in line] == [
         "hf",
-        "torch",
+        "reshard",
     ]
     assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # the tokenizer's cache only

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,11 @@ import torch
 from hlat.backends.neuron_shards import tp_gather, tp_split, zero1_gather, zero1_split
 from hlat.checkpoint.hf_layout import expected_shapes
 from hlat.checkpoint.weights import check_torch_backend, read_weights
-from hlat.checkpoint.xser import NeuronCheckpoint
-from hlat.checkpoint.xser_write import write_neuron_checkpoint
+from hlat.checkpoint.xser import NeuronCheckpoint, load_pickle
+from hlat.checkpoint.xser_reshard import read_counts
+from hlat.checkpoint.xser_write import resharded_copy, write_neuron_checkpoint
 from hlat.config import ConfigError, RunConfig
+from hlat.parallel import ParallelDims
 from tests.conftest import run_config
 
 MICRO = (
@@ -203,6 +206,24 @@ def test_a_damaged_or_incomplete_checkpoint_is_refused_naming_the_file(tmp_path:
         write_neuron_checkpoint(Tensors({}), tmp_path / "out", cfg)
 
 
+def test_a_resharded_resume_refuses_a_piece_missing_or_misshapen_naming_its_file(tmp_path: Path) -> None:
+    """The ranged reader checks each file as it reads it (it lists no other rank's): a tensor file gone or holding
+    another shape than its layout gives is named, and no copy is left beside the checkpoint."""
+    cfg, now = run_config(*MICRO, "parallelism.tp=2"), run_config(*MICRO)
+    src = write_neuron_checkpoint(Tensors(full_state(cfg, masters=False)), tmp_path / "step_00000007", cfg)
+    model = src / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt.tensors"
+    (model / "tensor_2.pt").unlink()
+    with pytest.raises(ConfigError, match=re.escape("tp_rank_01_pp_rank_00.pt.tensors/tensor_2.pt: it is incomplete")):
+        resharded_copy(src, now, ParallelDims(1, 1, 1, 1), 0)
+    torch.save(torch.zeros(3), model / "tensor_2.pt")
+    info = load_pickle(model.with_name("dp_rank_00_tp_rank_01_pp_rank_00.pt.info.pt"))
+    info[2]["shape"] = torch.Size([3])  # as if the writer had saved another tensor there
+    torch.save(info, model.with_name("dp_rank_00_tp_rank_01_pp_rank_00.pt.info.pt"))
+    with pytest.raises(ConfigError, match=re.escape("tensor_2.pt holds (3,), its layout gives")):
+        resharded_copy(src, now, ParallelDims(1, 1, 1, 1), 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000007"]
+
+
 def test_a_neuron_checkpoint_may_resume_in_another_tp_or_pp_but_not_another_dtype(tmp_path: Path) -> None:
     """``check_compatible``: parallelism.tp and .pp may change between a neuron checkpoint and a neuron run (hlat
     reshards), a storage dtype still may not."""
@@ -217,3 +238,80 @@ def test_a_neuron_checkpoint_may_resume_in_another_tp_or_pp_but_not_another_dtyp
         ConfigError, match=re.escape("precision.param_dtype='float32' in the checkpoint but 'bfloat16' now")
     ):
         checkpoint.check_compatible(tmp_path / "out", bf16)
+
+
+LARGER = ("model.dim=128", "model.ffn_dim=512", "model.vocab_size=1024")
+"""Pieces of 32-512 KiB: their bytes, not the ~10 KiB of pickles and zip headers a file costs, are what is read."""
+
+
+def bytes_read() -> int:
+    """What this process has read through read(2) and its kin so far: the kernel's count (``/proc/self/io``)."""
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar"))[7:])
+
+
+@pytest.mark.parametrize(
+    "saved, saved_dp, now, dp, full_reads",
+    [
+        pytest.param(("parallelism.tp=2",), 1, ("parallelism.tp=1",), 1, 1.0, id="tp2-to-tp1"),
+        pytest.param(("parallelism.tp=1",), 1, ("parallelism.tp=2",), 1, 1.9, id="tp1-to-tp2"),
+        pytest.param(
+            ("parallelism.tp=4", "parallelism.zero1=true", "precision=master_weights"),
+            2,
+            ("parallelism.tp=2", "parallelism.zero1=true", "precision=master_weights"),
+            3,
+            4.0,
+            id="tp4-to-tp2-zero1",
+        ),
+        pytest.param(
+            ("parallelism.pp=2", "precision=bf16_sr"),
+            1,
+            ("precision=master_weights", "parallelism.zero1=true"),
+            2,
+            1.0,
+            id="pp2-to-pp1-masters",
+        ),
+    ],
+)
+def test_a_resharded_resume_reads_about_what_each_rank_holds(
+    tmp_path: Path, saved: tuple[str, ...], saved_dp: int, now: tuple[str, ...], dp: int, full_reads: float
+) -> None:
+    """Every rank's resharded copy (``resharded_copy``, what a resume on another layout runs) reads at most 1.5x the
+    tensor bytes it holds, as the kernel counts them (pickles and zip headers included), and its files are those the
+    full-tensor path writes (the path before ranged reads: the oracle), bit for bit. The planner's count
+    (``read_counts``) gives the bytes held exactly, and no more than the copy and the full path read.
+
+    Catches: a rank reading whole tensors or other ranks' pieces (the full path reads 2x what a rank holds at TP 1 ->
+    2, 5x at TP 4 -> 2 with ZeRO-1: ``full_reads``, asserted: the measure sees it), a wrong range (a kv head, a
+    gate_up half, a row-parallel column block, a ZeRO-1 chunk or its padding, a master widened from a bf16_sr weight),
+    a planner that undercounts.
+    """
+    src_cfg, cfg = run_config(*MICRO, *LARGER, *saved), run_config(*MICRO, *LARGER, *now)
+    src = tmp_path / "step_00000007"
+    write_neuron_checkpoint(
+        Tensors(full_state(src_cfg, masters=src_cfg.precision.master_weights)), src, src_cfg, dp=saved_dp
+    )
+    par = cfg.parallelism
+    dims = ParallelDims(par.tp * par.pp * dp, par.tp, par.pp, dp)
+    counts = read_counts(src_cfg, saved_dp, cfg, dp)
+    full = write_neuron_checkpoint(NeuronCheckpoint(src, verify=False), tmp_path / "full", cfg, dp=dp)  # the oracle
+    held = []
+    for rank in range(dims.world_size):
+        start = bytes_read()
+        copy = resharded_copy(src, cfg, dims, rank)
+        read = bytes_read() - start
+        assert copy is not None
+        held.append(0)
+        for f in sorted(p.relative_to(copy) for p in copy.rglob("*.pt")):  # the rank's files, with its extra
+            a, b = load_pickle(copy / f), load_pickle(full / f)
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), (rank, f)
+                held[rank] += a.nbytes
+            else:
+                assert repr(a) == repr(b), (rank, f)
+        assert read <= 1.5 * held[rank], f"rank {rank} read {read} bytes to hold {held[rank]}"
+        assert counts[rank].held == held[rank] and counts[rank].after <= read
+        shutil.rmtree(copy)
+    start = bytes_read()
+    write_neuron_checkpoint(NeuronCheckpoint(src, verify=False), tmp_path / "rank0", cfg, dp=dp, rank=0)
+    full_read = bytes_read() - start
+    assert counts[0].before <= full_read and full_read > full_reads * held[0]  # whole tensors: the measure sees them

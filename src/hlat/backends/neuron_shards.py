@@ -128,6 +128,25 @@ def tp_gather(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.
     return torch.cat(pieces, dim=dim)
 
 
+def tp_index(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> list[tuple[torch.Tensor, range]]:
+    """Where each of the tp pieces of ``name`` (full ``shape``) lies in the full tensor, without the tensor.
+
+    Piece t is ``full[rows][:, cols]``: ``rows`` the full tensor's row indices in the piece's order (int64), ``cols``
+    its columns (``range(1)`` for a 1-D tensor). The cuts are ``tp_split``'s own, applied to row and column indices,
+    so that they cannot disagree.
+    """
+    if len(shape) == 2 and tp_split(name, torch.empty(shape, device="meta"), cfg, tp)[0].shape[1] != shape[1]:
+        cols = tp_split(name, torch.arange(shape[1])[None, :], cfg, tp)  # row-parallel: column blocks, every row
+        return [(torch.arange(shape[0]), range(int(c[0, 0]), int(c[0, -1]) + 1)) for c in cols]
+    width = range(shape[1]) if len(shape) == 2 else range(1)
+    return [(rows, width) for rows in tp_split(name, torch.arange(shape[0]), cfg, tp)]
+
+
+def zero1_rows(rows: int, dp: int) -> int:
+    """Rows of each ZeRO-1 chunk of a tensor ``rows`` long in dim 0 (``zero1_split``: padded to a multiple of dp)."""
+    return -(-rows // dp)
+
+
 def zero1_split(local: torch.Tensor, dp: int) -> list[torch.Tensor]:
     """The ZeRO-1 chunks of one rank's tensor: dim 0 padded to a multiple of dp, then dp equal chunks."""
     pad = -local.shape[0] % dp

@@ -18,7 +18,7 @@ from hlat import checkpoint as ckpt
 from hlat import safe_load
 from hlat.checkpoint.portable import HFCheckpoint, Reader, TorchCheckpoint
 from hlat.checkpoint.weights import find_checkpoint
-from hlat.checkpoint.xser import NeuronCheckpoint
+from hlat.checkpoint.xser_reshard import RangedCheckpoint
 from hlat.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def open_checkpoint(path: Path) -> Reader:
         return HFCheckpoint(path)
     backend = ((ckpt.manifest(path) or {}).get("config") or {}).get("cluster", {}).get("backend", "torch")
     if backend == "neuron":
-        return NeuronCheckpoint(path)
+        return RangedCheckpoint(path)  # each piece's bytes straight into the full tensor
     if not (path / safe_load.METADATA).is_file():
         raise ConfigError(f"checkpoint {path} has no {safe_load.METADATA}: it is not a torch.distributed.checkpoint")
     return TorchCheckpoint(path)

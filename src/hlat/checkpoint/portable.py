@@ -3,35 +3,29 @@
 The canonical form is what the torch backend saves at TP=1, PP=1: ``model.<name>`` and
 ``optimizer.state.<name>.{step,exp_avg,exp_avg_sq[,master]}``, full shapes, the backend's dtypes. A reader lists
 them (``tensors``) and hands out one at a time (``read``), with the run's ``config`` and rank 0's small state
-(``extra``); the writers ask for one tensor at a time, so a conversion holds about one tensor, never the model.
+(``extra``); the writers ask for one tensor at a time and read the next while one is written, so a conversion
+holds about two tensors, never the model.
 May import: ``hlat.config``, the core, ``hlat.backends.torch``, the rest of ``hlat.checkpoint``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import json
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from hlat import checkpoint as ckpt
 from hlat import safe_load
 from hlat.backends.torch.dist import gate_up_in_model_order
 from hlat.backends.torch.precision import DTYPE, build_optimizer
-from hlat.checkpoint import safetensors_io
+from hlat.checkpoint import dcp_stream, ranges, safetensors_io
 from hlat.checkpoint.hf_layout import (
     IGNORED,
     check_tensors,
@@ -44,6 +38,7 @@ from hlat.checkpoint.hf_layout import (
     to_hf_one,
 )
 from hlat.checkpoint.weights import EXTRA, model_config, run_config
+from hlat.checkpoint.writer import ahead, unmap_freed_tensors
 from hlat.config import ConfigError, ModelConfig, OptimizerConfig, RunConfig, TrainConfig
 from hlat.model import Transformer
 from hlat.optim import param_groups
@@ -144,6 +139,7 @@ class TorchCheckpoint:
         weights_only = (ckpt.manifest(path) or {}).get("weights_only")
         self.path, self.config = path, weights_config(model_config(path)) if weights_only else run_config(path)
         self.tp = self.config.parallelism.tp
+        self._md = md
         self._tensors = {
             k: (tuple(m.size), m.properties.dtype)
             for k, m in md.state_dict_metadata.items()
@@ -155,13 +151,40 @@ class TorchCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         shape, dtype = self._tensors[name]
-        t = torch.empty(shape, dtype=dtype)
-        with warnings.catch_warnings():  # "torch.distributed is disabled": one process, as intended
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            safe_load.load({name: t}, self.path, no_dist=True)
+        t = self._ranged(name, shape, dtype)
+        if t is None:  # not stored as plain records: DCP's own reading, every item checked
+            t = torch.empty(shape, dtype=dtype)
+            with warnings.catch_warnings():  # "torch.distributed is disabled": one process, as intended
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                safe_load.load({name: t}, self.path, no_dist=True)
         if self.tp > 1 and _gate_up(name):  # a TP run saves gate_up rows as [gate_0; up_0; gate_1; up_1; ...]
             t = gate_up_in_model_order(t, self.tp)
         return t
+
+    def _ranged(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Tensor ``name`` with each saved chunk's bytes read straight into place (None: not stored so).
+
+        DCP appends each chunk to its ``.distcp`` file as a ``torch.save`` zip; its metadata (read and checked once,
+        in ``__init__``) says where, and the zip's directory where the bytes start (``hlat.checkpoint.ranges``). DCP's
+        own path reads each chunk, unpickles it and copies it into place: three copies and a planning round a tensor.
+        """
+        meta = self._md.state_dict_metadata[name]
+        out = torch.empty(shape, dtype=dtype)
+        for chunk in meta.chunks:  # type: ignore[union-attr]
+            info = self._md.storage_data.get(MetadataIndex(name, chunk.offsets))
+            if info is None or getattr(info, "transform_descriptors", None):
+                return None
+            whole = not any(chunk.offsets) and tuple(chunk.sizes) == tuple(shape)
+            into = out if whole else torch.empty(tuple(chunk.sizes), dtype=dtype)
+            f = self.path / info.relative_path
+            with open(f, "rb") as fh:
+                start = ranges.data_offset(fh, into.nbytes, info.offset, info.length)
+                if start is None:
+                    return None
+                ranges.pread_into(fh.fileno(), ranges.writable(into), start, f)
+            if not whole:
+                out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))] = into
+        return out
 
     def extra(self) -> dict[str, Any]:
         f = self.path / EXTRA
@@ -232,47 +255,6 @@ def _json(path: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ writers
 
 
-def unmap_freed_tensors() -> None:
-    """Have glibc give each freed buffer of 1 MiB or more back to the OS at once (no-op elsewhere).
-
-    glibc raises its mmap threshold to the largest buffer freed (up to 32 MiB); the layer-sized tensors a conversion
-    then reads and frees come from the heap, which fragments: converting 1.1B parameters to torch peaked at 3.2 GB
-    of RSS for a 250 MiB largest tensor. A fixed threshold keeps every tensor its own mapping, unmapped when freed.
-    """
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator is its own
-        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (malloc.h)
-
-
-class _StreamingSavePlanner(DefaultSavePlanner):
-    """DCP's planner over a state dict of meta placeholders: each tensor is read from the source when it is written.
-
-    DCP's file writer keeps a reference to every tensor it wrote until the file is closed, so the storage of the
-    previous tensor is released when the next one is asked for: one tensor in memory at a time.
-    """
-
-    def __init__(self, read: Callable[[str], torch.Tensor]) -> None:
-        super().__init__()
-        self._read = read
-        self._last: torch.Tensor | None = None
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        if write_item.type == WriteItemType.BYTE_IO:
-            return super().resolve_data(write_item)
-        if self._last is not None:
-            self._last.untyped_storage().resize_(0)  # written already (the serial loader yields one at a time)
-        fqn = write_item.index.fqn
-        t = self._read(fqn).contiguous()
-        if t.untyped_storage().nbytes() != t.nbytes or not t.untyped_storage().resizable():
-            t = t.clone()  # a view into something bigger, or storage a reader cannot free: own a copy to free
-        planned = self.lookup_object(write_item.index)
-        if t.shape != planned.shape or t.dtype != planned.dtype:
-            raise RuntimeError(
-                f"{fqn}: read {tuple(t.shape)} {t.dtype}, planned {tuple(planned.shape)} {planned.dtype}"
-            )
-        self._last = t
-        return t
-
-
 def optimizer_param_groups(cfg: RunConfig) -> list[dict[str, Any]]:
     """The torch backend's AdamW ``param_groups`` for ``cfg`` as it saves them (parameter names, not indices).
 
@@ -322,13 +304,7 @@ def write_torch(
                 param, _, key = k.removeprefix(STATE).rpartition(".")
                 per_param.setdefault(param, {})[key] = torch.empty(s, dtype=d, device="meta")
         state["optimizer"] = {"state": per_param, "param_groups": optimizer_param_groups(reader.config)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        writer = FileSystemWriter(out, thread_count=1, sync_files=True)
-        try:
-            dcp.save(state, storage_writer=writer, planner=_StreamingSavePlanner(reader.read), no_dist=True)
-        except CheckpointException as e:  # the reader's or the disk's error, not DCP's wrapper (a BaseException)
-            raise next(exc for exc, _ in e.failures.values()) from None
+    digests = dcp_stream.save(state, out, reader.read)
     config = torch_config(reader.config) if optimizer else {"model": dataclasses.asdict(reader.config.model)}
     extra = reader.extra()
     if extra:
@@ -339,16 +315,19 @@ def write_torch(
     meta = {"step": step, **meta, "config": config, "config_hash": ckpt.config_hash(config)}
     if not optimizer:
         meta["weights_only"] = True
-    return write_manifest(out, meta)
+    return write_manifest(out, meta, digests)
 
 
-def write_manifest(out: Path, meta: dict[str, Any]) -> list[str]:
-    """``manifest.json`` last, as the Checkpointer writes it: every file's size and sha256, and ``meta``."""
-    files = {
-        str(p.relative_to(out)): {"size": p.stat().st_size, "sha256": ckpt.sha256(p)}
-        for p in sorted(out.rglob("*"))
-        if p.is_file()
-    }
+def write_manifest(out: Path, meta: dict[str, Any], digests: dict[Path, tuple[int, str]] | None = None) -> list[str]:
+    """``manifest.json`` last, as the Checkpointer writes it: every file's size and sha256, and ``meta``.
+
+    ``digests``: size and sha256 of the files hashed as they were written; the others are read.
+    """
+    files = {}
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            size, digest = (digests or {}).get(p) or (p.stat().st_size, ckpt.sha256(p))
+            files[str(p.relative_to(out))] = {"size": size, "sha256": digest}
     (out / ckpt.MANIFEST).write_text(json.dumps({**meta, "files": files}, indent=1) + "\n")
     return [*files, ckpt.MANIFEST]
 
@@ -375,4 +354,5 @@ def hf_tensors(reader: Reader, dtype: torch.dtype | None) -> Iterator[tuple[str,
 def write_hf_weights(reader: Reader, out: Path, *, dtype: torch.dtype | None, max_shard_bytes: int) -> list[str]:
     """The model's weights as HF safetensors in ``out`` (sharded with an index past ``max_shard_bytes``)."""
     unmap_freed_tensors()
-    return safetensors_io.write_sharded(out, hf_specs(reader, dtype), hf_tensors(reader, dtype), max_shard_bytes)
+    tensors = ahead(hf_tensors(reader, dtype))  # the next tensor read and converted while one is written
+    return safetensors_io.write_sharded(out, hf_specs(reader, dtype), tensors, max_shard_bytes)

@@ -73,6 +73,16 @@ def canonical_dtype(key: str, precision: PrecisionConfig) -> torch.dtype:
     return getattr(torch, precision.optimizer_dtype)
 
 
+def disk_dtype(key: str, precision: PrecisionConfig) -> torch.dtype:
+    """The host dtype NxD saves tensor ``key`` in: fp32, or float64 for the optimizer's fp32 tensors.
+
+    float64 under ``XLA_DOWNCAST_BF16`` (bf16 parameters with fp32 masters): the device's fp32 is float64 on the host.
+    """
+    if key.startswith("model.") or key.endswith(".step"):
+        return torch.float32
+    return torch.float64 if precision.param_dtype == "bfloat16" and precision.master_weights else torch.float32
+
+
 @dataclass(frozen=True)
 class Layout:
     """The NxD layout a neuron checkpoint was written in."""
@@ -123,12 +133,17 @@ class NeuronCheckpoint:
         path: The ``step_N`` directory.
         config: The config it was written with (default: its ``manifest.json``'s).
         verify: Check the manifest's sizes and sha256s first (the resume path has checked them already).
+        every_file: Check that every rank's files and the tensors they reference are there, with the shapes of the
+            config, before anything is read. False for a reader of a few ranks' pieces, which checks each file as it
+            reads it (``xser_reshard``): on a thousand ranks each would otherwise list the whole checkpoint.
 
     Raises:
         ConfigError: The directory is damaged or incomplete, or its tensors do not fit its config (names listed).
     """
 
-    def __init__(self, path: Path, config: RunConfig | None = None, *, verify: bool = True) -> None:
+    def __init__(
+        self, path: Path, config: RunConfig | None = None, *, verify: bool = True, every_file: bool = True
+    ) -> None:
         self.path = Path(path)
         if verify:
             bad = problems(self.path, checksums=True)
@@ -146,8 +161,9 @@ class NeuronCheckpoint:
         self.config = config
         self._pickles: dict[Path, Any] = {}
         self.layout = saved_layout(self.path, config)
-        self._check_files()
-        self._params = self._index()
+        if every_file:
+            self._check_files()
+        self._params = self._index(every_file)
         self._tensors = self._list()
 
     def _file(self, part: str, dp: int, tp: int, pp: int) -> Path:
@@ -172,7 +188,7 @@ class NeuronCheckpoint:
                         f"{missing[:8]} that are not in its .tensors directory"
                     )
 
-    def _index(self) -> dict[str, _Param]:
+    def _index(self, check_pieces: bool) -> dict[str, _Param]:
         """Every parameter's place, from each stage's tp-rank-0 files; their shapes checked against the config."""
         cfg, lay = self.config.model, self.layout
         full = expected_shapes(cfg)
@@ -194,7 +210,8 @@ class NeuronCheckpoint:
                 pieces = tuple(p.shape for p in tp_split(name, meta, cfg, lay.tp))
                 found[name] = _Param(s, order.index(name), pieces)
         check_tensors({n: full[n] for n in found}, full, f"neuron checkpoint {self.path}")  # names missing
-        self._check_pieces(found)
+        if check_pieces:
+            self._check_pieces(found)
         return found
 
     def _check_groups(self, stage: int, names: list[str], full: dict[str, torch.Size]) -> None:
@@ -273,41 +290,60 @@ class NeuronCheckpoint:
         if name not in self._tensors:
             raise KeyError(f"{name} is not a tensor of neuron checkpoint {self.path}; it has {len(self._tensors)}")
         shape, dtype = self._tensors[name]
-        if name.startswith("model."):
-            param = name.removeprefix("model.")
-            files = [self._file("model", 0, t, self._params[param].stage) for t in range(self.layout.tp)]
-            pieces = [self._load(f, self._pickle(f)[nxd_name(param)].tid) for f in files]
-        else:
-            param, _, key = name.removeprefix("optimizer.state.").rpartition(".")
-            pieces = [self._optim_piece(param, key, t) for t in range(self.layout.tp)]
+        model = name.startswith("model.")
+        param = name.removeprefix("model.") if model else name.removeprefix("optimizer.state.").rpartition(".")[0]
         if name.endswith(".step"):
-            return pieces[0].reshape(shape).to(dtype)
+            return _load(self.stored(name, 0)).reshape(shape).to(dtype)
+        lay, rows = self.layout, self._params[param].pieces
+        zero1 = lay.zero1 and not model
+        pieces = [
+            zero1_gather([_load(self.stored(name, t, d)) for d in range(lay.dp)], rows[t][0])
+            if zero1
+            else _load(self.stored(name, t))
+            for t in range(lay.tp)
+        ]
         return tp_gather(param, pieces, self.config.model).to(dtype).reshape(shape)
 
-    def _optim_piece(self, param: str, key: str, t: int) -> torch.Tensor:
-        """One tp rank's ``key`` of ``param``'s optimizer state (ZeRO-1's chunks put together)."""
-        p, lay = self._params[param], self.layout
-        chunks = []
-        for d in range(lay.dp if lay.zero1 else 1):
-            f = self._file("optim", d, t, p.stage)
+    def stored(self, name: str, t: int, d: int = 0) -> Path:
+        """The file that holds tp rank ``t``'s piece of tensor ``name``.
+
+        Under ZeRO-1, data-parallel rank ``d``'s chunk of an optimizer state (a step is stored whole on every rank).
+
+        Raises:
+            ConfigError: The file is not there: the checkpoint is incomplete.
+        """
+        if name.startswith("model."):
+            param = name.removeprefix("model.")
+            f = self._file("model", 0, t, self._params[param].stage)
+            tid = self._pickle(f)[nxd_name(param)].tid
+        else:
+            param, _, key = name.removeprefix("optimizer.state.").rpartition(".")
+            p = self._params[param]
+            f = self._file("optim", d if self.layout.zero1 else 0, t, p.stage)
             state = self._pickle(f)
             refs = state["sharded_master_weights"] if key == "master" else state.get("base_state") or state["state"]
-            ref = refs[p.index] if key == "master" else refs[p.index][key]
-            chunks.append(self._load(f, ref.tid))
-            if key == "step":
-                return chunks[0]
-        return zero1_gather(chunks, p.pieces[t][0]) if lay.zero1 else chunks[0]
+            tid = (refs[p.index] if key == "master" else refs[p.index][key]).tid
+        out = tensor_file(f, tid)
+        if not out.is_file():
+            raise ConfigError(f"neuron checkpoint {self.path} has no {out.relative_to(self.path)}: it is incomplete")
+        return out
 
-    def _load(self, ref_file: Path, tid: int) -> torch.Tensor:
-        f = tensor_file(ref_file, tid)
-        if not f.is_file():
-            raise ConfigError(f"neuron checkpoint {self.path} has no {f.relative_to(self.path)}: it is incomplete")
-        return torch.load(f, map_location="cpu", weights_only=True)
+    def stored_info(self, f: Path) -> dict[str, Any] | None:
+        """The shape and dtype NxD's info file records of stored tensor ``f`` (None: no info file says)."""
+        info = _info(f.parent.with_name(f.parent.name.removesuffix(".tensors")))
+        if not info.is_file():
+            return None
+        return self._pickle(info).get(int(f.stem.removeprefix("tensor_")))
 
     def extra(self, dp_rank: int = 0) -> dict[str, Any]:
         """The small per-run state of the first rank of data-parallel replica ``dp_rank`` (rank 0's by default)."""
         rank = dp_rank * self.layout.tp  # NxD's rank order: tp innermost, then dp, then pp
         return torch.load(self.path / EXTRA.format(rank=rank), map_location="cpu", weights_only=True)
+
+
+def _load(f: Path) -> torch.Tensor:
+    """One stored tensor, whole (``weights_only``)."""
+    return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def _references(obj: Any) -> Iterator[TensorReference]:

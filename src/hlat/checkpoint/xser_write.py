@@ -3,8 +3,10 @@
 The inverse of ``hlat.checkpoint.xser``: from any reader (``tensors()``, ``read(name)``, ``extra()``) it writes the
 files ``nxd.save_checkpoint(use_xser=True)`` would have written for the target layout, so that NxD's
 ``load_checkpoint`` loads them, plus hlat's ``extra.rank<r>.pt`` and ``manifest.json``. Everything is checked before
-the first file is written; the files go into ``<dst>.tmp`` and the directory is renamed when complete. One full
-tensor is in memory at a time.
+the first file is written; the files go into ``<dst>.tmp`` and the directory is renamed when complete. Each rank's
+piece comes from a :class:`~hlat.checkpoint.xser_reshard.Pieces` (cut from one full tensor at a time, or read as
+byte ranges of a neuron checkpoint's pieces) and is written on a background thread while the next is made
+(``hlat.checkpoint.writer``): about two tensors are in memory.
 """
 
 from __future__ import annotations
@@ -12,30 +14,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from hlat.backends.neuron_shards import nxd_name, optimizer_order, param_names, stage_of, tp_split, zero1_split
+from hlat.backends.neuron_shards import nxd_name, optimizer_order, param_names, stage_of, tp_split
 from hlat.checkpoint.hf_layout import check_tensors, expected_shapes
 from hlat.checkpoint.manifest import MANIFEST, config_hash, sha256
+from hlat.checkpoint.writer import Writer, unmap_freed_tensors
 from hlat.checkpoint.xser import (
     EXTRA,
     STATE_KEYS,
     Layout,
     NeuronCheckpoint,
     TensorReference,
+    disk_dtype,
     rank_file,
     saved_layout,
     tensor_file,
 )
-from hlat.config import ConfigError, PrecisionConfig, RunConfig
+from hlat.checkpoint.xser_reshard import Cutter, Pieces, RangedPieces
+from hlat.config import ConfigError, RunConfig
 from hlat.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -66,16 +71,6 @@ _PICKLE = types.ModuleType("hlat_xser_pickle")
 _PICKLE.Pickler, _PICKLE.Unpickler = _Pickler, pickle.Unpickler
 
 
-def disk_dtype(key: str, precision: PrecisionConfig) -> torch.dtype:
-    """The host dtype NxD saves tensor ``key`` in: fp32, or float64 for the optimizer's fp32 tensors.
-
-    float64 under ``XLA_DOWNCAST_BF16`` (bf16 parameters with fp32 masters): the device's fp32 is float64 on the host.
-    """
-    if key.startswith("model.") or key.endswith(".step"):
-        return torch.float32
-    return torch.float64 if precision.param_dtype == "bfloat16" and precision.master_weights else torch.float32
-
-
 def _check_source(have: dict[str, tuple], cfg: RunConfig, where: str) -> tuple[bool, bool]:
     """Refuse a source whose tensors do not fit ``cfg`` (names listed); (has optimizer state, has masters)."""
     full = expected_shapes(cfg.model)
@@ -102,10 +97,21 @@ def _check_source(have: dict[str, tuple], cfg: RunConfig, where: str) -> tuple[b
     return bool(state), bool(masters)
 
 
-def write_neuron_checkpoint(source: Reader, dst: Path, cfg: RunConfig, *, dp: int = 1, rank: int | None = None) -> Path:
+def write_neuron_checkpoint(
+    source: Reader,
+    dst: Path,
+    cfg: RunConfig,
+    *,
+    dp: int = 1,
+    rank: int | None = None,
+    pieces: Pieces | None = None,
+    fsync: bool = True,
+) -> Path:
     """Write ``source`` as a neuron step directory ``dst`` in the layout of ``cfg`` (tp, pp, zero1) with ``dp``.
 
-    With ``rank``, only the files that global rank loads (a resharded resume: each rank writes its own).
+    With ``rank``, only the files that global rank loads (a resharded resume: each rank writes its own). ``pieces``:
+    where each rank's piece comes from (default: cut from the source's full tensors, each read once). ``fsync``:
+    make the files durable before the directory is renamed into place (a resharded copy, read once, needs not).
 
     Masters missing from the source under ``precision.master_weights`` are widened from the weights (the one
     precision change with one meaning: bf16_sr -> master_weights). A source without optimizer state gives a
@@ -125,19 +131,24 @@ def write_neuron_checkpoint(source: Reader, dst: Path, cfg: RunConfig, *, dp: in
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if rank is None:  # a conversion: its own process (a resume's copy leaves the trainer's allocator as it is)
+        unmap_freed_tensors()
     ranks = range(par.tp * par.pp * dp) if rank is None else [rank]
     try:
-        writer = _Writer(tmp, cfg, layout, source.read, {_place(r, layout) for r in ranks})
-        writer.model()
-        if has_state:
-            writer.optimizer(masters=cfg.precision.master_weights, widen=not has_masters)
+        pieces = pieces or Cutter(source.read, cfg.model, par.tp)
+        largest = max(math.prod(s) * d.itemsize for s, d in source.tensors().values())
+        with Writer(tmp, largest, fsync=fsync) as files:  # a tensor written while the next is cut
+            writer = _Writer(tmp, cfg, layout, pieces, {_place(r, layout) for r in ranks}, files)
+            writer.model()
+            if has_state:
+                writer.optimizer(masters=cfg.precision.master_weights, widen=not has_masters)
         extra = source.extra()
         _save(extra, tmp / "user_content.pt")
         for r in ranks:
             _save(_rank_extra(source, extra, layout, r), tmp / EXTRA.format(rank=r))
         for marker in ("checkpoint", "done"):  # NxD's own markers of a complete tag
             (tmp / marker).write_text("1")
-        _write_manifest(tmp, cfg, extra, weights_only=not has_state)
+        _write_manifest(tmp, cfg, extra, files.digests, weights_only=not has_state)
         os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # no partial output
@@ -165,13 +176,18 @@ def _save(obj: Any, path: Path) -> None:
     torch.save(obj, path, pickle_module=_PICKLE)
 
 
-def _write_manifest(tmp: Path, cfg: RunConfig, extra: dict[str, Any], *, weights_only: bool) -> None:
-    """``manifest.json`` last: sizes, sha256s and the target config, as ``hlat.checkpoint.Checkpointer`` writes it."""
-    files = {
-        str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
-        for p in sorted(tmp.rglob("*"))
-        if p.is_file()
-    }
+def _write_manifest(
+    tmp: Path, cfg: RunConfig, extra: dict[str, Any], digests: dict[Path, tuple[int, str]], *, weights_only: bool
+) -> None:
+    """``manifest.json`` last, as ``hlat.checkpoint.Checkpointer`` writes it: sizes, sha256s, the target config.
+
+    The sha256s of the files in ``digests`` were taken as they were written; the few others are read.
+    """
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            size, digest = digests.get(p) or (p.stat().st_size, sha256(p))
+            files[str(p.relative_to(tmp))] = {"size": size, "sha256": digest}
     config = dataclasses.asdict(cfg)
     meta: dict[str, Any] = {"step": int((extra.get("train_state") or {}).get("step", 0)), "files": files}
     meta |= {"config": config, "config_hash": config_hash(config)}
@@ -184,24 +200,25 @@ def _write_manifest(tmp: Path, cfg: RunConfig, extra: dict[str, Any], *, weights
 
 
 class _Writer:
-    """Writes one full tensor at a time into every rank's files, then each rank's reference and info files."""
+    """Writes one tensor's pieces at a time into the ranks' files, then each rank's reference and info files."""
 
     def __init__(
         self,
         root: Path,
         cfg: RunConfig,
         layout: Layout,
-        read: Callable[[str], torch.Tensor],
+        pieces: Pieces,
         places: set[tuple[int, int, int]],
+        files: Writer,
     ) -> None:
-        self.root, self.cfg, self.layout, self.read = root, cfg, layout, read
+        self.root, self.cfg, self.layout, self.pieces, self.files = root, cfg, layout, pieces, files
         self.places = places
         """``(dp, tp, pp)`` of the ranks whose files are written (a model file serves every dp)."""
         names = param_names(cfg.model)
-        full = expected_shapes(cfg.model)
+        self.full = expected_shapes(cfg.model)
         self.stages = [[n for n in names if stage_of(n, cfg.model, layout.pp) == s] for s in range(layout.pp)]
         decay_all = cfg.optimizer.decay_norms_and_biases
-        self.order = [optimizer_order(ns, [len(full[n]) for n in ns], decay_all) for ns in self.stages]
+        self.order = [optimizer_order(ns, [len(self.full[n]) for n in ns], decay_all) for ns in self.stages]
 
     def _wanted(self, part: str, d: int, t: int, s: int) -> bool:
         """Whether a rank written loads file ``(part, d, t, s)`` (only ZeRO-1's optimizer files are per dp)."""
@@ -210,64 +227,65 @@ class _Writer:
         return any((t, s) == (pt, ps) for _, pt, ps in self.places)
 
     def _put(self, part: str, d: int, t: int, s: int, tid: int, tensor: torch.Tensor) -> None:
-        if not self._wanted(part, d, t, s):
-            return
-        f = tensor_file(self.root / rank_file(part, d, t, s), tid)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(tensor.clone(), f)  # a clone: a view would save its whole storage
+        whole = tensor.is_contiguous() and not tensor.storage_offset()
+        if not whole or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone()  # a view would save its whole storage
+        self.files.save(tensor, tensor_file(self.root / rank_file(part, d, t, s), tid))
 
-    def _pieces(self, name: str, key: str, full: torch.Tensor) -> list[torch.Tensor]:
-        full = full.to(disk_dtype(key, self.cfg.precision))
-        if key.endswith(".step"):
-            return [full] * self.layout.tp
-        return tp_split(name, full, self.cfg.model, self.layout.tp)
+    def _piece(self, name: str, key: str, t: int, d: int, *, widen: bool = False) -> torch.Tensor:
+        """Tp rank ``t``'s piece of ``name``'s ``key`` (``model`` or an AdamW state; ZeRO-1: chunk ``d``), on disk.
+
+        ``widen``: the fp32 master is the weight (bf16_sr -> master_weights).
+        """
+        lay = self.layout
+        own = f"model.{name}" if key == "model" else f"optimizer.state.{name}.{key}"
+        src = f"model.{name}" if key == "master" and widen else own
+        chunks = lay.dp if lay.zero1 and key not in ("model", "step") else 1
+        piece = self.pieces.piece(src, name, t, d, chunks)
+        if key == "master":
+            piece = piece.to(torch.float32)
+        return piece.to(disk_dtype(own, self.cfg.precision))
 
     def model(self) -> None:
-        lay = self.layout
         for s, names in enumerate(self.stages):
-            if not any(self._wanted("model", 0, t, s) for t in range(lay.tp)):
-                continue
-            info: list[dict[int, dict]] = [{} for _ in range(lay.tp)]
-            for tid, name in enumerate(names):
-                for t, piece in enumerate(self._pieces(name, f"model.{name}", self.read(f"model.{name}"))):
+            ts = [t for t in range(self.layout.tp) if self._wanted("model", 0, t, s)]
+            info: dict[int, dict[int, dict]] = {t: {} for t in ts}
+            for tid, name in enumerate(names if ts else []):
+                for t in ts:
+                    piece = self._piece(name, "model", t, 0)
                     self._put("model", 0, t, s, tid, piece)
                     info[t][tid] = _info(piece)
-            for t in range(lay.tp):
+            for t in ts:
                 refs = {nxd_name(n): TensorReference(tid) for tid, n in enumerate(names)}
                 self._refs("model", 0, t, s, refs, info[t])
 
     def optimizer(self, *, masters: bool, widen: bool) -> None:
         lay = self.layout
         dps = lay.dp if lay.zero1 else 1
+        keys = [*STATE_KEYS, "master"] if masters else list(STATE_KEYS)
         for s, order in enumerate(self.order):
-            if not any(self._wanted("optim", d, t, s) for d in range(dps) for t in range(lay.tp)):
-                continue
+            places = [(d, t) for t in range(lay.tp) for d in range(dps) if self._wanted("optim", d, t, s)]
             n = len(order)
-            info: dict[tuple[int, int], dict[int, dict]] = {(d, t): {} for d in range(dps) for t in range(lay.tp)}
-            shapes: dict[int, list[int]] = {}
-            for i, name in enumerate(order):
-                keys = [*STATE_KEYS, "master"] if masters else list(STATE_KEYS)
+            info: dict[tuple[int, int], dict[int, dict]] = {p: {} for p in places}
+            for i, name in enumerate(order if places else []):
                 for k, key in enumerate(keys):
-                    src = f"model.{name}" if key == "master" and widen else f"optimizer.state.{name}.{key}"
-                    full = self.read(src).to(torch.float32) if key == "master" else self.read(src)
                     tid = 3 * n + i if key == "master" else 3 * i + k
-                    for t, piece in enumerate(self._pieces(name, f"optimizer.state.{name}.{key}", full)):
-                        if key != "step":
-                            shapes[i] = list(piece.shape)
-                        chunks = zero1_split(piece, dps) if lay.zero1 and key != "step" else [piece] * dps
-                        for d, chunk in enumerate(chunks):
-                            self._put("optim", d, t, s, tid, chunk)
-                            info[d, t][tid] = _info(chunk)
+                    for d, t in places:
+                        chunk = self._piece(name, key, t, d, widen=widen)
+                        self._put("optim", d, t, s, tid, chunk)
+                        info[d, t][tid] = _info(chunk)
+            meta = {i: torch.empty(self.full[name], device="meta") for i, name in enumerate(order)}
+            shapes = {i: list(tp_split(order[i], m, self.cfg.model, lay.tp)[0].shape) for i, m in meta.items()}
             groups = _param_groups(self.cfg, [len(g) for g in _groups(self.cfg, order)])
             for (d, t), tinfo in info.items():
                 self._refs("optim", d, t, s, _optim_refs(n, groups, lay.zero1, masters, shapes), tinfo)
 
     def _refs(self, part: str, d: int, t: int, s: int, refs: dict, info: dict[int, dict]) -> None:
-        if not self._wanted(part, d, t, s):
-            return
         ref_file = self.root / rank_file(part, d, t, s)
-        _save(refs, ref_file)
-        _save(dict(sorted(info.items())), ref_file.with_name(ref_file.name + ".info.pt"))
+        self.files.save(refs, ref_file, pickle_module=_PICKLE)
+        self.files.save(
+            dict(sorted(info.items())), ref_file.with_name(ref_file.name + ".info.pt"), pickle_module=_PICKLE
+        )
 
 
 def _info(t: torch.Tensor) -> dict[str, Any]:
@@ -333,5 +351,20 @@ def resharded_copy(path: Path, cfg: RunConfig, dims: ParallelDims, rank: int) ->
     shutil.rmtree(copy, ignore_errors=True)
     if rank == 0:
         log.info("resharding %s from %s to this run's %s", path, saved, now)
-    write_neuron_checkpoint(NeuronCheckpoint(path, saved_cfg, verify=False), copy, cfg, dp=dims.dp, rank=rank)
+    source = NeuronCheckpoint(path, saved_cfg, verify=False, every_file=False)  # it checks what it reads
+    pieces = RangedPieces(source, cfg.model, dims.tp)  # this rank's byte ranges, never a whole tensor it does not hold
+    write_neuron_checkpoint(source, copy, cfg, dp=dims.dp, rank=rank, pieces=pieces, fsync=False)
+    log.log(
+        logging.INFO if rank == 0 else logging.DEBUG,
+        "rank %d read %.1f MiB of tensors from %s to hold %.1f MiB",
+        rank,
+        pieces.bytes_read / 2**20,
+        path,
+        _tensor_bytes(copy) / 2**20,
+    )
     return copy
+
+
+def _tensor_bytes(path: Path) -> int:
+    """Bytes of the tensor files under ``path`` (a rank's resharded copy: what it holds, with their zip headers)."""
+    return sum(f.stat().st_size for f in path.rglob("tensor_*.pt"))
