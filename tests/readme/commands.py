@@ -280,16 +280,28 @@ class Plan:
 
         A command that an earlier file runs as written, under the same policy, is skipped here: the lane proves it
         once (README.md and docs/sweeps.md give the same ablation, docs/deploy.md and docs/trn1.md the same
-        renders). A file's repeat of its own command still runs: its context may differ.
+        renders) -- unless a later command of its own file that runs names a path it names (docs/evaluation.md
+        trains ``outputs/myrun`` as the README does, then evaluates it: in its own checkout, it needs its own run).
+        A file's repeat of its own command still runs: its context may differ.
         """
-        items: list[tuple[Command, Policy]] = []
+        found: list[tuple[Command, Policy, Command]] = []
         first: dict[tuple[str, Policy], Command] = {}
         for c in (c for path in (files or sources()) for c in commands(path)):
-            if c.text == ACTIVATE:
-                continue
-            found = policy(c)
-            earlier = first.setdefault((c.text, found), c)
-            if found.action != "skip" and earlier.file != c.file:
-                found = Policy("skip", f"{RAN_BEFORE}{earlier.where}")
-            items.append((c, found))
-        return cls(items)
+            if c.text != ACTIVATE:
+                p = policy(c)
+                found.append((c, p, first.setdefault((c.text, p), c)))
+        items: list[tuple[Command, Policy]] = []
+        later_runs: dict[str, list[str]] = {}  # per file, the texts of its later commands that run
+        for c, p, earlier in reversed(found):
+            if p.action != "skip" and earlier.file != c.file and not _named_later(c, later_runs.get(c.file, [])):
+                p = Policy("skip", f"{RAN_BEFORE}{earlier.where}")
+            if p.action != "skip":
+                later_runs.setdefault(c.file, []).append(c.text)
+            items.append((c, p))
+        return cls(items[::-1])
+
+
+def _named_later(command: Command, later: list[str]) -> bool:
+    """Whether one of ``later`` names a path that ``command`` names (a word with a ``/``, or its value after ``=``)."""
+    paths = {w.split("=", 1)[-1] for w in shlex.split(command.text, comments=True) if "/" in w.split("=", 1)[-1]}
+    return any(path in text for path in paths for text in later)

@@ -39,8 +39,17 @@ def test_a_command_an_earlier_file_runs_as_written_runs_once(tmp_path) -> None:
     where = {c.where: (c, p) for c, p in plan.items}
     sweep = next(c.where for c in commands() if "--config-name scaled_init" in c.text)
     assert where["docs/sweeps.md:7"][1].why == f"{RAN_BEFORE}{sweep}"  # the same ablation as the README's
-    compile_ = next(c.where for c in commands(ROOT / "docs/trn1.md") if c.text.startswith("hlat compile --target"))
-    assert where[compile_][1].why == f"{RAN_BEFORE}docs/deploy.md:8"
+    launch = next(c.where for c in commands(ROOT / "docs/trn1.md") if c.text.startswith("hlat launch --target slurm"))
+    assert where[launch][1].why == f"{RAN_BEFORE}docs/deploy.md:9"
+    # ...but not a repeat whose run a later command of its own file reads: each file runs in a checkout of its own.
+    trained = next(c.where for c in commands(ROOT / "docs/evaluation.md") if "hydra.run.dir=outputs/myrun" in c.text)
+    assert where[trained][1].action == "tiny", "docs/evaluation.md evaluates the run it trains"
+    a, b = tmp_path / "a.md", tmp_path / "b.md"
+    a.write_text("```bash\npython train.py hydra.run.dir=out/r\n```\n")
+    b.write_text("```bash\npython train.py hydra.run.dir=out/r\nhlat summary out/r\n```\n")
+    assert [p.action for _, p in Plan.of([a, b]).items] == ["tiny", "tiny", "run"]
+    b.write_text("```bash\npython train.py hydra.run.dir=out/r\nhlat summary elsewhere\n```\n")
+    assert [p.action for _, p in Plan.of([a, b]).items] == ["tiny", "skip", "run"]
     own = tmp_path / "own.md"  # a file's own repeat still runs: its context (the commands before it) may differ
     own.write_text("```bash\npython train.py\nhlat summary\npython train.py\n```\n")
     assert [p.action for _, p in Plan.of([own]).items] == ["tiny", "run", "tiny"]

@@ -45,6 +45,7 @@ from hlat.checkpoint.manifest import (  # noqa: F401  re-exported for checkpoint
     sha256,
     step_dir,
 )
+from hlat.checkpoint.verify import ALONE, Checks, shared_checks  # noqa: F401  re-exported for checkpoint.* callers
 from hlat.config import ConfigError, RunConfig
 from hlat.state import StepOutput, TrainState
 
@@ -55,17 +56,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written; the message names the cause and which checkpoints are intact."""
 
 
-def latest(root: Path) -> Path | None:
+def latest(root: Path, checks: Checks = ALONE) -> Path | None:
     """The newest complete checkpoint under ``root`` whose files match their checksums (None if there is none).
 
     Newer directories that are incomplete or corrupt are skipped with a warning that names them. A ``step_N.tmp``
     is never one, even with a valid manifest: the rename is what declares a save complete (a kill between the
-    manifest and the rename leaves it), and the next save removes it.
+    manifest and the rename leaves it), and the next save removes it. ``checks``: alone, or shared by the job's ranks.
     """
     if not root.is_dir():
         return None
     for p in sorted(root.glob("step_*"), reverse=True):
-        bad = ["an interrupted save (never renamed)"] if p.name.endswith(".tmp") else problems(p, checksums=True)
+        bad = ["an interrupted save (never renamed)"] if p.name.endswith(".tmp") else checks.problems(p)
         if not bad:
             return p
         log.warning("skipping checkpoint %s: %s", p, "; ".join(bad))
@@ -83,7 +84,7 @@ def newest_complete(root: Path) -> Path | None:
     return None
 
 
-def resolve(path: str, key: str = "train.resume") -> Path:
+def resolve(path: str, key: str = "train.resume", checks: Checks = ALONE) -> Path:
     """A checkpoint directory, or the latest valid one under a checkpoints root; ConfigError on ``key`` if none."""
     p = Path(path).expanduser()
     if (manifest(p) or {}).get("weights_only"):
@@ -92,14 +93,14 @@ def resolve(path: str, key: str = "train.resume") -> Path:
             f"state to resume: start a new run from it with train.init_from={path}"
         )
     if (p / MANIFEST).exists():  # the user named one checkpoint: it must be intact (its manifest too)
-        bad = problems(p, checksums=True)
+        bad = checks.problems(p)
         if bad:
             raise ConfigError(
                 f"{key}={path}: this checkpoint is damaged ({'; '.join(bad)}); "
                 f"point {key} at its parent directory to use the newest intact one"
             )
         return p
-    found = latest(p)
+    found = latest(p, checks)
     if found is None:
         others = ", or use train.resume=auto (this run's own checkpoints) or train.resume=never (start fresh)"
         raise ConfigError(
@@ -109,13 +110,14 @@ def resolve(path: str, key: str = "train.resume") -> Path:
     return found
 
 
-def find_resume(resume: str, root: Path) -> Path | None:
+def find_resume(resume: str, root: Path, checks: Checks = ALONE) -> Path | None:
     """The checkpoint a run starts from under ``train.resume`` (auto | never | a path), given its checkpoint root.
 
     ``never`` refuses a ``root`` that already holds a valid checkpoint: the new run's would mix with the old ones.
+    ``checks``: alone, or shared by the job's ranks (:func:`shared_checks`; then every rank must call this).
     """
     if resume == "never":
-        found = latest(root)
+        found = latest(root, checks)
         if found is not None:
             raise ConfigError(
                 f"train.resume=never, but the checkpoint directory {root} already holds {found.name}: its "
@@ -124,11 +126,11 @@ def find_resume(resume: str, root: Path) -> Path | None:
             )
         return None
     if resume == "auto":
-        found = latest(root)
+        found = latest(root, checks)
         if found is None:
             log.info("no checkpoint in %s: starting at step 0", root)
         return found
-    return resolve(resume)
+    return resolve(resume, checks=checks)
 
 
 def checkpoint_root(cfg: RunConfig, run_dir: Path) -> Path:

@@ -50,6 +50,8 @@ class JobStart:
     """The trainer lock on ``root`` (rank 0), released when the run ends."""
     changed: dict[str, str] = dataclasses.field(default_factory=dict)
     """The settings changed since the checkpoint this start restores: key -> ``"old -> new"``."""
+    checks: checkpoint.Checks = checkpoint.ALONE
+    """How this rank verifies a checkpoint: its share of the files, pooled with the job's ranks."""
 
 
 def begin(cfg: RunConfig, run_dir: Path) -> float:
@@ -86,14 +88,15 @@ def open_job(cfg: RunConfig, run_dir: Path, new_bytes: int, launched: float, ran
     """
     root = checkpoint.checkpoint_root(cfg, run_dir)
     resume = checkpoint.restart_resume(cfg.train.resume, root)
-    resume_from = checkpoint.find_resume(resume, root)
+    checks = checkpoint.shared_checks()  # the ranks verify the checkpoint's sha256s together: each file read once
+    resume_from = checkpoint.find_resume(resume, root, checks)
     changed = {}
     if resume_from is not None:  # before anything is built, or any directory made
         changed = checkpoint.check_compatible(resume_from, dataclasses.asdict(cfg))
     checkpoint.check_disk_space(root, checkpoint.checkpoint_bytes(resume_from) or new_bytes)
     record_start(root, cfg.train.resume, launched, create=True)  # a new job: the read-only checks made no directory
     lock = checkpoint.hold_lock(root) if rank == 0 else None
-    return JobStart(root, resume, resume_from, launched, lock, changed)
+    return JobStart(root, resume, resume_from, launched, lock, changed, checks)
 
 
 def resume_job(
@@ -296,15 +299,19 @@ def rollback(
     logger: MetricsLogger,
     uptime: Uptime,
     restore: Callable[..., tuple[TrainState, dict]],
+    checks: checkpoint.Checks = checkpoint.ALONE,
 ) -> TrainState:
     """on_nonfinite=rollback: reload the newest valid checkpoint and discard the offending step's batch.
+
+    Every rank comes here at the same step (the loss and gradient norm it checks are global), so ``checks`` may be
+    the job's shared ones.
 
     Raises:
         HaltedError: The policy is halt, there is no checkpoint to go back to, or the same step went non-finite
             ``MAX_DISCARDS_PER_STEP`` times.
     """
     saver.wait()
-    ckpt = checkpoint.latest(root)
+    ckpt = checkpoint.latest(root, checks)
     why = None
     if policy == "halt":
         why = "train.on_nonfinite=halt"

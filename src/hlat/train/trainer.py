@@ -85,6 +85,7 @@ class Trainer:
                     self.hooks.logger,
                     self.uptime,
                     reload,
+                    self.job.checks,
                 )
                 if self.tracking.progress is not None:
                     self.tracking.progress.reset()
