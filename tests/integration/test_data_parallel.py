@@ -176,6 +176,44 @@ def test_python_train_py_starts_two_ranks_that_checkpoint_and_resume(tmp_path: P
 
 
 @pytest.mark.slow
+def test_two_ranks_roll_back_to_the_same_checkpoint_just_saved(tmp_path: Path, cache_dir: Path) -> None:
+    """``train.on_nonfinite=rollback`` at DP=2, one step after an asynchronous save: rank 0 renames that save into
+    place after the others have written their files, and every rank must then list, verify (together: each file
+    hashed by one rank) and restore the same checkpoint, the one just saved.
+
+    Catches: a rank that lists the checkpoints before rank 0's rename (it would go back to an older one, or its
+    share of the shared checksum pairs with another checkpoint's on rank 0, or the job hangs).
+    """
+    from tests.integration.test_train import SMALL_RUN, cli
+
+    run_dir = tmp_path / "run"
+    r = cli(
+        *SMALL_RUN,
+        "cluster=cpu_x2",
+        "train.steps=7",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.checkpoint_every=3",
+        "train.log_every=1",
+        "optimizer.warmup_steps=2",
+        "fault=nonfinite",
+        "fault.nonfinite_at=[4]",
+        "train.on_nonfinite=rollback",
+        "tracker=console",
+        "health=off",
+        f"data.cache_dir={cache_dir}",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=hang_guard(900),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rolled = [line for line in (r.stdout + r.stderr).splitlines() if "rolled back to" in line]
+    assert len(rolled) == 2 and all("step_00000003 (rollback 1)" in line for line in rolled), rolled
+    extra = torch.load(run_dir / "checkpoints" / "step_00000007" / "extra.rank1.pt", weights_only=False)
+    assert (extra["train_state"]["rollbacks"], extra["train_state"]["discarded_batches"]) == (1, [4])
+
+
+@pytest.mark.slow
 def test_a_killed_zero1_group_restarts_and_ends_bitwise_equal(tmp_path: Path, cache_dir: Path) -> None:
     """Two ZeRO-1 ranks, SIGKILLed after step 5 under supervision: torch elastic restarts the group, each rank
     reloads its share of the AdamW state from step 4, and step 8 equals an uninterrupted run bit for bit."""

@@ -36,6 +36,15 @@ class Checks:
         found = problems(path, checksums=True, part=(self.rank, self.world))
         return found if self.pool is None else self.pool(found)
 
+    def together(self) -> None:
+        """Wait here until every rank has come (alone: return at once).
+
+        Rank 0 renames a save into place after the others have written their files: a rank that lists the
+        checkpoints after this sees the same directories as rank 0.
+        """
+        if self.pool is not None:
+            self.pool([])
+
 
 ALONE = Checks()
 """This process alone hashes every file (a single-process command, or a default)."""

@@ -310,7 +310,8 @@ def rollback(
         HaltedError: The policy is halt, there is no checkpoint to go back to, or the same step went non-finite
             ``MAX_DISCARDS_PER_STEP`` times.
     """
-    saver.wait()
+    saver.wait()  # on rank 0, until the newest save is renamed into place; on the others, until their files are written
+    checks.together()  # so that every rank lists the same checkpoints
     ckpt = checkpoint.latest(root, checks)
     why = None
     if policy == "halt":
