@@ -35,9 +35,9 @@ def test_eight_runs_started_at_once_on_the_fresh_team_server_all_land_and_no_pas
     """Seven tracker processes logged in as bob (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``) and a one-job sweep
     ``python train.py -m tracker.uri=http://alice:<password>@...``: every point, the training run's params, and its
     artifacts in the server's artifact root (uploaded through the server); a request without a login is refused.
-    ``hlat compare`` and ``hlat track sync`` take the password in ``--uri`` too. No byte of what the runs leave (run
-    and sweep directories with ``.hydra/``, the server's store: PostgreSQL's files, artifacts, auth database, log)
-    nor of their output holds a password."""
+    ``hlat compare`` and ``hlat track sync`` take the password in ``--uri`` too, ``hlat eval`` in ``tracker.uri``.
+    No byte of what the runs leave (run and sweep directories with ``.hydra/``, the server's store: PostgreSQL's
+    files, artifacts, auth database, log) nor of their output holds a password."""
     from mlflow import MlflowClient
 
     assert status_without_login(team_server.uri) == 401
@@ -80,6 +80,10 @@ def test_eight_runs_started_at_once_on_the_fresh_team_server_all_land_and_no_pas
         hlat_main(["compare", "--uri", with_password, "--runs", run.info.run_id, spooled, "--out", str(tmp_path / "c")])
     assert synced.value.code == compared.value.code == 0 and (tmp_path / "c" / "comparison.md").is_file()
     assert [m.step for m in client.get_metric_history(spooled, "train/loss")] == [1, 2, 3, 4, 5]
+    checkpoints = next(tmp_path.glob("train-0/**/checkpoints"))  # the sweep's one job
+    with pytest.raises(SystemExit) as evaluated:  # its scores go to the training run, through the login in the URI
+        hlat_main(["eval", f"checkpoint={checkpoints}", "tasks=local", f"tracker.uri={with_password}"])
+    assert evaluated.value.code == 0 and "eval/tokens_seen" in client.get_run(run.info.run_id).data.metrics
 
     leaked = [
         f"{p}: {name}"
