@@ -88,8 +88,9 @@ def _ranks(corpus: dict, dp: int, micro: int, seed: int, states: list[dict] | No
     return loaders
 
 
-def _steps(loaders: list, n: int, micro: int) -> np.ndarray:
-    """``n`` global batches as the trainer draws them: each rank its accumulation micro-batches, ranks in order."""
+def global_batches(loaders: list, n: int, micro: int, seq_len: int = SEQ_LEN) -> np.ndarray:
+    """``n`` global batches as the trainer draws them: each rank its accumulation micro-batches, ranks in order; a
+    batch's windows are ``seq_len`` + 1 tokens (inputs and the last target)."""
     out = []
     for _ in range(n):
         rows = []
@@ -98,7 +99,8 @@ def _steps(loaders: list, n: int, micro: int) -> np.ndarray:
                 inputs, targets = next(loader)
                 rows.append(np.concatenate([inputs.numpy(), targets.numpy()[:, -1:]], axis=1))
         out.append(np.concatenate(rows))
-    return np.stack(out) if out else np.zeros((0, GLOBAL, SEQ_LEN + 1), dtype=np.int64)
+    global_batch = sum(len(loader.slots) for loader in loaders)
+    return np.stack(out) if out else np.zeros((0, global_batch, seq_len + 1), dtype=np.int64)
 
 
 LAYOUTS = [(dp, m) for dp in (1, 2, 4) for m in (1, 2, 4, 8) if (GLOBAL // dp) % m == 0]
@@ -117,10 +119,10 @@ def test_global_batches_are_the_same_on_every_layout_and_across_a_resume_on_anot
 ):
     total = 7  # several epochs of the 15-row corpus per slot
     first = _ranks(corpus, *before, seed, loader=loader)
-    head = _steps(first, at, before[1])
+    head = global_batches(first, at, before[1])
     states = [json.loads(json.dumps(x.state_dict())) for x in first]  # as checkpointed: plain values
-    tail = _steps(_ranks(corpus, *after, seed, states, loader=loader), total - at, after[1])
-    whole = _steps(_ranks(corpus, *after, seed, loader=loader), total, after[1])
+    tail = global_batches(_ranks(corpus, *after, seed, states, loader=loader), total - at, after[1])
+    whole = global_batches(_ranks(corpus, *after, seed, loader=loader), total, after[1])
     got = np.concatenate([head, tail])
     np.testing.assert_array_equal(got, whole)  # bit for bit: resumed on another layout == uninterrupted
     if loader == "online":
@@ -133,7 +135,7 @@ def test_each_epoch_reads_every_row_once_and_blank_rows_are_counted(corpus):
         order = Permutation(n, 5, epoch)(range(n)).tolist()
         assert sorted(order) == list(range(n))
     (loader,) = _ranks(corpus, 1, 8, seed=5, shuffle=False)
-    batches = _steps([loader], 4, 8)
+    batches = global_batches([loader], 4, 8)
     np.testing.assert_array_equal(batches, _expected_batches(corpus, 4, 5, shuffle=False))
     cursors = loader.state_dict()["cursors"]
     for s, c in enumerate(cursors):  # unshuffled, slot s reads rows s, s + 8, ... (mod 15): 2 of them blank
@@ -172,7 +174,7 @@ def test_a_rank_reads_only_the_saved_ranks_that_served_its_slots():
 
 def test_a_change_of_global_batch_is_refused_naming_the_key(corpus):
     (loader,) = _ranks(corpus, 1, 8, seed=0)
-    _steps([loader], 1, 8)
+    global_batches([loader], 1, 8)
     state = loader.state_dict()
     bigger = build_loader(
         _cfg(corpus), vocab_size=VOCAB, seq_len=SEQ_LEN, micro_batch_size=8, seed=0, global_batch_size=16
@@ -186,7 +188,7 @@ def test_a_change_of_global_batch_is_refused_naming_the_key(corpus):
 
 def test_a_change_of_seq_len_continues_every_slot_at_the_token_where_it_stopped(corpus):
     (first,) = _ranks(corpus, 1, 8, seed=2)
-    head = _steps([first], 3, 8)
+    head = global_batches([first], 3, 8)
     state = first.state_dict()
     longer = build_loader(_cfg(corpus), vocab_size=VOCAB, seq_len=20, micro_batch_size=8, seed=2, global_batch_size=8)
     longer.load_state_dict(state)

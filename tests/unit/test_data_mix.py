@@ -23,6 +23,7 @@ from hlat.data.order import Permutation
 from hlat.data.schedule import Schedule, Stage, normalized
 from hlat.data.slots import gather
 from tests.mix_data import ALPHABETS, document_ids, source_of, write_source
+from tests.unit.test_data_layout import global_batches
 
 VOCAB = 320
 SEQ_LEN = 32
@@ -72,19 +73,6 @@ def _ranks(cfg: DataConfig, dp: int, micro: int, states: list[dict] | None = Non
             loader.load_state_dict(gather(own, loader.slots, lambda d: states[d]))
         loaders.append(loader)
     return loaders
-
-
-def _steps(loaders: list, n: int, micro: int) -> np.ndarray:
-    """``n`` global batches (G windows of SEQ_LEN + 1 tokens) as the trainer draws them."""
-    out = []
-    for _ in range(n):
-        rows = []
-        for loader in loaders:
-            for _ in range(len(loader.slots) // micro):
-                inputs, targets = next(loader)
-                rows.append(np.concatenate([inputs.numpy(), targets.numpy()[:, -1:]], axis=1))
-        out.append(np.concatenate(rows))
-    return np.stack(out) if out else np.zeros((0, GLOBAL, SEQ_LEN + 1), dtype=np.int64)
 
 
 def _sources(corpus: dict, batches: np.ndarray) -> np.ndarray:
@@ -156,7 +144,7 @@ def test_every_source_is_within_one_window_of_its_share_at_every_batch_of_every_
 def test_shares_read_off_the_windows_are_token_exact_at_every_batch(corpus):
     weights = {"a": 0.5, "b": 0.3, "c": 0.2}
     (loader,) = _ranks(_cfg(corpus, weights), 1, 8)
-    batches = _steps([loader], 200, 8)
+    batches = global_batches([loader], 200, 8, SEQ_LEN)
     sources = _sources(corpus, batches)
     assert (sources != None).all()  # noqa: E711  every window is one source's letters only
     counts = np.zeros(3)
@@ -173,7 +161,7 @@ def test_a_one_source_mixture_is_the_data_path_stream(corpus):
     )
     (one,) = _ranks(plain, 1, 4)
     (mixed,) = _ranks(_cfg(corpus, {"a": 1.0}), 1, 4)
-    np.testing.assert_array_equal(_steps([mixed], 100, 4), _steps([one], 100, 4))
+    np.testing.assert_array_equal(global_batches([mixed], 100, 4, SEQ_LEN), global_batches([one], 100, 4, SEQ_LEN))
 
 
 STAGES = {
@@ -188,16 +176,16 @@ def test_global_batches_are_the_same_on_every_layout_and_across_a_resume_on_anot
     cfg = _cfg(corpus, {"a": 0.5, "b": 0.3, "c": 0.2}, STAGES)
     total = 12
     first = _ranks(cfg, *before)
-    head = _steps(first, at, before[1])
+    head = global_batches(first, at, before[1], SEQ_LEN)
     states = [json.loads(json.dumps(x.state_dict())) for x in first]  # as checkpointed: plain values
-    tail = _steps(_ranks(cfg, *after, states), total - at, after[1])
-    whole = _steps(_ranks(cfg, *after), total, after[1])
+    tail = global_batches(_ranks(cfg, *after, states), total - at, after[1], SEQ_LEN)
+    whole = global_batches(_ranks(cfg, *after), total, after[1], SEQ_LEN)
     np.testing.assert_array_equal(np.concatenate([head, tail]), whole)
 
 
 def test_across_stages_every_slot_reads_each_source_in_its_order_no_document_skipped_or_repeated(corpus):
     cfg = _cfg(corpus, {"a": 0.5, "b": 0.3, "c": 0.2}, STAGES)
-    batches = _steps(_ranks(cfg, 2, 2), 30, 2)
+    batches = global_batches(_ranks(cfg, 2, 2), 30, 2, SEQ_LEN)
     sources = _sources(corpus, batches)
     assert set(sources[9:].ravel()) == {"b"} and (sources[5:9] != None).all()  # noqa: E711
     for (slot, name), ids in _documents(corpus, batches, sources).items():
@@ -214,15 +202,15 @@ def _saved(loaders: list) -> list[dict]:
 def test_a_later_stage_moved_and_a_new_source_from_it_are_accepted_and_counted_as_a_revision(corpus):
     old = _cfg(corpus, {"a": 0.5, "b": 0.3, "c": 0.2}, STAGES)
     first = _ranks(old, 2, 2)
-    head = _steps(first, 6, 2)
+    head = global_batches(first, 6, 2, SEQ_LEN)
     moved = {"mid": STAGES["mid"], "end": {"start": 11, "weights": {"b": 0.5, "d": 0.5}}}
     new = _cfg(corpus, {"a": 0.5, "b": 0.3, "c": 0.2, "d": 0.0}, moved)
     resumed = _ranks(new, 1, 4, _saved(first))
-    tail = _steps(resumed, 10, 4)
+    tail = global_batches(resumed, 10, 4, SEQ_LEN)
     got = np.concatenate([head, tail])
     # the past was kept and the new source, weight 0 until its stage, changes no earlier choice: the same batches
     # as a run of the new mix from the start
-    np.testing.assert_array_equal(got, _steps(_ranks(new, 2, 2), 16, 2))
+    np.testing.assert_array_equal(got, global_batches(_ranks(new, 2, 2), 16, 2, SEQ_LEN))
     sources = _sources(corpus, got)
     assert "d" not in sources[:11] and set(sources[11:].ravel()) == {"b", "d"}
     for (slot, name), ids in _documents(corpus, got, sources).items():
@@ -264,7 +252,7 @@ def test_a_change_to_the_mix_before_the_checkpoint_is_refused_naming_the_key_the
     corpus, change, message
 ):
     first = _ranks(_cfg(corpus, {"a": 0.5, "b": 0.3, "c": 0.2}, STAGES), 1, 8)
-    _steps(first, 6, 8)
+    global_batches(first, 6, 8, SEQ_LEN)
     cfg = _cfg(corpus, change.get("weights", {"a": 0.5, "b": 0.3, "c": 0.2}), change.get("stages", STAGES))
     with pytest.raises(ConfigError) as e:
         _ranks(cfg, 1, 8, _saved(first))
@@ -276,11 +264,11 @@ def test_a_read_source_whose_file_changed_is_refused_and_an_unread_one_may_chang
     mix = {"files": files, "tok": corpus["tok"], "cache": corpus["cache"]}
     weights = {"a": 0.5, "c": 0.5, "d": 0.0}
     first = _ranks(_cfg(mix, weights), 1, 8)
-    _steps(first, 4, 8)
+    global_batches(first, 4, 8, SEQ_LEN)
     states = _saved(first)
     write_source(tmp_path, "d", docs=7)  # never read: free to change
     resumed = _ranks(_cfg(mix, weights), 1, 8, states)
-    _steps(resumed, 1, 8)
+    global_batches(resumed, 1, 8, SEQ_LEN)
     write_source(tmp_path, "c", docs=39)  # read: its data must stay
     with pytest.raises(ConfigError) as e:
         _ranks(_cfg(mix, weights), 1, 8, states)
@@ -292,13 +280,13 @@ def test_a_read_source_whose_file_changed_is_refused_and_an_unread_one_may_chang
 def test_a_source_that_left_keeps_its_position_and_comes_back_where_it_stopped(corpus):
     weights = {"a": 0.5, "b": 0.3, "c": 0.2}
     stages = {"end": {"start": 3, "weights": {"a": 0.5, "b": 0.5}}, "back": {"start": 8, "weights": weights}}
-    whole = _steps(_ranks(_cfg(corpus, weights, stages), 1, 8), 12, 8)
+    whole = global_batches(_ranks(_cfg(corpus, weights, stages), 1, 8), 12, 8, SEQ_LEN)
     first = _ranks(_cfg(corpus, weights, stages), 1, 8)
-    head = _steps(first, 4, 8)
+    head = global_batches(first, 4, 8, SEQ_LEN)
     without = _ranks(_cfg(corpus, {"a": 0.5, "b": 0.3}, {"end": stages["end"]}), 1, 8, _saved(first))
-    middle = _steps(without, 3, 8)
+    middle = global_batches(without, 3, 8, SEQ_LEN)
     back = _ranks(_cfg(corpus, weights, stages), 1, 8, _saved(without))
-    np.testing.assert_array_equal(np.concatenate([head, middle, _steps(back, 5, 8)]), whole)
+    np.testing.assert_array_equal(np.concatenate([head, middle, global_batches(back, 5, 8, SEQ_LEN)]), whole)
 
 
 # ------------------------------------------------------------------------------------------ repetition
@@ -328,7 +316,7 @@ def test_the_cap_stops_at_the_same_batch_on_every_layout_naming_the_key(corpus):
         loaders = _ranks(cfg, dp, micro)
         for k in range(100):
             try:
-                _steps(loaders, 1, micro)
+                global_batches(loaders, 1, micro, SEQ_LEN)
             except ConfigError as e:
                 return k, str(e)
         raise AssertionError("the cap was never reached")
@@ -341,9 +329,9 @@ def test_the_cap_stops_at_the_same_batch_on_every_layout_naming_the_key(corpus):
 
 def test_a_longer_seq_len_continues_every_slot_and_source_at_the_token_where_it_stopped(corpus):
     cfg = _cfg(corpus, {"a": 0.5, "b": 0.3, "c": 0.2}, {"mid": STAGES["mid"]})
-    whole = _steps(_ranks(cfg, 1, 8), 12, 8)
+    whole = global_batches(_ranks(cfg, 1, 8), 12, 8, SEQ_LEN)
     first = _ranks(cfg, 1, 8)
-    head = _steps(first, 3, 8)
+    head = global_batches(first, 3, 8, SEQ_LEN)
     longer = _ranks(cfg, 1, 8, _saved(first), seq_len=48)
     tail = []
     for _ in range(5):
@@ -509,7 +497,7 @@ def test_the_torch_backend_tallies_each_sources_token_losses_from_the_one_forwar
 
 def test_a_resume_whose_trained_tokenizer_would_change_names_the_runs_tokenizer(corpus, tmp_path):
     first = _ranks(_cfg(corpus, {"a": 1.0}), 1, 8)
-    _steps(first, 1, 8)
+    global_batches(first, 1, 8, SEQ_LEN)
     texts = load_documents(corpus["files"]["b"]).texts  # another sample: another tokenizer
     other = load_or_train_tokenizer(DataConfig(cache_dir=str(tmp_path)), texts, VOCAB, tmp_path)
     cfg = dataclasses.replace(_cfg(corpus, {"a": 1.0}), tokenizer=str(other.path))
@@ -533,7 +521,7 @@ def test_beyond_log_sources_mlflow_gets_the_largest_sources_and_other_and_the_se
             self.params |= params
 
     (loader,) = _ranks(_cfg(corpus, {"a": 0.5, "b": 0.1, "c": 0.4}, log_sources=2), 1, 8)
-    _steps([loader], 3, 8)
+    global_batches([loader], 3, 8, SEQ_LEN)
     tensors, make = loader.interval(torch.device("cpu"))
     row = loader.stats() | make({k: v.reshape(-1).tolist() for k, v in tensors.items()})
     assert row["data/mix/other/tokens"] == row["data/mix/b/tokens"]  # b, the smallest, is the only other
