@@ -8,50 +8,18 @@ The sources are written in alphabets of their own (tests/mix_data.py), so each w
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from tests.integration.test_resume_layout import TINY, slot_cursors
+from tests.integration.test_resume_layout import recorded_run as train_in_process
 from tests.mix_data import source_of, write_source
 from tests.timeouts import hang_guard
 
 VOCAB = 320
 STEPS, LOG_EVERY, G, SEQ = 6, 1, 4, 32  # TINY logs every step
-
-
-class Recorder:
-    """The trainer's loader, keeping every micro-batch it hands out (as it is: a mixture's batch with its tally)."""
-
-    def __init__(self, loader: Any, seen: list[torch.Tensor]) -> None:
-        self._loader, self._seen = loader, seen
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def __iter__(self) -> Recorder:
-        return self
-
-    def __next__(self) -> Any:
-        batch = next(self._loader)
-        self._seen.append(torch.cat([batch[0], batch[1][:, -1:]], dim=1))
-        return batch
-
-
-def train_in_process(monkeypatch: pytest.MonkeyPatch, run_dir: Path, *overrides: str) -> tuple[Any, list]:
-    """``main`` in this process: its result and the global batches it trained on."""
-    import hlat.train.run as run
-    from tests.conftest import run_config
-
-    seen: list[torch.Tensor] = []
-    build = run.build_loader
-    monkeypatch.setattr(run, "build_loader", lambda *a, **kw: Recorder(build(*a, **kw), seen))
-    result = run.main(run_config(*TINY, *overrides), run_dir=run_dir)
-    monkeypatch.setattr(run, "build_loader", build)
-    per_step = G // result.config.train.micro_batch_size
-    return result, [torch.cat(seen[i : i + per_step]) for i in range(0, len(seen), per_step)]
 
 
 @pytest.fixture(scope="module")

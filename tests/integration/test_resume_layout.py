@@ -36,7 +36,8 @@ amplifies last-bit gradient differences into ~lr-sized steps of a few weights); 
 
 
 class Recorder:
-    """The trainer's loader, recording every micro-batch it hands out (an in-process observer, changing nothing)."""
+    """The trainer's loader, recording every micro-batch it hands out (an in-process observer, changing nothing; a
+    mixture's batch passes on with its per-source tally)."""
 
     def __init__(self, loader: Any, seen: list[torch.Tensor]) -> None:
         self._loader, self._seen = loader, seen
@@ -47,14 +48,14 @@ class Recorder:
     def __iter__(self) -> Recorder:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = next(self._loader)
-        self._seen.append(torch.cat([inputs, targets[:, -1:]], dim=1))
-        return inputs, targets
+    def __next__(self) -> Any:
+        batch = next(self._loader)
+        self._seen.append(torch.cat([batch[0], batch[1][:, -1:]], dim=1))
+        return batch
 
 
-def train_in_process(monkeypatch: pytest.MonkeyPatch, run_dir: Path, *overrides: str) -> tuple[dict, list]:
-    """``main`` on one process; the losses per step and the global batches (sequences x tokens) it trained on."""
+def recorded_run(monkeypatch: pytest.MonkeyPatch, run_dir: Path, *overrides: str) -> tuple[Any, list]:
+    """``main`` on one process: its result and the global batches (sequences x tokens) it trained on."""
     import hlat.train.run as run
     from tests.conftest import run_config
 
@@ -63,8 +64,13 @@ def train_in_process(monkeypatch: pytest.MonkeyPatch, run_dir: Path, *overrides:
     monkeypatch.setattr(run, "build_loader", lambda *a, **kw: Recorder(build(*a, **kw), seen))
     result = run.main(run_config(*TINY, *overrides), run_dir=run_dir)
     monkeypatch.setattr(run, "build_loader", build)
-    per_step = 4 // result.config.train.micro_batch_size
-    steps = [torch.cat(seen[i : i + per_step]) for i in range(0, len(seen), per_step)]
+    per_step = result.config.train.global_batch_size // result.config.train.micro_batch_size
+    return result, [torch.cat(seen[i : i + per_step]) for i in range(0, len(seen), per_step)]
+
+
+def train_in_process(monkeypatch: pytest.MonkeyPatch, run_dir: Path, *overrides: str) -> tuple[dict, list]:
+    """``main`` on one process; the losses per step and the global batches (sequences x tokens) it trained on."""
+    result, steps = recorded_run(monkeypatch, run_dir, *overrides)
     return dict(result.history.series("train/loss")), steps
 
 
