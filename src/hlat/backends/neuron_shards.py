@@ -20,6 +20,8 @@ multiple of dp and gives data-parallel rank d the d-th chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -106,10 +108,16 @@ def tp_split(name: str, full: torch.Tensor, cfg: ModelConfig, tp: int) -> list[t
     return list(full.chunk(tp, dim=dim))
 
 
-def tp_gather(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+def tp_gather(
+    name: str,
+    pieces: list[torch.Tensor],
+    cfg: ModelConfig,
+    new: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The full hlat parameter ``name`` from the pieces of NxD's tp ranks (the inverse of ``tp_split``).
 
-    Replicated parameters and replicated kv heads are taken from their first copy.
+    Replicated parameters and replicated kv heads are taken from their first copy. ``new(shape, dtype)``: where a
+    gathered tensor's memory comes from (default ``torch.empty``'s; the qkv weight's regrouping is its own).
     """
     tp = len(pieces)
     if name.endswith(QKV):
@@ -123,9 +131,20 @@ def tp_gather(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.
         return pieces[0]
     if name.endswith("mlp.gate_up.weight"):
         halves = [p.chunk(2) for p in pieces]
-        return torch.cat([*(h[0] for h in halves), *(h[1] for h in halves)])
+        return _cat([*(h[0] for h in halves), *(h[1] for h in halves)], 0, new)
     dim = 1 if style == "rowwise" and not name.startswith("embed.") else 0
-    return torch.cat(pieces, dim=dim)
+    return _cat(pieces, dim, new)
+
+
+def _cat(
+    parts: list[torch.Tensor], dim: int, new: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None
+) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, into memory from ``new`` where given."""
+    if new is None:
+        return torch.cat(parts, dim=dim)
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    return torch.cat(parts, dim=dim, out=new(tuple(shape), parts[0].dtype))
 
 
 def tp_index(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> list[tuple[torch.Tensor, range]]:

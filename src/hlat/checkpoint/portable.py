@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -162,25 +163,30 @@ class TorchCheckpoint:
         return t
 
     def _ranged(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """Tensor ``name`` with each saved chunk's bytes read straight into place (None: not stored so).
+        """Tensor ``name`` with each saved chunk's bytes read straight into place, or mapped (None: not stored so).
 
         DCP appends each chunk to its ``.distcp`` file as a ``torch.save`` zip; its metadata (read and checked once,
         in ``__init__``) says where, and the zip's directory where the bytes start (``hlat.checkpoint.ranges``). DCP's
         own path reads each chunk, unpickles it and copies it into place: three copies and a planning round a tensor.
         """
         meta = self._md.state_dict_metadata[name]
-        out = torch.empty(shape, dtype=dtype)
-        for chunk in meta.chunks:  # type: ignore[union-attr]
+        chunks = meta.chunks  # type: ignore[union-attr]
+        out: torch.Tensor | None = None
+        for chunk in chunks:
             info = self._md.storage_data.get(MetadataIndex(name, chunk.offsets))
             if info is None or getattr(info, "transform_descriptors", None):
                 return None
             whole = not any(chunk.offsets) and tuple(chunk.sizes) == tuple(shape)
-            into = out if whole else torch.empty(tuple(chunk.sizes), dtype=dtype)
+            nbytes = math.prod(chunk.sizes) * dtype.itemsize
             f = self.path / info.relative_path
             with open(f, "rb") as fh:
-                start = ranges.data_offset(fh, into.nbytes, info.offset, info.length)
+                start = ranges.data_offset(fh, nbytes, info.offset, info.length)
                 if start is None:
                     return None
+                if whole and len(chunks) == 1 and nbytes:
+                    return ranges.mapped(fh, start, shape, dtype)  # the page cache in place: nothing copied
+                out = ranges.empty(shape, dtype) if out is None else out
+                into = out if whole else ranges.empty(tuple(chunk.sizes), dtype)
                 ranges.pread_into(fh.fileno(), ranges.writable(into), start, f)
             if not whole:
                 out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))] = into

@@ -3,13 +3,12 @@
 The format (github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header length, a JSON header
 (name -> dtype, shape, ``data_offsets`` into the data that follows; ``__metadata__``: strings), then the raw
 bytes. The header depends on shapes and dtypes only, so it is written first and each tensor after it as it
-comes: a writer holds one tensor, never the model. May import: nothing of hlat but ``hlat.config``.
+comes: a writer holds one tensor, never the model. May import: ``hlat.config``, ``hlat.checkpoint.direct``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hlat.checkpoint.direct import DirectFile, DirectIO
 from hlat.config import ConfigError
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -109,13 +109,12 @@ def write_sharded(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     arriving = iter(tensors)
-    for file, names in zip(files, shards, strict=True):
-        with open(out / file, "wb") as f:
-            f.write(_header(specs, names))
-            for t in _take(arriving, names, specs):
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            f.flush()
-            os.fsync(f.fileno())
+    with DirectIO() as io:
+        for file, names in zip(files, shards, strict=True):
+            with DirectFile(out / file, io, digest=False) as f:  # synced as it closes
+                f.write(_header(specs, names))
+                for t in _take(arriving, names, specs):
+                    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     if len(files) > 1:
         weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
         index = {"metadata": {"total_size": sum(map(nbytes, specs.values()))}, "weight_map": weight_map}

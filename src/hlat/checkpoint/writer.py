@@ -1,18 +1,17 @@
 """Files written behind the caller's back: hashed as they are written, fsynced in batches, errors raised to the caller.
 
-A conversion or a resharded resume reads and cuts the next tensor while this thread serializes and writes the last
-one (torch's file writes, sha256 and the CRC of its zip records release the GIL), and a second thread waits for the
-disk (``fsync``) while the first writes on: reading, converting, writing and syncing overlap. The manifest's sha256s
-are taken from the bytes as they go to the file, not read back. What waits in the queue is bounded in bytes, so the
+A conversion or a resharded resume reads and cuts the next tensor while this thread serializes and hashes the last
+(sha256 and the copies release the GIL), ``hlat.checkpoint.direct``'s thread writes it past the page cache, and a
+third waits for the disk (``fsync``): reading, converting, writing and syncing overlap. The manifest's sha256s are
+taken from the bytes as they go to the file, not read back. What waits in the queue is bounded in bytes, so the
 memory a conversion holds stays about the tensor being cut plus that bound.
-May import: ``hlat.config``, the core.
+May import: ``hlat.config``, the core, ``hlat.checkpoint.direct``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
 import queue
 import threading
@@ -24,35 +23,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from hlat.checkpoint.direct import DirectFile, DirectIO
+
 _STOP = object()
-
-
-class Hashing:
-    """A file written from start to end that hashes what is written to it (``size``, ``sha``).
-
-    What ``torch.save`` and DCP's file writer ask of a stream: ``write``, ``flush``, ``tell``, ``fileno``, ``close``.
-    """
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data: Any) -> int:
-        self.sha.update(data)  # releases the GIL for large buffers, as the write does
-        n = self.f.write(data)
-        self.size += n
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def fileno(self) -> int:
-        return self.f.fileno()
-
-    def close(self) -> None:
-        self.f.close()
 
 
 class Writer:
@@ -63,21 +36,23 @@ class Writer:
         limit_bytes: How many tensor bytes may wait to be written; ``save`` blocks beyond it (one item always fits).
         fsync: Make every file and directory durable before :meth:`close` returns (a resharded copy that is read
             once and removed needs none).
+        digest: Take each file's sha256 as it is written (``digests``); without, ``digests`` records sizes alone.
 
     Use as a context manager: leaving the block waits for every write (:meth:`close`); an error on the writing
     thread is raised on the caller's thread at the next ``save`` or at ``close``.
     """
 
-    def __init__(self, root: Path, limit_bytes: int, *, fsync: bool = True) -> None:
-        self.root, self.limit, self.fsync = Path(root), max(limit_bytes, 1), fsync
-        self.digests: dict[Path, tuple[int, str]] = {}
-        """Every file written: its size and sha256."""
+    def __init__(self, root: Path, limit_bytes: int, *, fsync: bool = True, digest: bool = True) -> None:
+        self.root, self.limit, self.fsync, self.digest = Path(root), max(limit_bytes, 1), fsync, digest
+        self.digests: dict[Path, tuple[int, str | None]] = {}
+        """Every file written: its size and sha256 (None without ``digest``)."""
         self._queue: queue.Queue = queue.Queue()
         self._syncs: queue.Queue = queue.Queue(maxsize=64)  # open files waiting for fsync: a bound on descriptors
         self._held = threading.Condition()
         self._waiting = 0
         self._error: BaseException | None = None
         self._dirs: set[Path] = {self.root}
+        self._io = DirectIO()
         self._threads = [
             threading.Thread(target=self._write, name="hlat-writer", daemon=True),
             threading.Thread(target=self._sync, name="hlat-fsync", daemon=True),
@@ -100,6 +75,7 @@ class Writer:
         self._queue.put(_STOP)
         for t in self._threads:
             t.join()
+        self._io.close()
         self._raise()
         if self.fsync:
             for d in sorted(self._dirs, key=lambda p: -len(p.parts)):  # the new entries of each directory
@@ -121,6 +97,7 @@ class Writer:
         self._queue.put(_STOP)
         for t in self._threads:
             t.join()
+        self._io.close()
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -153,27 +130,28 @@ class Writer:
         if path.parent not in self._dirs:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._dirs |= {d for d in (path.parent, *path.parent.parents) if self.root in d.parents}
-        f = open(path, "wb")  # noqa: SIM115  closed by the fsync thread, once durable
+        f = DirectFile(path, self._io, digest=self.digest, fsync=False)  # finished, synced, closed by the fsync thread
         try:
-            out = Hashing(f)
-            torch.save(obj, out, **({"pickle_module": pickle_module} if pickle_module else {}))
-            f.flush()
+            torch.save(obj, f, **({"pickle_module": pickle_module} if pickle_module else {}))
+            f.end()
         except BaseException:
-            f.close()
+            f.abort()
             raise
-        self.digests[path] = (out.size, out.sha.hexdigest())
         self._syncs.put(f)
 
     def _sync(self) -> None:
         while (f := self._syncs.get()) is not None:
             try:
-                if self.fsync and self._error is None:
-                    os.fsync(f.fileno())
+                if self._error is None:
+                    f.finish()  # its last blocks and its tail, written and hashed
+                    self.digests[f.path] = (f.size, f.sha256() if self.digest else None)
+                    if self.fsync:
+                        os.fsync(f.fileno())
             except BaseException as e:
                 with self._held:
                     self._error = self._error or e
             finally:
-                f.close()
+                f.abort()  # closes it: finished, or left as it is after an error
 
 
 def unmap_freed_tensors() -> None:

@@ -24,6 +24,7 @@ import torch
 
 from hlat.backends.base import EXTRA
 from hlat.backends.neuron_shards import hlat_name, nxd_name, optimizer_order, tp_gather, tp_split, zero1_gather
+from hlat.checkpoint import ranges
 from hlat.checkpoint.hf_layout import check_tensors, expected_shapes
 from hlat.checkpoint.manifest import problems
 from hlat.config import ConfigError, PrecisionConfig, RunConfig
@@ -136,15 +137,25 @@ class NeuronCheckpoint:
         every_file: Check that every rank's files and the tensors they reference are there, with the shapes of the
             config, before anything is read. False for a reader of a few ranks' pieces, which checks each file as it
             reads it (``xser_reshard``): on a thousand ranks each would otherwise list the whole checkpoint.
+        mapped: Map each stored tensor from its file rather than read it into new memory (copy on write): the
+            pieces are gathered into a new tensor, or copied by the writer that takes them, before they are
+            dropped, so a mapping spares a copy and the page faults of new memory. False: read with ``read(2)``
+            (what a test counts in the kernel's read bytes).
 
     Raises:
         ConfigError: The directory is damaged or incomplete, or its tensors do not fit its config (names listed).
     """
 
     def __init__(
-        self, path: Path, config: RunConfig | None = None, *, verify: bool = True, every_file: bool = True
+        self,
+        path: Path,
+        config: RunConfig | None = None,
+        *,
+        verify: bool = True,
+        every_file: bool = True,
+        mapped: bool = True,
     ) -> None:
-        self.path = Path(path)
+        self.path, self.mapped = Path(path), mapped
         if verify:
             bad = problems(self.path, checksums=True)
             if bad:
@@ -293,16 +304,16 @@ class NeuronCheckpoint:
         model = name.startswith("model.")
         param = name.removeprefix("model.") if model else name.removeprefix("optimizer.state.").rpartition(".")[0]
         if name.endswith(".step"):
-            return _load(self.stored(name, 0)).reshape(shape).to(dtype)
+            return _load(self.stored(name, 0), self.mapped).reshape(shape).to(dtype)
         lay, rows = self.layout, self._params[param].pieces
         zero1 = lay.zero1 and not model
         pieces = [
-            zero1_gather([_load(self.stored(name, t, d)) for d in range(lay.dp)], rows[t][0])
+            zero1_gather([_load(self.stored(name, t, d), self.mapped) for d in range(lay.dp)], rows[t][0])
             if zero1
-            else _load(self.stored(name, t))
+            else _load(self.stored(name, t), self.mapped)
             for t in range(lay.tp)
         ]
-        return tp_gather(param, pieces, self.config.model).to(dtype).reshape(shape)
+        return tp_gather(param, pieces, self.config.model, ranges.empty).to(dtype).reshape(shape)
 
     def stored(self, name: str, t: int, d: int = 0) -> Path:
         """The file that holds tp rank ``t``'s piece of tensor ``name``.
@@ -341,9 +352,9 @@ class NeuronCheckpoint:
         return torch.load(self.path / EXTRA.format(rank=rank), map_location="cpu", weights_only=True)
 
 
-def _load(f: Path) -> torch.Tensor:
-    """One stored tensor, whole (``weights_only``)."""
-    return torch.load(f, map_location="cpu", weights_only=True)
+def _load(f: Path, mapped: bool) -> torch.Tensor:
+    """One stored tensor, whole (``weights_only``), mapped from its file or read."""
+    return torch.load(f, map_location="cpu", weights_only=True, mmap=mapped)
 
 
 def _references(obj: Any) -> Iterator[TensorReference]:

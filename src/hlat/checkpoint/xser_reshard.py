@@ -211,7 +211,9 @@ class RangedPieces:
         stored = {self._record(f, target.shape_src).dtype for f in files.values()}
         if len(stored) != 1:
             raise ConfigError(f"neuron checkpoint {src.path}: the pieces of {name} are stored in dtypes {stored}")
-        out = torch.zeros(target.shape, dtype=stored.pop())  # zeros: ZeRO-1's padding
+        out = ranges.empty(target.shape, stored.pop())
+        if sum(r.rows * r.cols for r in target.runs) < out.numel():
+            out.zero_()  # ZeRO-1's padding, which no run covers
         for key, f in files.items():
             self._fill(out, f, [r for r in target.runs if (r.t, r.d) == key], target)
         return out.to(dtype)

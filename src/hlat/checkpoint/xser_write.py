@@ -106,12 +106,15 @@ def write_neuron_checkpoint(
     rank: int | None = None,
     pieces: Pieces | None = None,
     fsync: bool = True,
+    checksums: bool = True,
 ) -> Path:
     """Write ``source`` as a neuron step directory ``dst`` in the layout of ``cfg`` (tp, pp, zero1) with ``dp``.
 
     With ``rank``, only the files that global rank loads (a resharded resume: each rank writes its own). ``pieces``:
     where each rank's piece comes from (default: cut from the source's full tensors, each read once). ``fsync``:
     make the files durable before the directory is renamed into place (a resharded copy, read once, needs not).
+    ``checksums``: record each file's sha256 in the manifest (a resharded copy, loaded at once by the rank that
+    wrote it, records sizes only: hashing it would cost as much CPU as writing it).
 
     Masters missing from the source under ``precision.master_weights`` are widened from the weights (the one
     precision change with one meaning: bf16_sr -> master_weights). A source without optimizer state gives a
@@ -137,7 +140,7 @@ def write_neuron_checkpoint(
     try:
         pieces = pieces or Cutter(source.read, cfg.model, par.tp)
         largest = max(math.prod(s) * d.itemsize for s, d in source.tensors().values())
-        with Writer(tmp, largest, fsync=fsync) as files:  # a tensor written while the next is cut
+        with Writer(tmp, largest, fsync=fsync, digest=checksums) as files:  # a tensor written while the next is cut
             writer = _Writer(tmp, cfg, layout, pieces, {_place(r, layout) for r in ranks}, files)
             writer.model()
             if has_state:
@@ -148,7 +151,7 @@ def write_neuron_checkpoint(
             _save(_rank_extra(source, extra, layout, r), tmp / EXTRA.format(rank=r))
         for marker in ("checkpoint", "done"):  # NxD's own markers of a complete tag
             (tmp / marker).write_text("1")
-        _write_manifest(tmp, cfg, extra, files.digests, weights_only=not has_state)
+        _write_manifest(tmp, cfg, extra, files.digests, weights_only=not has_state, checksums=checksums)
         os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # no partial output
@@ -177,15 +180,24 @@ def _save(obj: Any, path: Path) -> None:
 
 
 def _write_manifest(
-    tmp: Path, cfg: RunConfig, extra: dict[str, Any], digests: dict[Path, tuple[int, str]], *, weights_only: bool
+    tmp: Path,
+    cfg: RunConfig,
+    extra: dict[str, Any],
+    digests: dict[Path, tuple[int, str | None]],
+    *,
+    weights_only: bool,
+    checksums: bool = True,
 ) -> None:
     """``manifest.json`` last, as ``hlat.checkpoint.Checkpointer`` writes it: sizes, sha256s, the target config.
 
-    The sha256s of the files in ``digests`` were taken as they were written; the few others are read.
+    The sha256s of the files in ``digests`` were taken as they were written; the few others are read. Without
+    ``checksums``, sizes alone (a manifest's files may be name -> size).
     """
-    files = {}
+    files: dict[str, Any] = {}
     for p in sorted(tmp.rglob("*")):
-        if p.is_file():
+        if p.is_file() and not checksums:
+            files[str(p.relative_to(tmp))] = p.stat().st_size
+        elif p.is_file():
             size, digest = digests.get(p) or (p.stat().st_size, sha256(p))
             files[str(p.relative_to(tmp))] = {"size": size, "sha256": digest}
     config = dataclasses.asdict(cfg)
@@ -353,7 +365,7 @@ def resharded_copy(path: Path, cfg: RunConfig, dims: ParallelDims, rank: int) ->
         log.info("resharding %s from %s to this run's %s", path, saved, now)
     source = NeuronCheckpoint(path, saved_cfg, verify=False, every_file=False)  # it checks what it reads
     pieces = RangedPieces(source, cfg.model, dims.tp)  # this rank's byte ranges, never a whole tensor it does not hold
-    write_neuron_checkpoint(source, copy, cfg, dp=dims.dp, rank=rank, pieces=pieces, fsync=False)
+    write_neuron_checkpoint(source, copy, cfg, dp=dims.dp, rank=rank, pieces=pieces, fsync=False, checksums=False)
     log.log(
         logging.INFO if rank == 0 else logging.DEBUG,
         "rank %d read %.1f MiB of tensors from %s to hold %.1f MiB",
