@@ -40,10 +40,11 @@ _DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class DirectIO:
-    """The writing thread and the aligned buffers that the files (:class:`DirectFile`) of one job share.
+    """The writing and hashing threads and the aligned buffers that the files (:class:`DirectFile`) of a job share.
 
     Args:
-        depth: Buffers in all: one being filled, the others waiting for the thread or being written.
+        depth: Buffers in all: one being filled, the others waiting for the threads or being written.
+        hashers: Hashing threads; each file's blocks go to one of them, in turn.
 
     Use as a context manager (or call :meth:`close`): leaving it waits for every write handed to it.
     """
