@@ -1,10 +1,10 @@
 """A torch.distributed.checkpoint (DCP) save fed one tensor at a time from a reader, the next read while one is written.
 
 ``dcp.save`` plans over a state dict of meta placeholders; its file writer asks the planner for each tensor's data
-in the plan's order (``resolve_data``). The planner here reads the next one on a thread of its own while DCP
-serializes and writes the last: two tensors in memory, the reading and the writing overlapped. The file system
-writes DCP's files past the page cache (``hlat.checkpoint.direct``) and hashes them as they are written, so that
-the manifest's sha256s need no second pass over the files.
+in the plan's order (``resolve_data``). The planner here reads ahead on a thread of its own, within the largest
+tensor's bytes, while DCP serializes and writes the last: about two tensors in memory, the reading and the writing
+overlapped. The file system writes DCP's files past the page cache (``hlat.checkpoint.direct``) and hashes them as
+they are written, so that the manifest's sha256s need no second pass over the files.
 May import: ``hlat.config``, ``hlat.checkpoint.writer``, ``hlat.checkpoint.direct``, ``hlat.checkpoint.ranges``.
 """
 

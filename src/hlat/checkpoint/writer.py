@@ -1,8 +1,9 @@
 """Files written behind the caller's back: hashed as they are written, fsynced in batches, errors raised to the caller.
 
-A conversion or a resharded resume reads and cuts the next tensor while this thread serializes and hashes the last
-(sha256 and the copies release the GIL), ``hlat.checkpoint.direct``'s thread writes it past the page cache, and a
-third waits for the disk (``fsync``): reading, converting, writing and syncing overlap. The manifest's sha256s are
+A conversion or a resharded resume reads and cuts the next tensor while this thread serializes the last into the
+buffers of ``hlat.checkpoint.direct``, whose threads hash them and write them past the page cache, and another
+waits for the disk (``fsync``): reading, converting, hashing, writing and syncing overlap (the copies, sha256 and
+the writes release the GIL). The manifest's sha256s are
 taken from the bytes as they go to the file, not read back. What waits in the queue is bounded in bytes, so the
 memory a conversion holds stays about the tensor being cut plus that bound.
 May import: ``hlat.config``, the core, ``hlat.checkpoint.direct``.
