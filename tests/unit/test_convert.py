@@ -172,7 +172,8 @@ class Watched:
         return self.reader.extra()
 
     def read(self, name: str) -> torch.Tensor:
-        if len(self.given) % self.every == self.every - 1:  # a scan of every live object takes a while
+        # Every ``every`` reads, by count: storage addresses are reused once freed, so ``given`` may not grow.
+        if len(self.names) % self.every == self.every - 1:  # a scan of every live object takes a while
             live = {  # a mapped tensor's pages are given up once written (ranges.release): its storage stays
                 o.untyped_storage()._cdata: o.untyped_storage().nbytes()
                 for o in gc.get_objects()

@@ -2,8 +2,9 @@
 tensors mapped from a file rather than read (``hlat.checkpoint.ranges.mapped``): their values, and memory given up.
 
 The reference is independent: the bytes handed in, concatenated, and ``hashlib``'s sha256 of them. The writes are
-real (``O_DIRECT`` on the test's file system where it takes it); the fallbacks are forced by refusing ``O_DIRECT``
-the way a file system does (EINVAL), and a full disk by failing one ``pwrite`` (ENOSPC).
+real (``O_DIRECT`` on the test's file system where it takes it); a refusal at open and a full device are real too
+(``/dev/full``); a refusal of the alignment mid-file and a disk that fills after some blocks are forced by failing
+``pwrite`` the way the kernel does (EINVAL, ENOSPC).
 """
 
 from __future__ import annotations
@@ -126,6 +127,23 @@ def test_a_full_disk_is_raised_to_the_caller_and_no_descriptor_is_left(tmp_path:
         with pytest.raises(OSError, match="No space left") as raised:
             for _ in range(8):  # the error of an earlier buffer comes back at a later write, or at close
                 f.write(os.urandom(SMALL))
+            f.close()
+        assert raised.value.errno == errno.ENOSPC
+        f.abort()
+    assert open_fds() == before
+
+
+def test_a_real_device_that_refuses_o_direct_and_is_full(tmp_path: Path) -> None:
+    """``/dev/full``: the kernel refuses ``O_DIRECT`` at open (EINVAL), so the file opens through the cache, and every
+    write fails with ENOSPC: raised on the caller's thread, and no descriptor is left open."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    before = open_fds()
+    with DirectIO() as io:
+        f = DirectFile(Path("/dev/full"), io, fsync=False)
+        assert not fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0)
+        with pytest.raises(OSError) as raised:  # at the write after the first full buffer failed, or at close
+            f.write(os.urandom(direct.BLOCK + 10))
             f.close()
         assert raised.value.errno == errno.ENOSPC
         f.abort()

@@ -109,10 +109,11 @@ def mapped(f: BinaryIO, start: int, shape: tuple[int, ...], dtype: torch.dtype) 
     """The tensor whose bytes start at ``start`` of open file ``f``, mapped rather than read: no copy, no new memory.
 
     Reading into a new tensor costs the kernel's copy and, first, zeroing and mapping each page of fresh memory
-    (together 1 s per GB on the development VM, half of it the fresh pages); a mapping reads the page cache in
-    place. Private (copy on write): the file never changes, whatever the caller does with the tensor. The mapping
-    lives as long as the tensor (:func:`release` drops its pages earlier); the file must not be truncated meanwhile
-    (a checkpoint is not: files are replaced, never rewritten in place).
+    (0.55 CPU s per GB on the development VM, 0.12 into memory already used); a mapping reads the page cache in
+    place, and copying from it cost 0.11 (``bench/write_paths.py``). Private (copy on write): the file never
+    changes, whatever the caller does with the tensor. The mapping lives as long as the tensor (:func:`release`
+    drops its pages earlier); the file must not be truncated meanwhile (a checkpoint is not: files are replaced,
+    never rewritten in place).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     base = start - start % mmap.ALLOCATIONGRANULARITY
@@ -152,9 +153,10 @@ if _madvise is not None:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty`` whose pages are asked to come as 2 MiB huge pages (``MADV_HUGEPAGE``) before first touch.
 
-    New memory is zeroed and mapped a page at a time as it is first written: with 4 KiB pages that cost 0.43 s per
-    GB read on the development VM (the kernel's default for memory nobody advised, when it has no free huge page
-    at hand), with 2 MiB pages 0.1 s. Where the kernel has no transparent huge pages, this is ``torch.empty``.
+    New memory is zeroed and mapped a page at a time as it is first written: reading into it cost 0.55 CPU s per
+    GB on the development VM with 4 KiB pages (the kernel's default for memory nobody advised, when it has no free
+    huge page at hand), 0.22 with 2 MiB pages, 0.12 into memory already used (``bench/write_paths.py``). Where the
+    kernel has no transparent huge pages, this is ``torch.empty``.
     """
     t = torch.empty(shape, dtype=dtype)
     if _madvise is not None and t.nbytes >= 2 * _HUGE:
